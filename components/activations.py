@@ -1,0 +1,53 @@
+"""Pointwise activations: ReLU, GeLU (exact or tanh), SiLU (Swish)."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.registry import register
+
+
+@register("activation", "relu")
+class ReLU(nn.Module):
+    @dataclass(frozen=True)
+    class Config:
+        pass
+
+    def __init__(self, cfg: Config = Config()):
+        super().__init__()
+
+    def forward(self, x):
+        return F.relu(x)
+
+
+@register("activation", "gelu")
+class GeLU(nn.Module):
+    """GeLU, exact (``x * Phi(x)``) or with the tanh approximation (GPT-2, Gemma)."""
+
+    @dataclass(frozen=True)
+    class Config:
+        approximate: Literal["none", "tanh"] = "none"
+
+    def __init__(self, cfg: Config = Config()):
+        super().__init__()
+        self.approximate = cfg.approximate
+
+    def forward(self, x):
+        return F.gelu(x, approximate=self.approximate)
+
+
+@register("activation", "silu")
+class SiLU(nn.Module):
+    """``x * sigmoid(x)`` (Swish with beta 1)."""
+
+    @dataclass(frozen=True)
+    class Config:
+        pass
+
+    def __init__(self, cfg: Config = Config()):
+        super().__init__()
+
+    def forward(self, x):
+        return F.silu(x)

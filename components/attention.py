@@ -1,0 +1,174 @@
+"""Causal self-attention: MHA, GQA and MQA as one part, chosen by the number of kv heads.
+
+head_dim is independent of d_model; the score scale can be set (Gemma's
+``query_pre_attn_scalar``); a causal sliding window; QK-norm per head (Gemma 3) or over the whole
+projection (OLMo 2); tanh soft-capping of scores (Gemma 2). Runs on
+``scaled_dot_product_attention`` (GQA without repeating K/V) whenever the semantics allow, and on
+the eager path (the reference) when they do not (soft-capping) or when asked.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.registry import register
+from zoo.spec import SpecError
+
+
+def causal_mask(q_idx, k_idx, window: Optional[int], key_mask=None):
+    """Boolean (Tq, Tk) or (B, 1, Tq, Tk) mask of what each query may see: keys at or before it,
+    within ``window`` slots (``q - k < window``), and not padding. A row with nothing visible (a
+    padding query) sees everything, so no row is all -inf."""
+    allowed = k_idx[None, :] <= q_idx[:, None]
+    if window is not None:
+        allowed = allowed & (q_idx[:, None] - k_idx[None, :] < window)
+    if key_mask is not None:
+        allowed = allowed[None, None] & key_mask[:, None, None, :]
+    return allowed | ~allowed.any(-1, keepdim=True)
+
+
+@register("attention", "attention")
+class Attention(nn.Module):
+    """Multi-head causal attention with ``n_kv_heads`` key/value heads shared by groups of queries."""
+
+    supports: ClassVar[dict] = {
+        "kv_cache": True,
+        "sliding_window": True,
+        "softcap": True,
+        "qk_norm": ("none", "head", "proj"),
+        "score_bias": True,
+    }
+    backends: ClassVar[tuple] = ("sdpa", "eager")
+
+    @dataclass(frozen=True)
+    class Config:
+        n_heads: int
+        n_kv_heads: Optional[int] = None  # None: as many as n_heads (MHA); 1: MQA
+        head_dim: Optional[int] = None  # None: d_model // n_heads
+        bias: bool = False  # on the q, k, v projections
+        out_bias: bool = False
+        scale_dim: Optional[float] = None  # scores are scaled by scale_dim ** -0.5; None: head_dim
+        window: Optional[int] = None  # causal sliding window (keys with q - k < window are seen)
+        softcap: Optional[float] = None  # scores -> softcap * tanh(scores / softcap)
+        qk_norm: Literal["none", "head", "proj"] = "none"
+
+        def check(self):
+            if self.n_heads <= 0:
+                raise SpecError("n_heads", f"must be positive, got {self.n_heads}")
+            if self.n_kv_heads is not None:
+                if self.n_kv_heads <= 0:
+                    raise SpecError("n_kv_heads", f"must be positive, got {self.n_kv_heads}")
+                if self.n_heads % self.n_kv_heads:
+                    raise SpecError(
+                        "n_kv_heads", f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}"
+                    )
+            for name in ("head_dim", "window", "softcap", "scale_dim"):
+                v = getattr(self, name)
+                if v is not None and v <= 0:
+                    raise SpecError(name, f"must be positive, got {v}")
+
+    @staticmethod
+    def head_dim_for(cfg, d_model: int) -> int:
+        return cfg.head_dim if cfg.head_dim is not None else d_model // cfg.n_heads
+
+    @classmethod
+    def check_in_model(cls, cfg, *, spec, layer):
+        if cfg.head_dim is None and spec.d_model % cfg.n_heads:
+            raise SpecError(
+                "n_heads", f"d_model {spec.d_model} is not divisible by n_heads {cfg.n_heads}; set head_dim explicitly"
+            )
+
+    def __init__(self, cfg, *, d_model: int, layer, spec, index: int = 0):
+        super().__init__()
+        self.cfg, self.index = cfg, index
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
+        self.head_dim = D = self.head_dim_for(cfg, d_model)
+        self.window = cfg.window
+        self.scale = (cfg.scale_dim if cfg.scale_dim is not None else D) ** -0.5
+        self.dropout = spec.dropout
+        self.q_proj = nn.Linear(d_model, self.n_heads * D, bias=cfg.bias)
+        self.k_proj = nn.Linear(d_model, self.n_kv_heads * D, bias=cfg.bias)
+        self.v_proj = nn.Linear(d_model, self.n_kv_heads * D, bias=cfg.bias)
+        self.o_proj = nn.Linear(self.n_heads * D, d_model, bias=cfg.out_bias)
+        if cfg.qk_norm == "head":
+            self.q_norm, self.k_norm = layer.norm.build(dim=D), layer.norm.build(dim=D)
+        elif cfg.qk_norm == "proj":
+            self.q_norm = layer.norm.build(dim=self.n_heads * D)
+            self.k_norm = layer.norm.build(dim=self.n_kv_heads * D)
+        self.backend = "auto"  # "sdpa", "eager" or any registered fast path; "auto" picks
+
+    def forward(self, x, ctx, rotary):
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.cfg.qk_norm == "proj":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.cfg.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rotary is not None:
+            q, k = rotary.rotate(q, k)
+        q_idx = k_idx = ctx.q_idx
+        if ctx.cache is not None:
+            k, v, k_idx = ctx.cache.update(self.index, k, v, q_idx)
+        key_mask = ctx.key_mask[:, k_idx] if ctx.key_mask is not None else None
+        bias = rotary.score_bias(q_idx, k_idx, self.n_heads) if rotary is not None else None
+        out = self.attend(q, k, v, q_idx, k_idx, key_mask, bias)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def attend(self, q, k, v, q_idx, k_idx, key_mask=None, bias=None):
+        """(B, H, Tq, D) queries against (B, Hkv, Tk, D) keys/values -> (B, H, Tq, D)."""
+        backend = self.backend
+        if backend == "auto":
+            backend = "eager" if self.cfg.softcap is not None else "sdpa"
+        if backend == "sdpa":
+            if self.cfg.softcap is not None:
+                raise ValueError("the sdpa backend cannot soft-cap attention scores; use backend 'eager'")
+            return self._sdpa(q, k, v, q_idx, k_idx, key_mask, bias)
+        if backend == "eager":
+            return self._eager(q, k, v, q_idx, k_idx, key_mask, bias)
+        from zoo.kernels import attention_backend
+
+        return attention_backend(backend)(self, q, k, v, q_idx, k_idx, key_mask, bias)
+
+    def _sdpa(self, q, k, v, q_idx, k_idx, key_mask, bias):
+        Tq, Tk = q.shape[2], k.shape[2]
+        plain = key_mask is None and bias is None
+        windowed = self.window is not None and int(q_idx[-1] - k_idx[0]) >= self.window
+        mask, is_causal = None, False
+        if plain and not windowed and Tq == Tk and bool((q_idx == k_idx).all()):
+            is_causal = True
+        elif plain and not windowed and Tq == 1:
+            mask = None  # one new token sees every cached key
+        else:
+            mask = causal_mask(q_idx, k_idx, self.window, key_mask)
+            if bias is not None:
+                mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+
+    def _eager(self, q, k, v, q_idx, k_idx, key_mask, bias):
+        B, H, Tq, D = q.shape
+        G = H // self.n_kv_heads
+        qg = q.view(B, self.n_kv_heads, G, Tq, D)
+        scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * self.scale  # (B, Hkv, G, Tq, Tk)
+        scores = scores.view(B, H, Tq, -1)
+        if self.cfg.softcap is not None:
+            scores = self.cfg.softcap * torch.tanh(scores / self.cfg.softcap)
+        if bias is not None:
+            scores = scores + bias
+        mask = causal_mask(q_idx, k_idx, self.window, key_mask)
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = F.dropout(probs, self.dropout, self.training)
+        out = torch.matmul(probs.view(B, self.n_kv_heads, G, Tq, -1), v.unsqueeze(2))
+        return out.view(B, H, Tq, D)

@@ -1,0 +1,79 @@
+"""Transformer blocks: where the norms sit and how attention and FFN meet the residual stream.
+
+``serial`` with ``norm_position``:
+  - ``pre``      (GPT-2/3, Llama):  h = x + Attn(N(x));            y = h + FFN(N(h))
+  - ``post``     (2017):            h = N(x + Attn(x));            y = N(h + FFN(h))
+  - ``sandwich`` (Gemma 2/3):       h = x + N(Attn(N(x)));         y = h + N(FFN(N(h)))
+  - ``output``   (OLMo 2):          h = x + N(Attn(x));            y = h + N(FFN(h))
+``parallel`` (GPT-J, PaLM, GPT-NeoX, Falcon): y = x + Attn(N1(x)) + FFN(N2(x)), N2 = N1 when shared.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import nn
+
+from zoo.registry import register
+
+
+class _Block(nn.Module):
+    def __init__(self, *, spec, layer, index):
+        super().__init__()
+        d = spec.d_model
+        self.attention = layer.attention.build(d_model=d, layer=layer, spec=spec, index=index)
+        self.ffn = layer.ffn.build(d_model=d)
+        self.drop = nn.Dropout(spec.dropout)
+        self._norm_part, self._d = layer.norm, d
+
+    def _norm(self):
+        return self._norm_part.build(dim=self._d)
+
+
+@register("block", "serial")
+class Serial(_Block):
+    """Attention, then FFN, each on the residual stream; norms where ``norm_position`` says."""
+
+    @dataclass(frozen=True)
+    class Config:
+        norm_position: Literal["pre", "post", "sandwich", "output"] = "pre"
+
+    def __init__(self, cfg, *, spec, layer, index):
+        super().__init__(spec=spec, layer=layer, index=index)
+        self.where = cfg.norm_position
+        if self.where in ("pre", "post", "sandwich"):
+            self.attn_norm, self.ffn_norm = self._norm(), self._norm()
+        if self.where in ("sandwich", "output"):
+            self.attn_out_norm, self.ffn_out_norm = self._norm(), self._norm()
+
+    def forward(self, x, ctx, rotary):
+        w = self.where
+        if w == "pre":
+            h = x + self.drop(self.attention(self.attn_norm(x), ctx, rotary))
+            return h + self.drop(self.ffn(self.ffn_norm(h)))
+        if w == "post":
+            h = self.attn_norm(x + self.drop(self.attention(x, ctx, rotary)))
+            return self.ffn_norm(h + self.drop(self.ffn(h)))
+        if w == "sandwich":
+            h = x + self.drop(self.attn_out_norm(self.attention(self.attn_norm(x), ctx, rotary)))
+            return h + self.drop(self.ffn_out_norm(self.ffn(self.ffn_norm(h))))
+        h = x + self.drop(self.attn_out_norm(self.attention(x, ctx, rotary)))
+        return h + self.drop(self.ffn_out_norm(self.ffn(h)))
+
+
+@register("block", "parallel")
+class Parallel(_Block):
+    """Attention and FFN read the same input and add to the stream together."""
+
+    @dataclass(frozen=True)
+    class Config:
+        shared_norm: bool = True
+
+    def __init__(self, cfg, *, spec, layer, index):
+        super().__init__(spec=spec, layer=layer, index=index)
+        self.attn_norm = self._norm()
+        self.ffn_norm = None if cfg.shared_norm else self._norm()
+
+    def forward(self, x, ctx, rotary):
+        a = self.attn_norm(x)
+        f = a if self.ffn_norm is None else self.ffn_norm(x)
+        return x + self.drop(self.attention(a, ctx, rotary)) + self.drop(self.ffn(f))

@@ -1,0 +1,108 @@
+"""Feed-forward networks: the two-matrix MLP and the gated (GLU) family: SwiGLU, GeGLU, ReGLU."""
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from torch import nn
+
+from zoo.parts import build_part
+from zoo.registry import register
+from zoo.spec import Part, SpecError, part_field
+
+
+def derive_d_ff(d_model: int, rule: str, multiple_of: int = 1, multiplier: Optional[float] = None) -> int:
+    """d_ff from d_model: ``4x``; ``8/3`` (GLU's parameter-matched width); ``llama`` (Llama's
+    ``int(2/3 * 4d)``, times ``ffn_dim_multiplier``); each rounded up to ``multiple_of``."""
+    if rule == "4x":
+        hidden = 4 * d_model
+    elif rule == "8/3":
+        hidden = math.ceil(8 * d_model / 3)
+    elif rule == "llama":
+        hidden = int(2 * 4 * d_model / 3)
+        if multiplier is not None:
+            hidden = int(multiplier * hidden)
+    else:
+        raise ValueError(f"unknown d_ff rule {rule!r}")
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+def _check(cfg) -> None:
+    if cfg.d_ff is not None and cfg.d_ff <= 0:
+        raise SpecError("d_ff", f"must be positive, got {cfg.d_ff}")
+    if cfg.multiple_of <= 0:
+        raise SpecError("multiple_of", f"must be positive, got {cfg.multiple_of}")
+    if cfg.ffn_dim_multiplier is not None and cfg.d_ff_rule != "llama":
+        raise SpecError("ffn_dim_multiplier", "only applies with d_ff_rule = 'llama'")
+
+
+@register("ffn", "mlp")
+class MLP(nn.Module):
+    """``down(act(up(x)))``: the original two-matrix FFN."""
+
+    @dataclass(frozen=True)
+    class Config:
+        d_ff: Optional[int] = None
+        d_ff_rule: Literal["4x", "8/3", "llama"] = "4x"
+        multiple_of: int = 1
+        ffn_dim_multiplier: Optional[float] = None
+        activation: Part = part_field("activation", "gelu")
+        bias: bool = True
+        check = _check
+
+    gated = False
+
+    def __init__(self, cfg, *, d_model: int):
+        super().__init__()
+        self.cfg = cfg
+        self.d_ff = cfg.d_ff or derive_d_ff(d_model, cfg.d_ff_rule, cfg.multiple_of, cfg.ffn_dim_multiplier)
+        if self.gated:
+            self.gate = nn.Linear(d_model, self.d_ff, bias=cfg.bias)
+        self.up = nn.Linear(d_model, self.d_ff, bias=cfg.bias)
+        self.down = nn.Linear(self.d_ff, d_model, bias=cfg.bias)
+        self.act = build_part(cfg.activation, "activation")
+
+    def forward(self, x):
+        if self.gated:
+            return self.down(self.act(self.gate(x)) * self.up(x))
+        return self.down(self.act(self.up(x)))
+
+
+@register("ffn", "glu")
+class GLU(MLP):
+    """``down(act(gate(x)) * up(x))``: the gated FFN with any activation."""
+
+    @dataclass(frozen=True)
+    class Config(MLP.Config):
+        d_ff_rule: Literal["4x", "8/3", "llama"] = "8/3"
+        activation: Part = part_field("activation", "silu")
+        bias: bool = False
+
+    gated = True
+
+
+@register("ffn", "swiglu")
+class SwiGLU(GLU):
+    """GLU with SiLU (Llama, PaLM, Mistral, OLMo 2)."""
+
+    @dataclass(frozen=True)
+    class Config(GLU.Config):
+        activation: Part = part_field("activation", "silu")
+
+
+@register("ffn", "geglu")
+class GeGLU(GLU):
+    """GLU with GeLU (Gemma uses the tanh approximation)."""
+
+    @dataclass(frozen=True)
+    class Config(GLU.Config):
+        activation: Part = part_field("activation", "gelu")
+
+
+@register("ffn", "reglu")
+class ReGLU(GLU):
+    """GLU with ReLU."""
+
+    @dataclass(frozen=True)
+    class Config(GLU.Config):
+        activation: Part = part_field("activation", "relu")

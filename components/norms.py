@@ -1,0 +1,76 @@
+"""Normalisation layers: LayerNorm (with or without bias) and RMSNorm (incl. Gemma's ``1 + w``)."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.registry import register
+from zoo.spec import SpecError
+
+
+@register("norm", "layernorm")
+class LayerNorm(nn.Module):
+    """``(x - mean) / sqrt(var + eps) * w + b`` over the last dimension."""
+
+    @dataclass(frozen=True)
+    class Config:
+        eps: float = 1e-5
+        bias: bool = True
+
+        def check(self):
+            if self.eps <= 0:
+                raise SpecError("eps", f"must be positive, got {self.eps}")
+
+    def __init__(self, cfg: Config, *, dim: int):
+        super().__init__()
+        self.cfg, self.dim = cfg, dim
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if cfg.bias else None
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x):
+        return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.cfg.eps)
+
+
+@register("norm", "rmsnorm")
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * w``, computed in fp32.
+
+    ``unit_offset``: scale by ``1 + w`` with ``w`` initialised at 0 (Gemma).
+    ``scale_in_fp32``: multiply by the weight before casting back (Gemma, OLMo 2) rather than after (Llama).
+    """
+
+    @dataclass(frozen=True)
+    class Config:
+        eps: float = 1e-6
+        unit_offset: bool = False
+        scale_in_fp32: bool = False
+
+        def check(self):
+            if self.eps <= 0:
+                raise SpecError("eps", f"must be positive, got {self.eps}")
+
+    def __init__(self, cfg: Config, *, dim: int):
+        super().__init__()
+        self.cfg, self.dim = cfg, dim
+        self.weight = nn.Parameter(torch.zeros(dim) if cfg.unit_offset else torch.ones(dim))
+
+    def reset_parameters(self):
+        (nn.init.zeros_ if self.cfg.unit_offset else nn.init.ones_)(self.weight)
+
+    def forward(self, x):
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg.eps)
+        w = self.weight
+        if self.cfg.unit_offset:
+            w = 1.0 + w.float()
+        if self.cfg.scale_in_fp32:
+            return (h * w.float()).to(dtype)
+        return w * h.to(dtype)

@@ -1,0 +1,155 @@
+"""Position encodings: sinusoidal and learned absolute, RoPE (half-split or interleaved pairs,
+partial rotary, any registered frequency scaling), and NoPE."""
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+from torch import nn
+
+from zoo.parts import PositionEncoding
+from zoo.registry import register
+from zoo.spec import Part, SpecError, part_field
+
+from .rope_scaling import default_inv_freq
+
+
+@register("position", "nope")
+class NoPE(PositionEncoding):
+    """No position information beyond the causal mask."""
+
+    @dataclass(frozen=True)
+    class Config:
+        pass
+
+    def __init__(self, cfg=None, *, spec=None, layer=None):
+        super().__init__()
+
+
+@register("position", "sinusoidal")
+class Sinusoidal(PositionEncoding):
+    """The 2017 encoding: ``PE[p, 2i] = sin(p / base^(2i/d))``, ``PE[p, 2i+1] = cos(...)``, added to embeddings."""
+
+    applies_to = "embedding"
+
+    @dataclass(frozen=True)
+    class Config:
+        base: float = 10000.0
+
+    def __init__(self, cfg, *, spec, layer=None):
+        super().__init__()
+        self.base, self.d = cfg.base, spec.d_model
+
+    def embed(self, position_ids, dtype):
+        half = torch.arange(0, self.d, 2, device=position_ids.device, dtype=torch.float32)
+        angles = position_ids.float()[..., None] / (self.base ** (half / self.d))
+        pe = torch.zeros(*position_ids.shape, self.d, device=position_ids.device)
+        pe[..., 0::2] = torch.sin(angles)
+        pe[..., 1::2] = torch.cos(angles[..., : self.d // 2])
+        return pe.to(dtype)
+
+
+@register("position", "learned")
+class Learned(PositionEncoding):
+    """A learned vector per absolute position (GPT-2/3), added to embeddings."""
+
+    applies_to = "embedding"
+
+    @dataclass(frozen=True)
+    class Config:
+        pass
+
+    def __init__(self, cfg, *, spec, layer=None):
+        super().__init__()
+        self.weight = nn.Embedding(spec.max_seq_len, spec.d_model)
+
+    def embed(self, position_ids, dtype):
+        return self.weight(position_ids).to(dtype)
+
+
+def head_dim_of(spec, layer) -> int:
+    att = layer.attention
+    return att.cls.head_dim_for(att.config, spec.d_model)
+
+
+@register("position", "rope")
+class RoPE(PositionEncoding):
+    """Rotary embeddings: rotate each (query, key) pair of dimensions by ``position * freq``, so
+    that scores depend only on relative position.
+
+    ``layout``: ``half`` pairs dimension i with i + d/2 (Llama, NeoX); ``interleaved`` pairs 2i
+    with 2i+1 (GPT-J). ``rotary_fraction`` (or ``rotary_dim``) rotates only the leading dims.
+    """
+
+    applies_to = "qk"
+
+    @dataclass(frozen=True)
+    class Config:
+        theta: float = 10000.0
+        layout: Literal["half", "interleaved"] = "half"
+        rotary_fraction: float = 1.0
+        rotary_dim: Optional[int] = None
+        scaling: Optional[Part] = part_field("rope_scaling", None)
+
+        def check(self):
+            if self.theta <= 0:
+                raise SpecError("theta", f"must be positive, got {self.theta}")
+            if not 0.0 < self.rotary_fraction <= 1.0:
+                raise SpecError("rotary_fraction", f"must be in (0, 1], got {self.rotary_fraction}")
+            if self.rotary_dim is not None and (self.rotary_dim <= 0 or self.rotary_dim % 2):
+                raise SpecError("rotary_dim", f"must be a positive even number, got {self.rotary_dim}")
+
+    @staticmethod
+    def rotary_dim_for(cfg, head_dim: int) -> int:
+        return cfg.rotary_dim if cfg.rotary_dim is not None else int(head_dim * cfg.rotary_fraction)
+
+    @classmethod
+    def check_in_model(cls, cfg, *, spec, layer):
+        hd = head_dim_of(spec, layer)
+        rd = cls.rotary_dim_for(cfg, hd)
+        if rd % 2 or rd <= 0:
+            raise SpecError("rotary_fraction", f"gives an odd or empty rotary dimension {rd} of head_dim {hd}")
+        if rd > hd:
+            raise SpecError("rotary_dim", f"{rd} exceeds head_dim {hd}")
+
+    def __init__(self, cfg, *, spec, layer):
+        super().__init__()
+        self.cfg = cfg
+        self.head_dim = head_dim_of(spec, layer)
+        self.dim = self.rotary_dim_for(cfg, self.head_dim)
+        self.scaling = cfg.scaling.build(dim=self.dim, theta=cfg.theta) if cfg.scaling is not None else None
+        # Frequencies that depend on the sequence length (dynamic NTK) are recomputed per forward.
+        self._static = None if getattr(self.scaling, "dynamic", False) else self._frequencies(None)
+
+    def _frequencies(self, seq_len):
+        if self.scaling is None:
+            return default_inv_freq(self.dim, self.cfg.theta), 1.0
+        return self.scaling.frequencies(seq_len)
+
+    def prepare(self, position_ids, dtype):
+        if self._static is not None:
+            inv_freq, factor = self._static
+        else:
+            inv_freq, factor = self._frequencies(int(position_ids.max()) + 1)
+        freqs = position_ids.float()[..., None] * inv_freq.to(position_ids.device)  # (B, T, dim/2)
+        if self.cfg.layout == "half":
+            emb = torch.cat([freqs, freqs], dim=-1)
+        else:
+            emb = torch.repeat_interleave(freqs, 2, dim=-1)
+        cos, sin = emb.cos() * factor, emb.sin() * factor
+        return cos[:, None].to(dtype), sin[:, None].to(dtype)  # (B, 1, T, dim)
+
+    def _rotate(self, x, cos, sin):
+        rot, rest = x[..., : self.dim], x[..., self.dim :]
+        if self.cfg.layout == "half":
+            x1, x2 = rot.chunk(2, dim=-1)
+            turned = torch.cat([-x2, x1], dim=-1)
+        else:
+            turned = torch.stack([-rot[..., 1::2], rot[..., 0::2]], dim=-1).flatten(-2)
+        out = rot * cos + turned * sin
+        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+    def rotate(self, q, k, state):
+        cos, sin = state
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

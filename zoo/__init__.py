@@ -1,0 +1,54 @@
+"""zoo: a plugin-based model zoo for decoder-only language models.
+
+    >>> import zoo
+    >>> model = zoo.build("gemma2-2b", device="meta")
+    >>> zoo.list_models("llama3*")
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from zoo.hookspecs import hookimpl
+from zoo.model import Decoder, LossOutput, build_model, lm_loss
+from zoo.recipes import Family, get_spec, list_models, published_params
+from zoo.registry import (
+    DuplicateNameError,
+    PluginError,
+    RegistryError,
+    UnknownNameError,
+    get,
+    list_components,
+    manager,
+    register,
+)
+from zoo.spec import ModelSpec, Part, SpecError
+
+__version__ = "0.1.0"
+
+
+def build(
+    name_or_spec: Any,
+    *,
+    device: Optional[Any] = None,
+    dtype: Optional[Any] = None,
+    seed: Optional[int] = None,
+    overrides: Optional[dict[str, Any]] = None,
+    **kw: Any,
+) -> Decoder:
+    """Build a model from a preset name (``"gemma2-2b"``), an HF repo id, a recipe file, a dict
+    or a :class:`ModelSpec`.
+
+    Keyword overrides set spec fields by dotted path: ``n_layers=2``, or
+    ``overrides={"layers.local.attention.window": 64}`` (``__`` may stand for ``.``; ``*``
+    matches every layer kind). ``device="meta"`` allocates nothing.
+    """
+    spec = get_spec(name_or_spec, {**(overrides or {}), **kw})
+    return build_model(spec, device=device, dtype=dtype, seed=seed)
+
+
+__all__ = [
+    "Decoder", "DuplicateNameError", "Family", "LossOutput", "ModelSpec", "Part", "PluginError",
+    "RegistryError", "SpecError", "UnknownNameError", "build", "build_model", "get", "get_spec",
+    "hookimpl", "list_components", "list_models", "lm_loss", "manager", "published_params", "register",
+]

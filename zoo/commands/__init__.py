@@ -1,0 +1,1 @@
+"""Subcommands of the ``zoo`` command line, one module each."""

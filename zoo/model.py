@@ -1,0 +1,235 @@
+"""Assemble a decoder-only language model from a :class:`~zoo.spec.ModelSpec`.
+
+Every part is looked up in the registry by the name the spec gives; this module knows no
+specific norm, attention or family. Data flows: ids -> embeddings (+ absolute positions)
+-> blocks -> final norm -> head (+ soft-cap) -> logits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo import registry as _registry
+from zoo.parts import ForwardContext, PositionEncoding, Rotary
+from zoo.spec import ModelSpec
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # cross-entropy + z_loss * z
+    ce: torch.Tensor  # mean token cross-entropy
+    z: torch.Tensor  # mean squared log-partition log(Z)^2 (what z-loss penalises)
+    logits: Optional[torch.Tensor] = None
+
+
+def lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    z_loss: float = 0.0,
+    ignore_index: int = -100,
+) -> LossOutput:
+    """Next-token cross-entropy with optional z-loss (PaLM): ``ce + z_loss * mean(log(Z)^2)``.
+
+    ``labels`` are aligned with ``logits`` (position t predicts labels[t]); shift before calling.
+    """
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    target = labels.reshape(-1)
+    valid = target != ignore_index
+    ce = F.cross_entropy(flat, target, ignore_index=ignore_index)
+    log_z = torch.logsumexp(flat, dim=-1)
+    z = (log_z.pow(2) * valid).sum() / valid.sum().clamp(min=1)
+    return LossOutput(loss=ce + z_loss * z if z_loss else ce, ce=ce, z=z)
+
+
+class Decoder(nn.Module):
+    """A decoder-only language model built from a spec."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        d = spec.d_model
+        rows = spec.embedding.padded_vocab_size or spec.vocab_size
+        self.embed = nn.Embedding(rows, d)
+        # One position module per distinct position spec (Gemma 3 has a local and a global RoPE).
+        self.positions = nn.ModuleDict()
+        self._pos_key: list[str] = []
+        keys: dict[object, str] = {}
+        for i in range(spec.n_layers):
+            part = spec.position_for(i)
+            key = repr(part)
+            if key not in keys:
+                keys[key] = str(len(keys))
+                self.positions[keys[key]] = part.build(spec=spec, layer=spec.layer(i))
+            self._pos_key.append(keys[key])
+        self.layers = nn.ModuleList(
+            spec.layer(i).block.build(spec=spec, layer=spec.layer(i), index=i) for i in range(spec.n_layers)
+        )
+        self.final_norm = spec.final_norm.build(dim=d) if spec.final_norm is not None else None
+        self.lm_head = None if spec.head.tied else nn.Linear(d, rows, bias=spec.head.bias)
+        if spec.head.tied and spec.head.bias:
+            self.head_bias = nn.Parameter(torch.zeros(rows))
+        else:
+            self.register_parameter("head_bias", None)
+        self.drop = nn.Dropout(spec.dropout)
+        self._softcap = _registry.get("stability", "softcap")
+
+    # -- initialisation --------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, generator: Optional[torch.Generator] = None) -> None:
+        """Normal(0, init_std) for matrices and embeddings, zeros for biases; parts with their own
+        rule (norms, learned scales) implement ``reset_parameters``."""
+        std = self.spec.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std, generator=generator)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        if self.head_bias is not None:
+            self.head_bias.zero_()
+
+    # -- forward ----------------------------------------------------------------------------------
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        cache=None,
+        output_hidden_states: bool = False,
+    ):
+        """Final hidden states (before the head), and every layer's output if asked."""
+        B, T = input_ids.shape
+        past = cache.seen if cache is not None else 0
+        device = input_ids.device
+        q_idx = torch.arange(past, past + T, device=device)
+        key_mask = None
+        prev = cache.key_mask if cache is not None else None
+        if attention_mask is not None:
+            key_mask = attention_mask.to(device=device, dtype=torch.bool)
+            if key_mask.shape[-1] == T and past:
+                key_mask = torch.cat([prev if prev is not None else key_mask.new_ones(B, past), key_mask], dim=1)
+            if key_mask.shape != (B, past + T):
+                raise ValueError(
+                    f"attention_mask has shape {tuple(attention_mask.shape)}; expected (batch, past + new) = {(B, past + T)}"
+                )
+        elif prev is not None:
+            key_mask = torch.cat([prev, prev.new_ones(B, T)], dim=1)
+        if key_mask is not None and bool(key_mask.all()):
+            key_mask = None  # no padding: the fast unmasked paths apply
+        if cache is not None:
+            cache.key_mask, cache.seen = key_mask, past + T
+        if position_ids is None:
+            if key_mask is not None:
+                position_ids = (key_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+            else:
+                position_ids = q_idx.unsqueeze(0).expand(B, T)
+        ctx = ForwardContext(position_ids=position_ids, q_idx=q_idx, key_mask=key_mask, cache=cache)
+
+        x = self.embed(input_ids)
+        if self.spec.embedding.scale == "sqrt_d_model":
+            x = x * torch.tensor(math.sqrt(self.spec.d_model), dtype=x.dtype)
+        states: dict[str, Rotary] = {}
+        for key, module in self.positions.items():
+            pos: PositionEncoding = module
+            absolute = pos.embed(position_ids, x.dtype)
+            if absolute is not None:
+                x = x + absolute
+            states[key] = Rotary(pos, pos.prepare(position_ids, x.dtype))
+        x = self.drop(x)
+        hidden = [x] if output_hidden_states else None
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, states[self._pos_key[i]])
+            if hidden is not None:
+                hidden.append(x)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return (x, hidden) if output_hidden_states else x
+
+    def logits_from_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        bias = self.head_bias if self.lm_head is None else self.lm_head.bias
+        logits = F.linear(x, weight, bias)
+        if self.spec.embedding.padded_vocab_size:
+            logits = logits[..., : self.spec.vocab_size]
+        if self.spec.head.softcap is not None:
+            logits = self._softcap(logits, self.spec.head.softcap)
+        return logits
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        cache=None,
+    ) -> torch.Tensor:
+        """Logits of shape (batch, seq, vocab)."""
+        return self.logits_from_hidden(self.hidden_states(input_ids, attention_mask, position_ids, cache))
+
+    def loss(
+        self,
+        input_ids: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        *,
+        z_loss: Optional[float] = None,
+        return_logits: bool = False,
+    ) -> LossOutput:
+        """The LM loss in one call: next-token cross-entropy, plus z-loss (coefficient from the spec
+        unless given). ``labels`` default to ``input_ids``; padding (mask 0) is ignored."""
+        logits = self(input_ids, attention_mask=attention_mask)
+        labels = input_ids if labels is None else labels
+        if attention_mask is not None:
+            labels = labels.masked_fill(~attention_mask.bool(), -100)
+        out = lm_loss(logits[:, :-1], labels[:, 1:], z_loss=self.spec.z_loss if z_loss is None else z_loss)
+        if return_logits:
+            out.logits = logits
+        return out
+
+    def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
+        seen: set[int] = set()
+        total = 0
+        for name, p in self.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if exclude_embeddings and (p is self.embed.weight or (self.lm_head is not None and p is self.lm_head.weight)):
+                continue
+            if exclude_embeddings and name.startswith("positions."):
+                continue
+            total += p.numel()
+        return total
+
+    def generate(self, input_ids, max_new_tokens: int = 32, **kwargs):
+        from zoo.generate import generate
+
+        return generate(self, input_ids, max_new_tokens, **kwargs)
+
+
+def build_model(
+    spec: ModelSpec,
+    *,
+    device: Optional[torch.device | str] = None,
+    dtype: Optional[torch.dtype] = None,
+    seed: Optional[int] = None,
+) -> Decoder:
+    """Build on the meta device (no allocation), then materialise on ``device`` and initialise."""
+    with torch.device("meta"):
+        model = Decoder(spec)
+    if dtype is not None:
+        model = model.to(dtype)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "meta":
+        model = model.to_empty(device=device)
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device=device).manual_seed(seed)
+        model.init_weights(generator=gen)
+    return model

@@ -1,0 +1,140 @@
+"""Families: named recipes (plain spec data) and their presets.
+
+A family is data: a ``base`` spec table and ``presets``, each a set of dotted-path overrides of
+the base plus facts about the preset (its Hugging Face repo ids, its published parameter count).
+Families are usually TOML files (see ``families/``); plugins register them like any part.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from zoo import registry as _registry
+from zoo.spec import ModelSpec, SpecError, apply_overrides
+
+PRESET_KEYS = {"set", "hf", "params", "description", "notes"}
+
+
+@dataclass
+class Family:
+    name: str
+    base: dict[str, Any]
+    presets: dict[str, dict[str, Any]]
+    description: str = ""
+    source: str = ""
+    reference: str = ""
+
+    def __post_init__(self) -> None:
+        for preset, entry in self.presets.items():
+            unknown = set(entry) - PRESET_KEYS
+            if unknown:
+                raise SpecError(f"presets.{preset}.{sorted(unknown)[0]}",
+                                f"unknown preset key in family {self.name!r} ({self.source or 'python'}); "
+                                f"allowed: {', '.join(sorted(PRESET_KEYS))}")
+
+    def recipe(self, preset: str) -> dict[str, Any]:
+        """The spec data of one preset: the base with the preset's overrides applied."""
+        data = apply_overrides(self.base, self.presets[preset].get("set", {}))
+        data.setdefault("label", preset)
+        return data
+
+    def spec(self, preset: str) -> ModelSpec:
+        try:
+            return ModelSpec.from_dict(self.recipe(preset))
+        except SpecError as exc:
+            raise SpecError(exc.path, f"{str(exc).split(': ', 1)[-1]} (preset {preset!r} of family {self.name!r}"
+                                      f"{', ' + self.source if self.source else ''})") from None
+
+    def hf_ids(self, preset: str) -> list[str]:
+        hf = self.presets[preset].get("hf", [])
+        return [hf] if isinstance(hf, str) else list(hf)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> "Family":
+        path = Path(path)
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        unknown = set(data) - {"family", "base", "presets"}
+        if unknown:
+            raise SpecError(sorted(unknown)[0], f"unknown top-level table in {path}; expected family, base, presets")
+        meta = data.get("family", {})
+        if "name" not in meta:
+            raise SpecError("family.name", f"missing in {path}")
+        return cls(
+            name=meta["name"],
+            base=data.get("base", {}),
+            presets=data.get("presets", {}),
+            description=meta.get("description", ""),
+            reference=meta.get("reference", ""),
+            source=str(path),
+        )
+
+
+def _index() -> tuple[dict[str, tuple[Family, str]], dict[str, str]]:
+    presets: dict[str, tuple[Family, str]] = {}
+    aliases: dict[str, str] = {}
+    for entry in _registry.registry("family").entries():
+        fam: Family = entry.obj
+        for preset in fam.presets:
+            if preset in presets:
+                other = presets[preset][0]
+                raise _registry.DuplicateNameError(
+                    f"preset {preset!r} is defined by family {other.name!r} and by family {fam.name!r}"
+                )
+            presets[preset] = (fam, preset)
+            for repo in fam.hf_ids(preset):
+                aliases[repo] = preset
+                aliases[repo.lower()] = preset
+    return presets, aliases
+
+
+def list_models(pattern: str = "*") -> list[str]:
+    """Preset names matching a shell-style pattern: ``list_models("gemma*")``."""
+    return sorted(n for n in _index()[0] if fnmatch.fnmatchcase(n, pattern))
+
+
+def find_preset(name: str) -> tuple[Family, str]:
+    presets, aliases = _index()
+    if name in presets:
+        return presets[name]
+    if name in aliases or name.lower() in aliases:
+        return presets[aliases.get(name) or aliases[name.lower()]]
+    close = difflib.get_close_matches(name, list(presets) + list(aliases), n=5, cutoff=0.5)
+    hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+    raise _registry.UnknownNameError(
+        f"unknown model {name!r}.{hint} `zoo.list_models()` lists the presets; a recipe file path "
+        f"(.toml or .json) or a ModelSpec also builds."
+    )
+
+
+def get_spec(name_or_spec: Any, overrides: Optional[dict[str, Any]] = None) -> ModelSpec:
+    """Resolve a preset name, HF repo id, recipe file, dict or ModelSpec into a validated spec."""
+    overrides = overrides or {}
+    if isinstance(name_or_spec, ModelSpec):
+        return name_or_spec.with_overrides(overrides) if overrides else name_or_spec
+    if isinstance(name_or_spec, dict):
+        return ModelSpec.from_dict(apply_overrides(name_or_spec, overrides))
+    if isinstance(name_or_spec, Path) or (
+        isinstance(name_or_spec, str) and name_or_spec.endswith((".toml", ".json"))
+    ):
+        spec = ModelSpec.from_file(name_or_spec)
+        return spec.with_overrides(overrides) if overrides else spec
+    if not isinstance(name_or_spec, str):
+        raise TypeError(f"expected a model name, a recipe path, a dict or a ModelSpec, got {type(name_or_spec).__name__}")
+    family, preset = find_preset(name_or_spec)
+    if not overrides:
+        return family.spec(preset)
+    try:
+        return ModelSpec.from_dict(apply_overrides(family.recipe(preset), overrides))
+    except SpecError as exc:
+        raise SpecError(exc.path, f"{str(exc).split(': ', 1)[-1]} (building {preset!r} with overrides)") from None
+
+
+def published_params(name: str) -> Optional[int]:
+    family, preset = find_preset(name)
+    return family.presets[preset].get("params")

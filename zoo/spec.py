@@ -1,0 +1,407 @@
+"""The model spec: a typed, nested, immutable, strict description of a decoder-only model.
+
+A spec is a tree of frozen dataclasses. Every named part in it (a norm, an attention variant,
+a position encoding...) is a :class:`Part`: the registered name plus that component's own
+``Config`` dataclass. Parsing is strict: an unknown key, a wrong type or an impossible
+combination raises :class:`SpecError` naming the exact path, e.g.
+``layers.local.attention.window``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import fnmatch
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from zoo import registry as _registry
+
+
+class SpecError(ValueError):
+    """An invalid spec. ``path`` is the dotted location of the fault."""
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        super().__init__(f"{path or '<spec>'}: {message}")
+
+
+def part_field(kind: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
+    """A dataclass field holding a :class:`Part` of registry ``kind`` (a string default is fine)."""
+    return field(default=default, metadata={"kind": kind}, **kw)
+
+
+@dataclass(frozen=True)
+class Part:
+    """A registered component chosen by name, with its validated config."""
+
+    kind: str
+    name: str
+    config: Any
+
+    @property
+    def cls(self) -> Any:
+        return _registry.get(self.kind, self.name)
+
+    def build(self, **context: Any) -> Any:
+        return self.cls(self.config, **context)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **to_dict(self.config)}
+
+    def replace(self, **changes: Any) -> "Part":
+        return Part(self.kind, self.name, dataclasses.replace(self.config, **changes))
+
+    def __getattr__(self, item: str) -> Any:  # part.window reads the config's field
+        if item.startswith("__"):
+            raise AttributeError(item)
+        return getattr(self.config, item)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generic strict parsing of dataclasses from plain data (dicts, lists, scalars)
+# ---------------------------------------------------------------------------------------------
+
+def _join(path: str, key: Any) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else str(key)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def parse_part(kind: str, data: Any, path: str) -> Part:
+    if isinstance(data, Part):
+        if data.kind != kind:
+            raise SpecError(path, f"expected a {kind}, got a {data.kind} ({data.name!r})")
+        return data
+    if isinstance(data, str):
+        name, rest = data, {}
+    elif isinstance(data, dict):
+        if "name" not in data:
+            raise SpecError(path, f"a {kind} needs a 'name' (one of: {', '.join(_registry.registry(kind).names())})")
+        rest = dict(data)
+        name = rest.pop("name")
+        if not isinstance(name, str):
+            raise SpecError(_join(path, "name"), f"expected a string, got {name!r}")
+    else:
+        raise SpecError(path, f"expected a {kind} name or a table with 'name', got {data!r}")
+    try:
+        cls = _registry.get(kind, name)
+    except _registry.UnknownNameError as exc:
+        raise SpecError(_join(path, "name") if isinstance(data, dict) else path, str(exc)) from None
+    return Part(kind, name, parse(cls.Config, rest, path))
+
+
+def _parse_value(tp: Any, value: Any, path: str, kind: str | None) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for opt in options:
+            try:
+                return _parse_value(opt, value, path, kind)
+            except SpecError as exc:
+                errors.append(exc)
+        if len(errors) == 1:
+            raise errors[0]
+        raise SpecError(path, f"expected {' or '.join(_type_name(o) for o in args)}, got {value!r}")
+    if tp is Part:
+        assert kind is not None, f"{path}: Part field without a kind"
+        return parse_part(kind, value, path)
+    if origin is Literal:
+        if value not in args:
+            raise SpecError(path, f"expected one of {', '.join(map(repr, args))}, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise SpecError(path, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(path, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(path, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise SpecError(path, f"expected a string, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise SpecError(path, f"expected a list, got {value!r}")
+        item = args[0]
+        return tuple(_parse_value(item, v, _join(path, i), kind) for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise SpecError(path, f"expected a table, got {value!r}")
+        return {k: _parse_value(args[1], v, _join(path, k), kind) for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return parse(tp, value, path)
+    raise TypeError(f"{path}: unsupported field type {tp!r}")
+
+
+def parse(cls: type, data: Any, path: str = "") -> Any:
+    """Build dataclass ``cls`` from plain data, strictly. Errors name the exact path."""
+    if isinstance(data, cls):
+        return data
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        data = to_dict(data)
+    if not isinstance(data, dict):
+        raise SpecError(path, f"expected a table for {cls.__name__}, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        k = unknown[0]
+        import difflib
+
+        close = difflib.get_close_matches(str(k), list(fields), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise SpecError(_join(path, k), f"unknown key {k!r}{hint}; {cls.__name__} accepts: {', '.join(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        fpath = _join(path, name)
+        if name in data:
+            kwargs[name] = _parse_value(hints[name], data[name], fpath, f.metadata.get("kind"))
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise SpecError(fpath, f"missing required key {name!r}")
+        elif "kind" in f.metadata and isinstance(f.default, str):
+            kwargs[name] = parse_part(f.metadata["kind"], f.default, fpath)
+    try:
+        obj = cls(**kwargs)
+    except SpecError as exc:
+        raise SpecError(_join(path, exc.path) if exc.path else path, str(exc).split(": ", 1)[-1]) from None
+    check = getattr(obj, "check", None)
+    if callable(check):
+        try:
+            check()
+        except SpecError as exc:
+            raise SpecError(_join(path, exc.path) if exc.path else path, str(exc).split(": ", 1)[-1]) from None
+    return obj
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain data (dicts, lists, scalars) for a spec or any part of it; ``None`` fields omitted."""
+    if isinstance(obj, Part):
+        return obj.to_dict()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {}
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if v is None:
+                continue
+            out[f.name] = to_dict(v)
+        return out
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def positive(path: str, value: Any, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise SpecError(path, f"must be positive, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The model spec tree
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EmbeddingSpec:
+    """Token embeddings. ``scale``: multiply by sqrt(d_model) (Gemma) in the activation dtype."""
+
+    scale: Literal["none", "sqrt_d_model"] = "none"
+    # Rows beyond vocab_size (padding for hardware) are part of the matrix, not of the vocabulary.
+    padded_vocab_size: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """The LM head: tied to the embeddings or not, with an optional final-logit soft-cap."""
+
+    tied: bool = False
+    bias: bool = False
+    softcap: Optional[float] = None
+
+    def check(self) -> None:
+        positive("softcap", self.softcap)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One kind of layer: its block wiring and the parts it is made of."""
+
+    attention: Part = part_field("attention", "attention")
+    ffn: Part = part_field("ffn", "swiglu")
+    norm: Part = part_field("norm", "rmsnorm")
+    block: Part = part_field("block", "serial")
+    # Overrides the model-level position encoding for this kind of layer (Gemma 3's RoPE bases).
+    position: Optional[Part] = part_field("position", None)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    layers: dict[str, LayerSpec]
+    # Layer i is of kind layer_pattern[i % len(layer_pattern)].
+    layer_pattern: tuple[str, ...] = ("default",)
+    max_seq_len: int = 2048
+    position: Part = part_field("position", "rope")
+    embedding: EmbeddingSpec = field(default_factory=EmbeddingSpec)
+    final_norm: Optional[Part] = part_field("norm", None)
+    head: HeadSpec = field(default_factory=HeadSpec)
+    z_loss: float = 0.0
+    dropout: float = 0.0
+    init_std: float = 0.02
+    label: Optional[str] = None
+
+    def check(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "max_seq_len"):
+            positive(name, getattr(self, name), allow_none=False)
+        if not self.layers:
+            raise SpecError("layers", "at least one kind of layer is needed")
+        if not self.layer_pattern:
+            raise SpecError("layer_pattern", "must name at least one layer kind")
+        for i, kind in enumerate(self.layer_pattern):
+            if kind not in self.layers:
+                raise SpecError(f"layer_pattern[{i}]", f"{kind!r} is not a layer kind; kinds: {', '.join(self.layers)}")
+        unused = [k for k in self.layers if k not in self.layer_pattern]
+        if unused:
+            raise SpecError(f"layers.{unused[0]}", "this layer kind never appears in layer_pattern")
+        if not 0.0 <= self.dropout < 1.0:
+            raise SpecError("dropout", f"must be in [0, 1), got {self.dropout}")
+        if self.z_loss < 0:
+            raise SpecError("z_loss", f"must be >= 0, got {self.z_loss}")
+        if self.embedding.padded_vocab_size is not None and self.embedding.padded_vocab_size < self.vocab_size:
+            raise SpecError("embedding.padded_vocab_size", "must be at least vocab_size")
+        # Cross-part checks: each part may declare `check_in(spec, layer_kind)` facts that need the model.
+        for kind, layer in self.layers.items():
+            for fname in ("attention", "ffn", "norm", "block", "position"):
+                part = getattr(layer, fname)
+                if part is None:
+                    continue
+                hook = getattr(part.cls, "check_in_model", None)
+                if hook is not None:
+                    try:
+                        hook(part.config, spec=self, layer=layer)
+                    except SpecError as exc:
+                        raise SpecError(f"layers.{kind}.{fname}.{exc.path}".rstrip("."), str(exc).split(": ", 1)[-1]) from None
+            pos = layer.position or self.position
+            hook = getattr(pos.cls, "check_in_model", None)
+            if hook is not None:
+                where = f"layers.{kind}.position" if layer.position else "position"
+                try:
+                    hook(pos.config, spec=self, layer=layer)
+                except SpecError as exc:
+                    raise SpecError(f"{where}.{exc.path}".rstrip("."), str(exc).split(": ", 1)[-1]) from None
+
+    # -- convenience ----------------------------------------------------------------------------
+    def layer_kind(self, i: int) -> str:
+        return self.layer_pattern[i % len(self.layer_pattern)]
+
+    def layer(self, i: int) -> LayerSpec:
+        return self.layers[self.layer_kind(i)]
+
+    def position_for(self, i: int) -> Part:
+        return self.layer(i).position or self.position
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    def to_json(self, **kw: Any) -> str:
+        return json.dumps(self.to_dict(), **{"indent": 2, **kw})
+
+    def to_toml(self) -> str:
+        import tomli_w
+
+        return tomli_w.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelSpec":
+        return parse(cls, data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelSpec":
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_toml(cls, text: str) -> "ModelSpec":
+        import tomllib
+
+        return cls.from_dict(tomllib.loads(text))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelSpec":
+        path = Path(path)
+        text = path.read_text()
+        try:
+            if path.suffix == ".toml":
+                return cls.from_toml(text)
+            return cls.from_json(text)
+        except SpecError as exc:
+            raise SpecError(exc.path, f"{str(exc).split(': ', 1)[-1]} (in {path})") from None
+
+    def with_overrides(self, overrides: dict[str, Any] | None = None, **kw: Any) -> "ModelSpec":
+        return ModelSpec.from_dict(apply_overrides(self.to_dict(), {**(overrides or {}), **kw}))
+
+
+# ---------------------------------------------------------------------------------------------
+# Overrides: dotted paths into the plain-data form, with '*' matching any key
+# ---------------------------------------------------------------------------------------------
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Return a copy of ``data`` with each ``"a.b.c": value`` override set.
+
+    ``n_layers=2`` sets a top-level key; ``"layers.local.attention.window": 64`` one field of
+    one part; ``"layers.*.attention.n_heads": 4`` that field in every layer kind. Setting a
+    part's ``name`` swaps the component (its other settings must then suit the new one).
+    Keys may use ``__`` instead of ``.`` so they can be Python keyword arguments.
+    """
+    out = copy.deepcopy(data)
+    for raw_key, value in overrides.items():
+        key = raw_key.replace("__", ".")
+        _set_path(out, key.split("."), value, key, "")
+    return out
+
+
+def _set_path(node: Any, parts: list[str], value: Any, full: str, here: str) -> None:
+    head, rest = parts[0], parts[1:]
+    if not isinstance(node, dict):
+        raise SpecError(here, f"cannot apply override {full!r}: {here or 'the spec'} is not a table")
+    if any(c in head for c in "*?["):
+        keys = [k for k in node if fnmatch.fnmatchcase(k, head)]
+        if not keys:
+            raise SpecError(_join(here, head), f"override {full!r} matches nothing")
+    else:
+        keys = [head]
+    for k in keys:
+        if not rest:
+            node[k] = copy.deepcopy(value)
+            continue
+        child = node.get(k)
+        if isinstance(child, str):  # a part given by name only: expand to a table
+            child = node[k] = {"name": child}
+        if child is None:
+            child = node[k] = {}
+        _set_path(child, rest, value, full, _join(here, k))
