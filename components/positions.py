@@ -62,10 +62,10 @@ class Learned(PositionEncoding):
 
     def __init__(self, cfg, *, spec, layer=None):
         super().__init__()
-        self.weight = nn.Embedding(spec.max_seq_len, spec.d_model)
+        self.table = nn.Embedding(spec.max_seq_len, spec.d_model)
 
     def embed(self, position_ids, dtype):
-        return self.weight(position_ids).to(dtype)
+        return self.table(position_ids).to(dtype)
 
 
 def head_dim_of(spec, layer) -> int:
