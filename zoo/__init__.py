@@ -47,8 +47,10 @@ def build(
     return build_model(spec, device=device, dtype=dtype, seed=seed)
 
 
+from zoo.generate import generate  # noqa: E402  (the function; the module stays importable as zoo.generate)
+
 __all__ = [
     "Decoder", "DuplicateNameError", "Family", "LossOutput", "ModelSpec", "Part", "PluginError",
-    "RegistryError", "SpecError", "UnknownNameError", "build", "build_model", "get", "get_spec",
+    "RegistryError", "SpecError", "UnknownNameError", "build", "build_model", "generate", "get", "get_spec",
     "hookimpl", "list_components", "list_models", "lm_loss", "manager", "published_params", "register",
 ]
