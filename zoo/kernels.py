@@ -136,7 +136,7 @@ def _parse(text: str) -> dict[str, str]:
     for component, value in out.items():
         if component != "*" and component not in known:
             raise ValueError(f"{ENV}: unknown component {component!r}; components with fast kernels: {', '.join(sorted(known))}")
-        names = {"off", "auto", "on"} | ({b for c in known.values() for b in c} if component == "*" else set(known[component]))
+        names = {"off", "auto", "on"} | ({b for c in known.values() for b in c} if component == "*" else _declared(component))
         if value not in names:
             raise ValueError(f"{ENV}: {component}:{value} is not a choice; use one of {', '.join(sorted(names))}")
     _parsed[text] = out
@@ -153,6 +153,17 @@ def components() -> dict[str, dict[str, Backend]]:
         b = reg.get(name)
         out.setdefault(b.component, {})[b.name] = b
     return out
+
+
+def _declared(component: str) -> set[str]:
+    """Backend names a component accepts: its fast ones and the reference ones its parts declare."""
+    names = {"torch"} | set(components().get(component, {}))
+    for reg in _registry.manager().registries.values():
+        for name in reg.names():
+            obj = reg.get(name)
+            if getattr(obj, "kernel", None) == component:
+                names |= set(getattr(obj, "backends", ()))
+    return names
 
 
 def setting_for(component: str) -> str:
