@@ -81,6 +81,7 @@ class TrainConfig:
     progress: bool = True
     plot: bool = True
     export: bool = True  # write the trained weights with zoo.save_pretrained to out_dir/final
+    export_format: Optional[str] = None  # HF model_type to export as; None: the first that fits the spec
 
     def check(self) -> None:
         for name in ("seq_len", "global_batch", "micro_batch", "steps", "keep_last", "log_every"):
@@ -466,7 +467,8 @@ def train(model: Any, config: Optional[TrainConfig] = None, *, overrides: Option
         if config.plot and acc.is_main_process:
             result.plot = plot_losses(metrics_file, out_dir / "loss.png")
         if config.export:
-            result.export = export(net, spec, out_dir / "final", acc, sharded=use_fsdp)
+            result.export = export(net, spec, out_dir / "final", acc, sharded=use_fsdp,
+                                   model_type=config.export_format, tokenizer=tokenizer)
     acc.wait_for_everyone()
     return result
 
@@ -480,21 +482,37 @@ def full_state_dict(model: nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def export(model: nn.Module, spec: ModelSpec, path: Path, accelerator, *, sharded: bool) -> Optional[Path]:
-    """Write the trained weights with ``zoo.save_pretrained`` (on the main process)."""
+def export(model: nn.Module, spec: ModelSpec, path: Path, accelerator, *, sharded: bool,
+           model_type: Optional[str] = None, tokenizer=None) -> Optional[Path]:
+    """Write the trained weights with ``zoo.save_pretrained`` (on the main process).
+
+    Without ``model_type``, the first registered checkpoint format that describes this spec
+    exactly is used; when none does, the export is skipped (the training checkpoint keeps the
+    weights and the spec) and the reason printed.
+    """
     import zoo
 
-    state = full_state_dict(model, sharded)
-    save = getattr(zoo, "save_pretrained", None)
+    state = full_state_dict(model, sharded)  # collective under FSDP2: every process takes part
     if not accelerator.is_main_process:
-        return None
-    if save is None:
-        accelerator.print("zoo.save_pretrained is not available in this version; skipping the export")
         return None
     plain = build_model(spec, device="meta")
     plain.load_state_dict(state, assign=True)
-    save(plain, path)
-    return path
+    errors = []
+    for fmt in [model_type] if model_type else zoo.list_components("checkpoint_format"):
+        try:
+            zoo.save_pretrained(plain, path, model_type=fmt)
+        except Exception as exc:  # this format cannot describe this spec (some formats fail other than by ValueError)
+            if model_type:
+                raise
+            errors.append(f"{fmt}: {str(exc)[:120]}")
+            continue
+        if getattr(tokenizer, "path", None) is not None:
+            shutil.copy(tokenizer.path, Path(path) / "tokenizer.json")
+        return Path(path)
+    accelerator.print("no checkpoint format describes this model, so it was not exported with "
+                      "zoo.save_pretrained; the training checkpoint holds its weights and spec "
+                      f"({'; '.join(errors[:3])})")
+    return None
 
 
 def plot_losses(metrics_file: Path, png: Path) -> Path:

@@ -13,6 +13,9 @@ from zoo.commands.build import parse_sets
 
 
 def _option_type(tp):
+    """``Optional[X]`` -> X; other types as they are."""
+    if typing.get_origin(tp) is tuple:
+        return tp
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     return _option_type(args[0]) if args else tp
 
