@@ -140,7 +140,7 @@ class Attention(nn.Module):
     def _sdpa(self, q, k, v, q_idx, k_idx, key_mask, bias):
         Tq, Tk = q.shape[2], k.shape[2]
         plain = key_mask is None and bias is None
-        windowed = self.window is not None and int(q_idx[-1] - k_idx[0]) >= self.window
+        windowed = self.window is not None and int(q_idx[-1] - k_idx.min()) >= self.window  # cache rings are unordered
         mask, is_causal = None, False
         if plain and not windowed and Tq == Tk and bool((q_idx == k_idx).all()):
             is_causal = True

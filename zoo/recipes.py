@@ -112,13 +112,26 @@ def find_preset(name: str) -> tuple[Family, str]:
     )
 
 
-def get_spec(name_or_spec: Any, overrides: Optional[dict[str, Any]] = None) -> ModelSpec:
-    """Resolve a preset name, HF repo id, recipe file, dict or ModelSpec into a validated spec."""
-    overrides = overrides or {}
+def _overridden(data: dict[str, Any], overrides: dict[str, Any]) -> ModelSpec:
+    """Apply overrides to the complete form of ``data`` (defaults filled in), so a path can reach
+    a field the recipe left at its default; fall back to the raw data if it does not parse alone."""
+    if not overrides:
+        return ModelSpec.from_dict(data)
+    try:
+        full = ModelSpec.from_dict(data).to_dict()
+    except SpecError:
+        full = data
+    return ModelSpec.from_dict(apply_overrides(full, overrides))
+
+
+def get_spec(name_or_spec: Any, overrides: Optional[dict[str, Any]] = None, **kw: Any) -> ModelSpec:
+    """Resolve a preset name, HF repo id, recipe file, dict or ModelSpec into a validated spec,
+    with dotted-path ``overrides`` (and keyword overrides) applied."""
+    overrides = {**(overrides or {}), **kw}
     if isinstance(name_or_spec, ModelSpec):
         return name_or_spec.with_overrides(overrides) if overrides else name_or_spec
     if isinstance(name_or_spec, dict):
-        return ModelSpec.from_dict(apply_overrides(name_or_spec, overrides))
+        return _overridden(name_or_spec, overrides)
     if isinstance(name_or_spec, Path) or (
         isinstance(name_or_spec, str) and name_or_spec.endswith((".toml", ".json"))
     ):
@@ -130,7 +143,7 @@ def get_spec(name_or_spec: Any, overrides: Optional[dict[str, Any]] = None) -> M
     if not overrides:
         return family.spec(preset)
     try:
-        return ModelSpec.from_dict(apply_overrides(family.recipe(preset), overrides))
+        return _overridden(family.recipe(preset), overrides)
     except SpecError as exc:
         raise SpecError(exc.path, f"{str(exc).split(': ', 1)[-1]} (building {preset!r} with overrides)") from None
 

@@ -363,6 +363,7 @@ class ModelSpec:
             raise SpecError(exc.path, f"{str(exc).split(': ', 1)[-1]} (in {path})") from None
 
     def with_overrides(self, overrides: dict[str, Any] | None = None, **kw: Any) -> "ModelSpec":
+        """A new spec with dotted-path overrides applied (see :func:`apply_overrides`)."""
         return ModelSpec.from_dict(apply_overrides(self.to_dict(), {**(overrides or {}), **kw}))
 
 

@@ -1,0 +1,83 @@
+"""``zoo describe NAME``: a model's components and what it costs (parameters, FLOPs, KV cache,
+training memory), computed on the meta device."""
+
+import json
+
+from zoo.commands.build import parse_sets
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "describe",
+        help="a model's components table and cost figures (params, FLOPs, KV cache, memory)",
+        description="Build NAME on the meta device (nothing is allocated) and print its components and figures: "
+                    "parameters (embedding and non-embedding), FLOPs per token (forward 2N + attention, training), "
+                    "KV-cache bytes per token and for --context x --batch in --dtype, aspect ratio, d_ff/d_model, "
+                    "and the memory to train it with AdamW in mixed precision.",
+    )
+    p.add_argument("name", help="a preset name (see `zoo list`), an HF repo id of a preset, or a recipe file")
+    p.add_argument("--context", type=int, default=None, help="context length for KV cache and attention FLOPs (default: the model's max_seq_len)")
+    p.add_argument("--batch", type=int, default=1, help="batch size for the KV cache (default 1)")
+    p.add_argument("--dtype", default="bf16", help="storage dtype of weights and cache: bf16, fp16, fp32, fp8, int8, int4 (default bf16)")
+    p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override a spec field, e.g. --set layers.*.attention.n_kv_heads=64")
+    p.add_argument("--json", action="store_true", help="print JSON (components and figures)")
+    return p
+
+
+def human(n, unit="B"):
+    """1234567 -> '1.23 MB' (decimal prefixes, as the lecture notes write them)."""
+    for prefix in ("", "k", "M", "G", "T", "P", "E"):
+        if abs(n) < 1000 or prefix == "E":
+            return f"{n:.3g} {prefix}{unit}" if prefix else f"{n:g} {unit}"
+        n /= 1000
+
+
+def figure_rows(a):
+    p, f, kv, m, s = a["params"], a["flops"], a["kv_cache"], a["memory"], a["shape"]
+
+    def per_kind(x, fmt):
+        return ", ".join(f"{k}: {fmt(v)}" for k, v in x.items()) if isinstance(x, dict) else fmt(x)
+
+    pub = f"  (published {p['published']:,})" if p["published"] else ""
+    return [
+        ("parameters", f"{p['total']:,}  ({human(p['total'], '')}){pub}"),
+        ("  embedding", f"{p['embedding']:,}"),
+        ("  non-embedding", f"{p['non_embedding']:,}"),
+        ("aspect ratio d_model/n_layers", f"{s['aspect_ratio']:.1f}"),
+        ("d_ff / d_model", per_kind(s["d_ff_over_d_model"], lambda v: f"{v:.3f}" if v else "-")),
+        ("attention", per_kind(s["attention"], str)),
+        ("forward FLOPs/token (2N)", f"{human(f['forward_per_token_2n'], 'FLOP')}  (N = {f['matmul_params']:,} multiplied weights)"),
+        (f"  + attention at context {f['context']:,}", human(f["attention_per_token_at_context"], "FLOP")),
+        ("  = forward at that context", human(f["forward_per_token_at_context"], "FLOP")),
+        ("training FLOPs/token", f"{human(f['training_per_token'], 'FLOP')}  (6N = {human(f['training_per_token_6n'], 'FLOP')})"),
+        (f"KV cache/token ({kv['dtype']})", f"{kv['bytes_per_token']:,} B  ({human(kv['bytes_per_token'])})"),
+        (f"KV cache {kv['context']:,} x batch {kv['batch']}", human(kv["bytes"])),
+        (f"weights ({m['dtype']})", human(m["weights_bytes"])),
+        ("AdamW mixed-precision training", f"{human(m['adamw_mixed_precision_bytes'])}  (16 B/param, activations not included)"),
+    ]
+
+
+def print_table(rows, title=None):
+    width = max(len(k) for k, _ in rows)
+    if title:
+        print(title)
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+
+
+def run(args):
+    from zoo.accounting import account, components
+
+    import zoo
+
+    model = zoo.build(args.name, device="meta", overrides=parse_sets(args.set))
+    figures = account(model, context=args.context, batch=args.batch, dtype=args.dtype)
+    figures["name"] = args.name
+    parts = components(model)
+    if args.json:
+        print(json.dumps({"components": dict(parts), **figures}, indent=2))
+        return 0
+    print_table(parts, f"{args.name}: components")
+    print()
+    print_table(figure_rows(figures), f"{args.name}: figures")
+    return 0

@@ -1,0 +1,127 @@
+"""Autoregressive generation with a KV cache: prefill the prompt once, then one token at a time.
+
+Greedy by default (``temperature=0``); sampling with temperature, top-k and top-p (nucleus) from a
+seeded generator. Batched prompts are left-padded and come with an ``attention_mask``; padding
+never becomes a key and position ids skip it, so each row generates what it would alone.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional, Union
+
+import torch
+
+from zoo.cache import KVCache
+
+
+def _stop_ids(stop: Union[None, int, Iterable[int]]) -> list[int]:
+    if stop is None:
+        return []
+    if isinstance(stop, int):
+        return [stop]
+    ids = [int(s) for s in stop]
+    return ids
+
+
+def sample_next(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Pick the next token from (B, vocab) logits: argmax when ``temperature`` is 0, otherwise a
+    draw from softmax(logits / temperature) restricted to the top-k tokens and to the smallest
+    set whose probability reaches top-p."""
+    if temperature is None or temperature == 0:
+        return logits.argmax(dim=-1)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    logits = logits.float() / temperature
+    if top_k is not None:
+        if top_k <= 0:
+            raise ValueError(f"top_k must be a positive integer, got {top_k}")
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens before it already reach top_p (the first always stays).
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    max_new_tokens: int = 32,
+    *,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    seed: Optional[int] = None,
+    stop: Union[None, int, Iterable[int]] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    pad_token_id: Optional[int] = None,
+    callback: Optional[Callable[[torch.Tensor], None]] = None,
+    streamer=None,
+    cache: Optional[KVCache] = None,
+) -> torch.Tensor:
+    """Continue ``input_ids`` (B, T) by up to ``max_new_tokens``; returns (B, T + n) token ids.
+
+    ``stop``: a token id or ids (end of sequence); a row that produced one is finished and is
+    filled with ``pad_token_id`` (default: the first stop id) until every row is, then generation
+    ends. ``attention_mask`` (B, T): 1 for real tokens, 0 for left padding. ``callback`` (or a
+    transformers-style ``streamer`` with ``put``/``end``) receives each new (B,) column of tokens
+    as it is produced.
+    """
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a non-empty (batch, seq) tensor of token ids, got shape {tuple(input_ids.shape)}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; it must match input_ids {tuple(input_ids.shape)}")
+    if attention_mask is not None and not bool(attention_mask[:, -1].all()):
+        raise ValueError("attention_mask: batched prompts must be left-padded (the last column must be all ones)")
+    stops = _stop_ids(stop)
+    pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)
+    device = input_ids.device
+    input_ids = input_ids.to(device)
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+    if cache is None:
+        cache = KVCache.for_model(model, max_len=input_ids.shape[1] + max_new_tokens)
+    emit = callback
+    if streamer is not None:
+        emit = streamer.put
+
+    B = input_ids.shape[0]
+    out = [input_ids]
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    stop_t = torch.tensor(stops, device=device) if stops else None
+    step_ids, mask = input_ids, attention_mask
+    for _ in range(max_new_tokens):
+        hidden = model.hidden_states(step_ids, attention_mask=mask, cache=cache)
+        logits = model.logits_from_hidden(hidden[:, -1])
+        nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
+        nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+        out.append(nxt[:, None])
+        if emit is not None:
+            emit(nxt)
+        if stop_t is not None:
+            done = done | torch.isin(nxt, stop_t)
+            if bool(done.all()):
+                break
+        step_ids, mask = nxt[:, None], None
+    if streamer is not None and hasattr(streamer, "end"):
+        streamer.end()
+    return torch.cat(out, dim=1)
