@@ -47,8 +47,30 @@ def build(
     return build_model(spec, device=device, dtype=dtype, seed=seed)
 
 
+def from_pretrained(path_or_repo_id, **kw):
+    """Load a Hugging Face checkpoint (directory or hub repo id); see :func:`zoo.checkpoints.from_pretrained`."""
+    from zoo.checkpoints import from_pretrained as _load
+
+    return _load(path_or_repo_id, **kw)
+
+
+def save_pretrained(model, directory, **kw):
+    """Write ``model`` in the Hugging Face layout; see :func:`zoo.checkpoints.save_pretrained`."""
+    from zoo.checkpoints import save_pretrained as _save
+
+    return _save(model, directory, **kw)
+
+
+def verify(path_or_repo_id, **kw):
+    """Compare zoo with the transformers reference on a checkpoint; see :func:`zoo.verify.verify`."""
+    from zoo.verify import verify as _verify
+
+    return _verify(path_or_repo_id, **kw)
+
+
 __all__ = [
     "Decoder", "DuplicateNameError", "Family", "LossOutput", "ModelSpec", "Part", "PluginError",
-    "RegistryError", "SpecError", "UnknownNameError", "build", "build_model", "get", "get_spec",
+    "RegistryError", "SpecError", "UnknownNameError", "build", "build_model", "from_pretrained", "get", "get_spec",
     "hookimpl", "list_components", "list_models", "lm_loss", "manager", "published_params", "register",
+    "save_pretrained", "verify",
 ]

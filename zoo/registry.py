@@ -29,7 +29,7 @@ from zoo import hookspecs
 
 ENTRY_POINT_GROUP = "zoo.plugins"
 # Built-in plugins, loaded by module name the way pytest loads its own: through the same hook.
-BUILTIN_PLUGINS = ("zoo.components", "zoo.families")
+BUILTIN_PLUGINS = ("zoo.components", "zoo.families", "zoo.checkpoints.formats")
 
 KINDS = (
     "norm",
