@@ -35,9 +35,12 @@ CONFIGS = {
     ("block", "serial"): [{"norm_position": p} for p in ("pre", "post", "sandwich", "output")],
     ("block", "parallel"): [{"shared_norm": True}, {"shared_norm": False}],
     ("stability", "softcap"): [{"cap": 5.0}],
+    # A multimodal gemma3 checkpoint: its text model under text_config.
+    ("checkpoint_format", "gemma3"): [{"text_config": zoo.get("checkpoint_format", "gemma3_text").tiny}],
 }
-# Kinds whose contract is itself the numeric check (families: published parameter counts).
-CONTRACT_ONLY_KINDS = {"family"}
+# Kinds whose contract is itself the numeric check (families: published parameter counts;
+# checkpoint formats: save and load give back the same logits; parity is tests/test_parity.py).
+CONTRACT_ONLY_KINDS = {"family", "checkpoint_format"}
 
 COVERED: set[tuple[str, str]] = set()
 

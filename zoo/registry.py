@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Optional
 import pluggy
 
 from zoo import hookspecs
+from zoo.hookspecs import interface  # noqa: F401  (re-exported: kinds declare their interface here too)
 
 ENTRY_POINT_GROUP = "zoo.plugins"
 # Built-in plugins, loaded by module name the way pytest loads its own: through the same hook.

@@ -431,3 +431,32 @@ def shrink(spec: ModelSpec, *, n_layers: int = 2, d_model: int = 32, vocab_size:
         if isinstance(layer.get("ffn"), dict) and "d_ff" in layer["ffn"]:
             layer["ffn"]["d_ff"] = d_ff
     return ModelSpec.from_dict(data)
+
+
+@contract("checkpoint_format")
+def _checkpoint_format(kind: str, name: str, config: dict[str, Any]) -> None:
+    """The format's tiny config becomes a spec; a model of it saved in the format (weight map
+    and config.json, both written from the one two-way map) loads back with the same weights and
+    logits. Parity with the reference implementation is for the format's own tests."""
+    import tempfile
+
+    from zoo.checkpoints import config_to_spec, from_pretrained, save_pretrained
+
+    fmt, what = _registry.get(kind, name), f"checkpoint_format {name!r}"
+    tiny = {**getattr(fmt, "tiny", {}), **config}
+    assert tiny, f"{what}: give the format a `tiny` config (a small config.json of its model_type)"
+    config = {"model_type": name, **tiny}
+    spec = config_to_spec(config)
+    # A wrapper format (a multimodal checkpoint's text model) saves as the format it wraps.
+    saves_as = fmt.unwrap(config)[0].get("model_type") or name
+    model = tiny_model(spec)
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(model, d, model_type=saves_as)
+        loaded = from_pretrained(d)
+    a, b = model.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys(), f"{what}: the loaded model has other parameters: {sorted(set(a) ^ set(b))[:5]}"
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what}: {k!r} changed through save and load"
+    ids = torch.randint(0, spec.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids), loaded(ids)), f"{what}: logits changed through save and load"
