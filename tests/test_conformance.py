@@ -39,8 +39,9 @@ CONFIGS = {
     ("checkpoint_format", "gemma3"): [{"text_config": zoo.get("checkpoint_format", "gemma3_text").tiny}],
 }
 # Kinds whose contract is itself the numeric check (families: published parameter counts;
-# checkpoint formats: save and load give back the same logits; parity is tests/test_parity.py).
-CONTRACT_ONLY_KINDS = {"family", "checkpoint_format"}
+# checkpoint formats: save and load give back the same logits, parity is tests/test_parity.py;
+# kernels: each against its reference path in tests/test_kernels.py).
+CONTRACT_ONLY_KINDS = {"family", "checkpoint_format", "kernel"}
 
 COVERED: set[tuple[str, str]] = set()
 

@@ -460,3 +460,16 @@ def _checkpoint_format(kind: str, name: str, config: dict[str, Any]) -> None:
     ids = torch.randint(0, spec.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(model(ids), loaded(ids)), f"{what}: logits changed through save and load"
+
+
+@contract("kernel")
+def _kernel(kind: str, name: str, config: dict[str, Any]) -> None:
+    """A fast backend names its implementation by an import path that exists (imported only when
+    it runs). That it matches the component's reference path is for the kernel's own tests."""
+    import importlib.util
+
+    backend, what = _registry.get(kind, name), f"kernel {name!r}"
+    module, sep, attr = getattr(backend, "target", "").partition(":")
+    assert sep and module and attr, f"{what}: target {getattr(backend, 'target', None)!r} is not 'module:attribute'"
+    assert importlib.util.find_spec(module) is not None, f"{what}: module {module!r} of its target does not exist"
+    assert callable(getattr(backend, "load", None)), f"{what}: has no load() for its implementation"
