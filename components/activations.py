@@ -15,6 +15,8 @@ class ReLU(nn.Module):
     class Config:
         pass
 
+    fused_name = "relu"  # the gated product's fused kernel (zoo.components.kernels.glu)
+
     def __init__(self, cfg: Config = Config()):
         super().__init__()
 
@@ -33,6 +35,7 @@ class GeLU(nn.Module):
     def __init__(self, cfg: Config = Config()):
         super().__init__()
         self.approximate = cfg.approximate
+        self.fused_name = "gelu_tanh" if cfg.approximate == "tanh" else "gelu"
 
     def forward(self, x):
         return F.gelu(x, approximate=self.approximate)
@@ -45,6 +48,8 @@ class SiLU(nn.Module):
     @dataclass(frozen=True)
     class Config:
         pass
+
+    fused_name = "silu"
 
     def __init__(self, cfg: Config = Config()):
         super().__init__()

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo import kernels
 from zoo.registry import register
 from zoo.spec import SpecError
 
@@ -42,7 +43,9 @@ class Attention(nn.Module):
         "qk_norm": ("none", "head", "proj"),
         "score_bias": True,
     }
-    backends: ClassVar[tuple] = ("sdpa", "eager")
+    kernel: ClassVar[str] = "attention"
+    # flex (FlexAttention) is chosen on CUDA for what SDPA cannot fuse: soft-capping, a window.
+    backends: ClassVar[tuple] = ("flex", "sdpa", "eager")
 
     @dataclass(frozen=True)
     class Config:
@@ -122,20 +125,33 @@ class Attention(nn.Module):
         out = self.attend(q, k, v, q_idx, k_idx, key_mask, bias)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
+    def reference_backend(self):
+        return "eager" if self.cfg.softcap is not None else "sdpa"
+
+    def kernel_problem(self, backend, q=None, forced=False):
+        if forced:
+            return None
+        if self.dropout and self.training:
+            return "attention dropout runs on the reference path"
+        T = q.shape[-2] if q is not None else None
+        if self.cfg.softcap is None and (self.window is None or (T is not None and T <= self.window)):
+            return "SDPA covers it (no soft-cap, no active window)"
+        if T == 1:
+            return "one query per step: the reference path is cheaper"
+        return None
+
     def attend(self, q, k, v, q_idx, k_idx, key_mask=None, bias=None):
         """(B, H, Tq, D) queries against (B, Hkv, Tk, D) keys/values -> (B, H, Tq, D)."""
         backend = self.backend
         if backend == "auto":
-            backend = "eager" if self.cfg.softcap is not None else "sdpa"
+            backend = kernels.select(self, q) or self.reference_backend()
         if backend == "sdpa":
             if self.cfg.softcap is not None:
                 raise ValueError("the sdpa backend cannot soft-cap attention scores; use backend 'eager'")
             return self._sdpa(q, k, v, q_idx, k_idx, key_mask, bias)
         if backend == "eager":
             return self._eager(q, k, v, q_idx, k_idx, key_mask, bias)
-        from zoo.kernels import attention_backend
-
-        return attention_backend(backend)(self, q, k, v, q_idx, k_idx, key_mask, bias)
+        return kernels.attention_backend(backend)(self, q, k, v, q_idx, k_idx, key_mask, bias)
 
     def _sdpa(self, q, k, v, q_idx, k_idx, key_mask, bias):
         Tq, Tk = q.shape[2], k.shape[2]

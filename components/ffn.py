@@ -2,10 +2,11 @@
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from torch import nn
 
+from zoo import kernels
 from zoo.parts import build_part
 from zoo.registry import register
 from zoo.spec import Part, SpecError, part_field
@@ -62,7 +63,15 @@ class MLP(nn.Module):
         self.down = nn.Linear(self.d_ff, d_model, bias=cfg.bias)
         self.act = build_part(cfg.activation, "activation")
 
+    def kernel_problem(self, backend, x=None, forced=False):
+        if getattr(self.act, "fused_name", None) is None:
+            return f"activation {type(self.act).__name__} has no fused gated product"
+        return None
+
     def forward(self, x):
+        fast = kernels.fast(self, x)
+        if fast is not None:
+            return fast(self, x)
         if self.gated:
             return self.down(self.act(self.gate(x)) * self.up(x))
         return self.down(self.act(self.up(x)))
@@ -71,6 +80,9 @@ class MLP(nn.Module):
 @register("ffn", "glu")
 class GLU(MLP):
     """``down(act(gate(x)) * up(x))``: the gated FFN with any activation."""
+
+    kernel: ClassVar[str] = "glu"  # act(gate) * up fused in one kernel
+    backends: ClassVar[tuple] = ("triton", "torch")
 
     @dataclass(frozen=True)
     class Config(MLP.Config):

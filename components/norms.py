@@ -1,18 +1,28 @@
 """Normalisation layers: LayerNorm (with or without bias) and RMSNorm (incl. Gemma's ``1 + w``)."""
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo import kernels
 from zoo.registry import register
 from zoo.spec import SpecError
+
+
+def _row_problem(dim: int):
+    """Why a fused norm kernel cannot take rows of ``dim`` features (one row is one block)."""
+    return f"rows of {dim} features exceed the kernel's 65536" if dim > 65536 else None
 
 
 @register("norm", "layernorm")
 class LayerNorm(nn.Module):
     """``(x - mean) / sqrt(var + eps) * w + b`` over the last dimension."""
+
+    kernel: ClassVar[str] = "layernorm"
+    backends: ClassVar[tuple] = ("triton", "torch")
 
     @dataclass(frozen=True)
     class Config:
@@ -34,7 +44,13 @@ class LayerNorm(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
+    def kernel_problem(self, backend, x=None, forced=False):
+        return _row_problem(self.dim)
+
     def forward(self, x):
+        fast = kernels.fast(self, x)
+        if fast is not None:
+            return fast(self, x)
         return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.cfg.eps)
 
 
@@ -45,6 +61,9 @@ class RMSNorm(nn.Module):
     ``unit_offset``: scale by ``1 + w`` with ``w`` initialised at 0 (Gemma).
     ``scale_in_fp32``: multiply by the weight before casting back (Gemma, OLMo 2) rather than after (Llama).
     """
+
+    kernel: ClassVar[str] = "rmsnorm"
+    backends: ClassVar[tuple] = ("triton", "torch")
 
     @dataclass(frozen=True)
     class Config:
@@ -64,7 +83,13 @@ class RMSNorm(nn.Module):
     def reset_parameters(self):
         (nn.init.zeros_ if self.cfg.unit_offset else nn.init.ones_)(self.weight)
 
+    def kernel_problem(self, backend, x=None, forced=False):
+        return _row_problem(self.dim)
+
     def forward(self, x):
+        fast = kernels.fast(self, x)
+        if fast is not None:
+            return fast(self, x)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg.eps)

@@ -3,11 +3,12 @@ partial rotary, any registered frequency scaling), and NoPE."""
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 import torch
 from torch import nn
 
+from zoo import kernels
 from zoo.parts import PositionEncoding
 from zoo.registry import register
 from zoo.spec import Part, SpecError, part_field
@@ -83,6 +84,8 @@ class RoPE(PositionEncoding):
     """
 
     applies_to = "qk"
+    kernel: ClassVar[str] = "rope"
+    backends: ClassVar[tuple] = ("triton", "torch")
 
     @dataclass(frozen=True)
     class Config:
@@ -151,5 +154,8 @@ class RoPE(PositionEncoding):
         return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
     def rotate(self, q, k, state):
+        fast = kernels.fast(self, q)
+        if fast is not None:
+            return fast(self, q, k, state)
         cos, sin = state
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -123,8 +123,8 @@ class YaRN(_Scaling):
         low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+        pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)
         extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
         keep = 1 - ramp  # 1 where frequencies are kept (high frequency), 0 where interpolated
         return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)

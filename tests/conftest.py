@@ -4,7 +4,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist each worker gets one thread: more oversubscribes the 2-core CI machine
+# (tiny-model tests run ~10x slower with 2 threads per worker on 2 cores).
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(autouse=True)

@@ -23,6 +23,9 @@ from zoo.registry import (
     register,
 )
 from zoo.spec import ModelSpec, Part, SpecError
+# Imported here so that `zoo.train` is the function (the module stays reachable as
+# `importlib.import_module("zoo.train")` and through `from zoo.train import ...`).
+from zoo.train import TrainConfig, TrainResult, train
 
 __version__ = "0.1.0"
 
@@ -47,10 +50,32 @@ def build(
     return build_model(spec, device=device, dtype=dtype, seed=seed)
 
 
+def from_pretrained(path_or_repo_id, **kw):
+    """Load a Hugging Face checkpoint (directory or hub repo id); see :func:`zoo.checkpoints.from_pretrained`."""
+    from zoo.checkpoints import from_pretrained as _load
+
+    return _load(path_or_repo_id, **kw)
+
+
+def save_pretrained(model, directory, **kw):
+    """Write ``model`` in the Hugging Face layout; see :func:`zoo.checkpoints.save_pretrained`."""
+    from zoo.checkpoints import save_pretrained as _save
+
+    return _save(model, directory, **kw)
+
+
+def verify(path_or_repo_id, **kw):
+    """Compare zoo with the transformers reference on a checkpoint; see :func:`zoo.verify.verify`."""
+    from zoo.verify import verify as _verify
+
+    return _verify(path_or_repo_id, **kw)
+
+
 from zoo.generate import generate  # noqa: E402  (the function; the module stays importable as zoo.generate)
 
 __all__ = [
     "Decoder", "DuplicateNameError", "Family", "LossOutput", "ModelSpec", "Part", "PluginError",
-    "RegistryError", "SpecError", "UnknownNameError", "build", "build_model", "generate", "get", "get_spec",
+    "RegistryError", "SpecError", "UnknownNameError", "build", "build_model", "from_pretrained", "generate", "get", "get_spec",
     "hookimpl", "list_components", "list_models", "lm_loss", "manager", "published_params", "register",
+    "save_pretrained", "TrainConfig", "TrainResult", "train", "verify",
 ]

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo import kernels as _kernels
 from zoo import registry as _registry
 from zoo.parts import ForwardContext, PositionEncoding, Rotary
 from zoo.spec import ModelSpec
@@ -50,6 +51,10 @@ def lm_loss(
 
 class Decoder(nn.Module):
     """A decoder-only language model built from a spec."""
+
+    # The loss (head + soft-cap + cross-entropy + z-loss) has a fused, chunked fast path.
+    kernel = "loss"
+    backends = ("triton", "torch")
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -184,11 +189,16 @@ class Decoder(nn.Module):
     ) -> LossOutput:
         """The LM loss in one call: next-token cross-entropy, plus z-loss (coefficient from the spec
         unless given). ``labels`` default to ``input_ids``; padding (mask 0) is ignored."""
-        logits = self(input_ids, attention_mask=attention_mask)
+        hidden = self.hidden_states(input_ids, attention_mask)
         labels = input_ids if labels is None else labels
         if attention_mask is not None:
             labels = labels.masked_fill(~attention_mask.bool(), -100)
-        out = lm_loss(logits[:, :-1], labels[:, 1:], z_loss=self.spec.z_loss if z_loss is None else z_loss)
+        z_loss = self.spec.z_loss if z_loss is None else z_loss
+        fused = None if return_logits else _kernels.fast(self, hidden)
+        if fused is not None:  # never materialises the logits
+            return LossOutput(*fused(self, hidden[:, :-1], labels[:, 1:], z_loss=z_loss))
+        logits = self.logits_from_hidden(hidden)
+        out = lm_loss(logits[:, :-1], labels[:, 1:], z_loss=z_loss)
         if return_logits:
             out.logits = logits
         return out

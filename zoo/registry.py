@@ -3,27 +3,34 @@
 Every part of a model (a norm, an attention variant, a family recipe, a checkpoint format)
 lives in the registry of its kind under a name. Parts arrive through plugins: the built-in
 catalogue is loaded exactly like a third-party package, through the ``zoo_register`` hook
-(see :mod:`zoo.hookspecs`). Plugins are discovered lazily, on the first look-up.
+(see :mod:`zoo.hookspecs`). Plugins are discovered lazily, on the first use of a registry.
+
+Environment:
+  ``ZOO_DISABLE_PLUGIN_AUTOLOAD=1``  do not load plugins from the ``zoo.plugins`` entry points
+  ``ZOO_PLUGINS=a,b``                 load these plugins (entry-point names or module names) anyway
+  ``ZOO_STRICT_PLUGINS=1``            a plugin that fails to load is an error, not a warning
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import fnmatch
 import importlib
 import os
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Optional
 
 import pluggy
 
 from zoo import hookspecs
+from zoo.hookspecs import interface  # noqa: F401  (re-exported: kinds declare their interface here too)
 
 ENTRY_POINT_GROUP = "zoo.plugins"
 # Built-in plugins, loaded by module name the way pytest loads its own: through the same hook.
-BUILTIN_PLUGINS = ("zoo.components", "zoo.families")
+BUILTIN_PLUGINS = ("zoo.components", "zoo.families", "zoo.checkpoints.formats")
 
 KINDS = (
     "norm",
@@ -52,8 +59,21 @@ class DuplicateNameError(RegistryError):
     pass
 
 
+class InterfaceError(RegistryError, TypeError):
+    """A registered object does not meet the interface of its kind."""
+
+
 class PluginError(RuntimeError):
-    """A plugin failed to load or to register its parts."""
+    """A plugin failed to load or to register its parts (fatal only in strict mode)."""
+
+
+class PluginWarning(UserWarning):
+    """A plugin failed to load and was skipped."""
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
 
 
 @dataclass(frozen=True)
@@ -62,47 +82,12 @@ class Entry:
     name: str
     obj: Any
     provider: str
+    replaced: Optional["Entry"] = None  # the entry an explicit override displaced
 
 
-# What each kind requires of a registered object; checked at registration so that a plugin
-# author sees the problem at once, not at build time. A check returns a list of what is missing.
-_INTERFACE_CHECKS: dict[str, Callable[[Any], list[str]]] = {}
-
-
-def interface(kind: str):
-    """Declare the interface check for a kind (used by the core and by plugins adding kinds)."""
-
-    def deco(fn: Callable[[Any], list[str]]):
-        _INTERFACE_CHECKS[kind] = fn
-        return fn
-
-    return deco
-
-
-def _module_part(obj: Any) -> list[str]:
-    import dataclasses
-
-    missing = []
-    cfg = getattr(obj, "Config", None)
-    if cfg is None or not dataclasses.is_dataclass(cfg):
-        missing.append("a `Config` dataclass attribute (the part's own settings)")
-    if not callable(obj):
-        missing.append("a constructor `cls(config, **context)`")
-    return missing
-
-
-for _k in ("norm", "activation", "ffn", "position", "rope_scaling", "attention", "block"):
-    _INTERFACE_CHECKS[_k] = _module_part
-
-
-@interface("family")
-def _family_check(obj: Any) -> list[str]:
-    missing = []
-    if not isinstance(getattr(obj, "presets", None), dict):
-        missing.append("a `presets` dict mapping preset names to recipes")
-    if not callable(getattr(obj, "recipe", None)):
-        missing.append("a `recipe(preset_name)` method returning the spec dict")
-    return missing
+# Names an entry claims beyond its own: a family claims its preset names, which must be unique
+# across families (``zoo.build("llama3-8b")`` has to mean one thing).
+_CLAIMS: dict[str, Callable[[Any], list[str]]] = {"family": lambda fam: list(getattr(fam, "presets", {}))}
 
 
 class Registry:
@@ -114,24 +99,47 @@ class Registry:
         self._entries: dict[str, Entry] = {}
 
     def add(self, name: str, obj: Any, *, provider: str, override: bool = False) -> Any:
+        owner = self._owner
         if not isinstance(name, str) or not name:
-            raise RegistryError(f"{self.kind} names must be non-empty strings, got {name!r} from {provider}")
-        check = _INTERFACE_CHECKS.get(self.kind)
-        if check is not None:
-            missing = check(obj)
-            if missing:
-                raise RegistryError(
-                    f"{provider} registers {self.kind} {name!r} ({obj!r}), which does not meet the "
-                    f"{self.kind} interface: it lacks " + "; ".join(missing)
-                )
-        old = self._entries.get(name)
-        if old is not None and old.obj is not obj and not override:
-            raise DuplicateNameError(
-                f"{self.kind} {name!r} is registered twice: by {old.provider} and by {provider}. "
-                f"Rename one, or register with override=True to replace {old.provider}'s."
+            raise RegistryError(f"{self.kind} names must be non-empty strings; {owner.describe(provider)} gave {name!r}")
+        missing = hookspecs.check(self.kind, obj)
+        if missing:
+            raise InterfaceError(
+                f"{owner.describe(provider)} registers {self.kind} {name!r} ({getattr(obj, '__qualname__', obj)!r}), "
+                f"which does not meet the {self.kind} interface: it needs " + "; ".join(missing) + "."
             )
-        self._entries[name] = Entry(self.kind, name, obj, provider)
+        old = self._entries.get(name)
+        if old is not None and old.obj is obj:
+            return obj
+        if old is not None and not override:
+            raise DuplicateNameError(
+                f"{self.kind} {name!r} is registered twice: by {owner.describe(old.provider)} and by "
+                f"{owner.describe(provider)}. Rename one of them, or register with override=True to replace "
+                f"the first one on purpose."
+            )
+        claims = _CLAIMS.get(self.kind)
+        if claims is not None:
+            for other in self._entries.values():
+                if other.name == name:
+                    continue
+                clash = sorted(set(claims(obj)) & set(claims(other.obj)))
+                if clash:
+                    raise DuplicateNameError(
+                        f"{self.kind} {name!r} of {owner.describe(provider)} claims {clash[0]!r}, which "
+                        f"{self.kind} {other.name!r} of {owner.describe(other.provider)} already has. Rename one."
+                    )
+        self._entries[name] = Entry(self.kind, name, obj, provider, replaced=old)
         return obj
+
+    def remove(self, name: str, provider: str) -> None:
+        """Withdraw ``provider``'s entry (restoring what it had overridden)."""
+        entry = self._entries.get(name)
+        if entry is None or entry.provider != provider:
+            return
+        if entry.replaced is not None:
+            self._entries[name] = entry.replaced
+        else:
+            del self._entries[name]
 
     def _loaded(self) -> dict[str, Entry]:
         self._owner.ensure_loaded()
@@ -161,13 +169,34 @@ class Registry:
 
 @dataclass
 class PluginInfo:
+    """Provenance of one plugin: where it came from and what it registered."""
+
     name: str
     module: str
-    distribution: str | None = None
-    version: str | None = None
+    distribution: Optional[str] = None
+    version: Optional[str] = None
     registered: list[tuple[str, str]] = field(default_factory=list)
-    error: str | None = None
+    error: Optional[str] = None
     builtin: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["registered"] = [{"kind": k, "name": n} for k, n in self.registered]
+        return d
+
+
+@functools.lru_cache(maxsize=None)
+def _distribution_of(module: str) -> tuple[Optional[str], Optional[str]]:
+    """The installed distribution (name, version) providing a top-level module, if any."""
+    from importlib.metadata import packages_distributions, version
+
+    top = module.split(".")[0]
+    for dist in packages_distributions().get(top, []):
+        try:
+            return dist, version(dist)
+        except Exception:
+            continue
+    return None, None
 
 
 class PluginManager:
@@ -184,7 +213,7 @@ class PluginManager:
 
     # -- registration -------------------------------------------------------------------------
     @property
-    def current_provider(self) -> str | None:
+    def current_provider(self) -> Optional[str]:
         return self._provider[-1] if self._provider else None
 
     @contextlib.contextmanager
@@ -195,7 +224,19 @@ class PluginManager:
         finally:
             self._provider.pop()
 
-    def add_kind(self, kind: str) -> Registry:
+    def describe(self, provider: str) -> str:
+        """``plugin 'x' (distribution d 1.0)``: how messages name a provider."""
+        info = self.plugins.get(provider)
+        if info is None:
+            return repr(provider)
+        if info.distribution:
+            return f"plugin {provider!r} (distribution {info.distribution} {info.version or ''})".replace(" )", ")")
+        return f"plugin {provider!r}"
+
+    def add_kind(self, kind: str, check: Optional[Callable[[Any], list[str]]] = None) -> Registry:
+        """Add a new kind of part (with its interface check, if any)."""
+        if check is not None:
+            hookspecs.INTERFACES[kind] = check
         if kind not in self.registries:
             self.registries[kind] = Registry(kind, self)
         return self.registries[kind]
@@ -208,77 +249,153 @@ class PluginManager:
             hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
             raise UnknownNameError(f"unknown registry kind {kind!r}.{hint} Kinds: {', '.join(self.registries)}.") from None
 
-    def add(self, kind: str, name: str, obj: Any, *, provider: str | None = None, override: bool = False) -> Any:
-        provider = provider or self.current_provider or getattr(obj, "__module__", None) or "<unknown>"
+    def _provider_for(self, obj: Any) -> str:
+        current = self.current_provider
+        if current is not None:
+            return current
+        # Registered outside a plugin's hook (a module imported directly): credit the plugin
+        # whose module contains it, else the module itself.
+        module = getattr(obj, "__module__", None) or "<unknown>"
+        for info in self.plugins.values():
+            if module == info.module or module.startswith(info.module + "."):
+                return info.name
+        return module
+
+    def add(self, kind: str, name: str, obj: Any, *, provider: Optional[str] = None, override: bool = False) -> Any:
+        """Register ``obj`` as the ``kind`` called ``name``. The interface of the kind is checked
+        now; a taken name is an error naming both providers unless ``override=True``."""
+        if not self._loading and not self._loaded:
+            self.ensure_loaded()  # so a name clash with a built-in or a plugin is seen now
+        provider = provider or self._provider_for(obj)
         self.registry(kind).add(name, obj, provider=provider, override=override)
         info = self.plugins.get(provider)
-        if info is not None:
+        if info is not None and (kind, name) not in info.registered:
             info.registered.append((kind, name))
         return obj
 
+    # Typed helpers, one per kind: the interface of the kind is checked at registration.
+    def add_norm(self, name: str, cls: type, *, override: bool = False) -> type:
+        """A norm: ``nn.Module`` built as ``cls(config, dim=...)``, called on ``x``."""
+        return self.add("norm", name, cls, override=override)
+
+    def add_activation(self, name: str, cls: type, *, override: bool = False) -> type:
+        """A pointwise activation: ``nn.Module`` built as ``cls(config)``."""
+        return self.add("activation", name, cls, override=override)
+
+    def add_ffn(self, name: str, cls: type, *, override: bool = False) -> type:
+        """A feed-forward network: built as ``cls(config, d_model=...)``, (B, T, d) -> (B, T, d)."""
+        return self.add("ffn", name, cls, override=override)
+
+    def add_position(self, name: str, cls: type, *, override: bool = False) -> type:
+        """A :class:`zoo.parts.PositionEncoding` built as ``cls(config, spec=..., layer=...)``."""
+        return self.add("position", name, cls, override=override)
+
+    def add_rope_scaling(self, name: str, cls: type, *, override: bool = False) -> type:
+        """A RoPE frequency scaling built as ``cls(config, dim=..., theta=...)`` with ``frequencies(seq_len)``."""
+        return self.add("rope_scaling", name, cls, override=override)
+
+    def add_attention(self, name: str, cls: type, *, override: bool = False) -> type:
+        """An attention built as ``cls(config, d_model=, layer=, spec=, index=)``, called ``(x, ctx, rotary)``."""
+        return self.add("attention", name, cls, override=override)
+
+    def add_block(self, name: str, cls: type, *, override: bool = False) -> type:
+        """A block built as ``cls(config, spec=, layer=, index=)``, called ``(x, ctx, rotary)``."""
+        return self.add("block", name, cls, override=override)
+
+    def add_stability(self, name: str, fn: Callable, *, override: bool = False) -> Callable:
+        """A stability function of tensors (soft-cap, z-loss)."""
+        return self.add("stability", name, fn, override=override)
+
+    def add_family(self, family: Any, *, override: bool = False) -> Any:
+        """A family (a :class:`zoo.Family`, or a path to a family TOML file); its presets must be new names."""
+        if isinstance(family, (str, os.PathLike)):
+            from zoo.recipes import Family
+
+            family = Family.from_toml(family)
+        return self.add("family", family.name, family, override=override)
+
+    def add_checkpoint_format(self, name: str, fmt: Any, *, override: bool = False) -> Any:
+        """A checkpoint format, keyed by the Hugging Face ``model_type`` it reads and writes."""
+        return self.add("checkpoint_format", name, fmt, override=override)
+
     # -- loading ------------------------------------------------------------------------------
     def ensure_loaded(self) -> None:
+        """Load the built-ins, then (unless disabled) every ``zoo.plugins`` entry point, then
+        the plugins named in ``ZOO_PLUGINS``. Runs once."""
         if self._loaded or self._loading:
             return
         self._loading = True
         try:
             for modname in BUILTIN_PLUGINS:
                 self.load_plugin(modname, builtin=True)
-            if os.environ.get("ZOO_DISABLE_PLUGIN_AUTOLOAD", "") not in ("1", "true", "yes"):
-                self._load_entry_points()
-            for name in filter(None, os.environ.get("ZOO_PLUGINS", "").split(",")):
-                self.load_plugin(name.strip())
+            if not _env_flag("ZOO_DISABLE_PLUGIN_AUTOLOAD"):
+                for ep in self._entry_points():
+                    self._load_entry_point(ep)
+            for name in os.environ.get("ZOO_PLUGINS", "").split(","):
+                if name.strip():
+                    self.load_plugin(name.strip())
         finally:
             self._loading = False
             self._loaded = True
 
-    def _load_entry_points(self) -> None:
+    @staticmethod
+    def _entry_points() -> list[Any]:
         from importlib.metadata import entry_points
 
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
-            dist = getattr(ep, "dist", None)
-            self.load_plugin(
-                ep.value,
-                name=ep.name,
-                loader=ep.load,
-                distribution=getattr(dist, "name", None),
-                version=getattr(dist, "version", None),
-            )
+        return list(entry_points(group=ENTRY_POINT_GROUP))
 
-    def load_plugin(
-        self,
-        module: str,
-        *,
-        name: str | None = None,
-        loader: Callable[[], Any] | None = None,
-        distribution: str | None = None,
-        version: str | None = None,
-        builtin: bool = False,
-    ) -> PluginInfo:
-        """Import a plugin module and call its ``zoo_register`` hook, recording what it adds.
+    def _load_entry_point(self, ep: Any) -> PluginInfo:
+        dist = getattr(ep, "dist", None)
+        return self._load(
+            ep.name, ep.value.split(":")[0], ep.load,
+            distribution=getattr(dist, "name", None), version=getattr(dist, "version", None),
+        )
 
-        A failing plugin is recorded and warned about; ``ZOO_STRICT_PLUGINS=1`` makes it fatal.
-        """
-        name = name or module
+    def load_plugin(self, name: str, *, builtin: bool = False) -> PluginInfo:
+        """Load one plugin explicitly: an entry-point name of the ``zoo.plugins`` group, or a
+        module name. This works with autoloading disabled. Returns its :class:`PluginInfo`."""
+        if not builtin:
+            self.ensure_loaded()
+        if name in self.plugins and self.plugins[name].error is None:
+            return self.plugins[name]
+        if not builtin:
+            for ep in self._entry_points():
+                if ep.name == name:
+                    return self._load_entry_point(ep)
+        dist, version = _distribution_of(name)
+        return self._load(name, name, lambda: importlib.import_module(name),
+                          distribution=dist, version=version, builtin=builtin)
+
+    def _load(self, name: str, module: str, loader: Callable[[], Any], *, distribution: Optional[str] = None,
+              version: Optional[str] = None, builtin: bool = False) -> PluginInfo:
+        """Import a plugin and call its ``zoo_register`` hook, recording what it adds. A failing
+        plugin is withdrawn, recorded and warned about; ``ZOO_STRICT_PLUGINS=1`` makes it fatal."""
         if name in self.plugins and self.plugins[name].error is None:
             return self.plugins[name]
         info = PluginInfo(name=name, module=module, distribution=distribution, version=version, builtin=builtin)
         self.plugins[name] = info
+        plugin = None
         try:
             with self.providing(name):
-                plugin = loader() if loader else importlib.import_module(module)
-                if self.pm.is_registered(plugin):
-                    return info
+                plugin = loader()
+                if self.pm.is_registered(plugin):  # already loaded under another name
+                    del self.plugins[name]
+                    return self.plugins[self.pm.get_name(plugin)]
                 self.pm.register(plugin, name=name)
-                hook = self.pm.subset_hook_caller("zoo_register", remove_plugins=[
-                    p for p in self.pm.get_plugins() if p is not plugin
-                ])
-                hook(registry=self)
+                others = [p for p in self.pm.get_plugins() if p is not plugin]
+                self.pm.subset_hook_caller("zoo_register", remove_plugins=others)(registry=self)
         except Exception as exc:  # a plugin must not take zoo down unless asked to
             info.error = f"{type(exc).__name__}: {exc}"
-            if builtin or os.environ.get("ZOO_STRICT_PLUGINS", "") in ("1", "true", "yes"):
-                raise PluginError(f"plugin {name!r} ({module}) failed to load: {info.error}") from exc
-            warnings.warn(f"zoo plugin {name!r} ({module}) failed to load and was skipped: {info.error}", stacklevel=2)
+            for kind, part in info.registered:
+                self.registries[kind].remove(part, name)
+            info.registered.clear()
+            if plugin is not None and self.pm.is_registered(plugin):
+                self.pm.unregister(plugin)
+            message = f"zoo plugin {name!r} ({distribution or module}) failed to load: {info.error}"
+            if builtin or _env_flag("ZOO_STRICT_PLUGINS"):
+                raise PluginError(message) from exc
+            warnings.warn(message + " It was skipped; set ZOO_STRICT_PLUGINS=1 to make this an error.",
+                          PluginWarning, stacklevel=3)
         return info
 
     def provider_of(self, kind: str, name: str) -> str:
@@ -296,7 +413,7 @@ def registry(kind: str) -> Registry:
     return _manager.registry(kind)
 
 
-def register(kind: str, name: str | None = None, *, override: bool = False):
+def register(kind: str, name: Optional[str] = None, *, override: bool = False):
     """Decorator: ``@zoo.register("norm", "rmsnorm")`` registers a class or function."""
 
     def deco(obj):
@@ -310,7 +427,12 @@ def get(kind: str, name: str) -> Any:
     return _manager.registry(kind).get(name)
 
 
-def list_components(kind: str | None = None, pattern: str = "*") -> list[str] | dict[str, list[str]]:
+def load_plugin(name: str) -> PluginInfo:
+    """Load a plugin by entry-point or module name (e.g. with ``ZOO_DISABLE_PLUGIN_AUTOLOAD=1``)."""
+    return _manager.load_plugin(name)
+
+
+def list_components(kind: Optional[str] = None, pattern: str = "*") -> list[str] | dict[str, list[str]]:
     """Names registered under ``kind`` (shell-style ``pattern``), or every kind's names."""
     if kind is None:
         return {k: r.names(pattern) for k, r in _manager.registries.items()}

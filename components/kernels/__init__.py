@@ -1,0 +1,22 @@
+"""Fast kernels for the memory-bound parts: norms, RoPE, the GLU gated product, the loss
+(Triton) and attention with soft-capping or a sliding window (FlexAttention).
+
+Importing this package imports neither Triton nor any kernel: it registers each backend under the
+registry kind ``kernel`` by import path, and :mod:`zoo.kernels` loads one when it is chosen.
+"""
+
+from zoo.kernels import KIND, Backend
+from zoo.registry import manager
+
+BACKENDS = (
+    Backend("rmsnorm", "triton", "zoo.components.kernels.norms:rms_norm_module"),
+    Backend("layernorm", "triton", "zoo.components.kernels.norms:layer_norm_module"),
+    Backend("rope", "triton", "zoo.components.kernels.rope:rope_module"),
+    Backend("glu", "triton", "zoo.components.kernels.glu:glu_module"),
+    Backend("loss", "triton", "zoo.components.kernels.cross_entropy:decoder_loss"),
+    Backend("attention", "flex", "zoo.components.kernels.attention:flex_attend", needs="flex"),
+)
+
+manager().add_kind(KIND)
+for _b in BACKENDS:
+    manager().add(KIND, f"{_b.component}.{_b.name}", _b)

@@ -1,0 +1,227 @@
+"""Hugging Face checkpoints: ``config.json`` <-> spec through a format per ``model_type``;
+safetensors <-> module through that format's two-way weight-name map.
+
+    >>> model = zoo.from_pretrained("meta-llama/Llama-3.2-1B", dtype=torch.bfloat16)
+    >>> zoo.save_pretrained(model, "out/")   # transformers loads it back
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from zoo.checkpoints.format import CheckpointError, CheckpointFormat, ConfigError, get_format
+from zoo.checkpoints.hub import resolve
+from zoo.checkpoints.io import WeightFiles, atomic_directory, check_sizes, write_shards
+from zoo.checkpoints.maps import bind
+from zoo.checkpoints.sizes import ffn_size
+from zoo.model import Decoder, build_model
+from zoo.spec import ModelSpec
+
+__all__ = [
+    "CheckpointError", "CheckpointFormat", "ConfigError", "config_to_spec", "from_pretrained",
+    "get_format", "load_weights", "read_config", "save_pretrained", "spec_to_config",
+]
+
+# Non-architectural fields carried from the loaded config into a saved one.
+CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory} has no config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _format_and_config(config: dict[str, Any]) -> tuple[CheckpointFormat, dict[str, Any], dict[str, str]]:
+    fmt = get_format(config.get("model_type"))
+    inner, renames = fmt.unwrap(config)
+    if inner is not config:
+        fmt = get_format(inner.get("model_type") or fmt.model_type)
+    return fmt, inner, renames
+
+
+def config_to_spec(config: dict[str, Any], *, strict: bool = True) -> ModelSpec:
+    """The zoo spec an HF config describes (strict: a field zoo cannot express is an error)."""
+    fmt, inner, _ = _format_and_config(config)
+    return fmt.config_to_spec(inner, strict=strict)
+
+
+def spec_to_config(spec: ModelSpec, model_type: str) -> dict[str, Any]:
+    fmt = get_format(model_type)
+    return {"architectures": [fmt.architecture], "model_type": fmt.model_type, **fmt.spec_to_config(spec)}
+
+
+def _rename(name: str, renames: dict[str, str]) -> str:
+    for old, new in renames.items():
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, dtype=None, device=None,
+                 renames: Optional[dict[str, str]] = None, ignore: tuple[str, ...] = ()) -> None:
+    """Fill ``model`` (built on the meta device) from ``files`` through ``fmt``'s name map, by assignment.
+
+    Every zoo parameter must come from the file and every tensor in the file must be used (or be
+    one the format ignores): anything else is an error naming the tensor, raised before the model
+    is touched.
+    """
+    renames = dict(renames or {})
+    if fmt.base_prefix and not any(_rename(n, renames).startswith(fmt.base_prefix) for n in files.names()):
+        renames[""] = fmt.base_prefix  # a base-model checkpoint: names lack the prefix
+    names = {_rename(n, renames): n for n in files.names()}
+    bound = list(bind(fmt.rules(model.spec), model))
+    meta = dict(model.state_dict(keep_vars=True))
+    needed = {h for b in bound for h in b.hf}
+    missing = sorted(needed - set(names))
+    if missing:
+        raise CheckpointError(
+            f"{files.directory}: tensor {missing[0]!r} is missing ({len(missing)} missing in all: "
+            f"{', '.join(missing[:5])}{'...' if len(missing) > 5 else ''}); the checkpoint is incomplete or is "
+            f"not the {fmt.model_type} model its config describes"
+        )
+    skip = tuple(fmt.ignore) + tuple(ignore)
+    unexpected = sorted(n for n in names if n not in needed and not any(fnmatch.fnmatchcase(n, p) for p in skip))
+    if unexpected:
+        raise CheckpointError(
+            f"{files.directory}: unexpected tensor {names[unexpected[0]]!r} (in {files.where[names[unexpected[0]]].name}; "
+            f"{len(unexpected)} in all): zoo's {fmt.model_type} model has no place for it, so the checkpoint "
+            "does not match its config"
+        )
+    covered = {z for b in bound for z in b.zoo}
+    uncovered = sorted(set(meta) - covered)
+    if uncovered:
+        raise CheckpointError(f"the {fmt.model_type} name map leaves zoo parameter {uncovered[0]!r} unfilled")
+    state: dict[str, torch.Tensor] = {}
+    for b in bound:
+        hf_tensors = [files.get(names[h]) for h in b.hf]
+        try:
+            zoo_tensors = b.transform.to_zoo(hf_tensors, b.heads)
+        except RuntimeError as exc:
+            raise CheckpointError(
+                f"{files.directory}: tensor(s) {', '.join(b.hf)} of shape(s) "
+                f"{[tuple(t.shape) for t in hf_tensors]} do not fit {b.transform.name} for {', '.join(b.zoo)} ({exc})"
+            ) from None
+        for zname, t, hname in zip(b.zoo, zoo_tensors, b.hf * len(b.zoo) if len(b.hf) == 1 else b.hf):
+            want = tuple(meta[zname].shape)
+            if tuple(t.shape) != want:
+                raise CheckpointError(
+                    f"{files.directory}: tensor {hname!r} has shape {tuple(hf_tensors[b.hf.index(hname)].shape)}, "
+                    f"but {zname} needs {want} (via {b.transform.name}); the config does not describe these weights"
+                )
+            target_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            state[zname] = t.to(device=device or "cpu", dtype=target_dtype)
+        del hf_tensors, zoo_tensors
+    model.load_state_dict(state, strict=True, assign=True)
+    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if left:
+        raise CheckpointError(f"after loading, {left[0]!r} is still on the meta device (not filled)")
+
+
+def from_pretrained(
+    path_or_repo_id: str | Path,
+    *,
+    revision: Optional[str] = None,
+    dtype: Optional[torch.dtype | str] = None,
+    device: Optional[torch.device | str] = None,
+    strict: bool = True,
+    token: Any = None,
+    cache_dir: Optional[str] = None,
+) -> Decoder:
+    """Load an HF checkpoint (local directory or hub repo id) into a zoo model.
+
+    ``dtype`` converts floating-point weights on load (default: as stored). The model is built on
+    the meta device and filled by assignment from memory-mapped safetensors, so loading needs about
+    one copy of the weights. ``strict=False`` lets unknown config fields through.
+    """
+    directory = resolve(path_or_repo_id, revision=revision, token=token, cache_dir=cache_dir)
+    config = read_config(directory)
+    fmt, inner, renames = _format_and_config(config)
+    spec = fmt.config_to_spec(inner, strict=strict)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    check_sizes(directory)
+    model = build_model(spec, device="meta")
+    with WeightFiles(directory) as files:
+        load_weights(model, fmt, files, dtype=dtype, device=device, renames=renames)
+    model.eval()
+    model.checkpoint_format = fmt.model_type
+    model.hf_config = {k: inner[k] for k in CARRIED if k in inner}
+    return model
+
+
+def _architecture(spec: ModelSpec) -> dict[str, Any]:
+    """What decides the function a spec computes, layer by layer, with defaults resolved (not layer
+    kind names, labels or training-only settings), so that two spellings of one model compare equal."""
+    from zoo.spec import to_dict
+
+    data = {k: v for k, v in spec.to_dict().items()
+            if k not in ("layers", "layer_pattern", "label", "dropout", "init_std", "z_loss", "position")}
+    per_layer = []
+    for i in range(spec.n_layers):
+        layer = spec.layer(i)
+        att = to_dict(layer.attention)
+        att["head_dim"] = layer.attention.cls.head_dim_for(layer.attention.config, spec.d_model)
+        att["n_kv_heads"] = att.get("n_kv_heads") or att["n_heads"]
+        att["scale_dim"] = att.get("scale_dim") or att["head_dim"]
+        ffn = to_dict(layer.ffn)
+        for key in ("d_ff_rule", "multiple_of", "ffn_dim_multiplier"):
+            ffn.pop(key, None)
+        ffn["d_ff"] = ffn_size(spec, i)
+        ffn["name"] = "glu" if getattr(layer.ffn.cls, "gated", False) else ffn["name"]
+        per_layer.append({"attention": att, "ffn": ffn, "norm": to_dict(layer.norm), "block": to_dict(layer.block),
+                          "position": to_dict(spec.position_for(i))})
+    data["per_layer"] = per_layer
+    return data
+
+
+def _keep_on_save(name: str) -> bool:
+    return not (name.endswith(".safetensors") or name in ("config.json", "model.safetensors.index.json"))
+
+
+def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Optional[str] = None,
+                    max_shard_size: int | str = "2GB") -> Path:
+    """Write ``model`` in the Hugging Face layout (config.json + safetensors shards + index), atomically:
+    an interrupted save leaves an earlier checkpoint in ``directory`` intact.
+
+    The ``model_type`` comes from the checkpoint the model was loaded from, or must be given.
+    """
+    model_type = model_type or getattr(model, "checkpoint_format", None)
+    if not model_type:
+        raise CheckpointError(
+            "save_pretrained needs to know which HF model_type to write: this model was not loaded from a "
+            "checkpoint, so pass model_type= (one of: "
+            + ", ".join(__import__("zoo").list_components("checkpoint_format")) + ")"
+        )
+    fmt = get_format(model_type)
+    spec = model.spec
+    try:
+        config = {**getattr(model, "hf_config", {}), **spec_to_config(spec, fmt.model_type)}
+    except ValueError as exc:
+        raise CheckpointError(f"this model cannot be written as {fmt.model_type}: {exc}") from None
+    state = model.state_dict()
+    config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    tensors: dict[str, torch.Tensor] = {}
+    for b in bind(fmt.rules(spec), model):
+        for name, t in zip(b.hf, b.transform.to_hf([state[z].detach() for z in b.zoo], b.heads)):
+            tensors[name] = t.contiguous().cpu()
+    # Before anything is written: the config must describe exactly this model.
+    back = fmt.config_to_spec(config)
+    if _architecture(back) != _architecture(spec):
+        raise CheckpointError(
+            f"this model cannot be written as {fmt.model_type}: its config would describe a different model "
+            f"(spec {json.dumps(_architecture(spec))[:400]} vs {json.dumps(_architecture(back))[:400]})"
+        )
+    with atomic_directory(Path(directory), keep=_keep_on_save) as tmp:
+        write_shards(tensors, tmp, max_shard_size)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return Path(directory)

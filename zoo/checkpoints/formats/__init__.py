@@ -1,0 +1,15 @@
+"""The built-in checkpoint formats, one per HF ``model_type``; loaded as a plugin like any other."""
+
+import importlib
+
+from zoo.hookspecs import hookimpl
+
+MODULES = ("llama", "gpt2", "gpt_neox", "gptj", "falcon")
+
+
+@hookimpl
+def zoo_register(registry):
+    for name in MODULES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        for fmt in module.FORMATS:
+            registry.add("checkpoint_format", fmt.model_type, fmt)

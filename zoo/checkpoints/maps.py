@@ -1,0 +1,169 @@
+"""Two-way weight-name maps: one table of rules per HF ``model_type``, used to load and to save.
+
+A :class:`Rule` ties one or more HF tensor names to one or more zoo parameter names through a
+named :class:`Transform` that knows both directions (``to_zoo`` and ``to_hf``), so there is never
+a second, hand-written inverse. ``{i}`` in a name stands for the layer index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+Tensors = list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Heads:
+    """What a transform needs to know about a layer's attention shapes."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class Transform:
+    """A named, invertible change between HF tensors and zoo tensors."""
+
+    name: str
+    to_zoo: Callable[[Tensors, Heads], Tensors]
+    to_hf: Callable[[Tensors, Heads], Tensors]
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+IDENTITY = Transform("identity", lambda ts, h: list(ts), lambda ts, h: list(ts))
+
+# GPT-2 stores its projections as Conv1D: (in, out) instead of nn.Linear's (out, in).
+TRANSPOSE = Transform(
+    "transpose",
+    lambda ts, h: [t.t().contiguous() for t in ts],
+    lambda ts, h: [t.t().contiguous() for t in ts],
+)
+
+
+def compose(*transforms: Transform) -> Transform:
+    """Apply ``transforms`` left to right when loading (and right to left when saving)."""
+
+    def to_zoo(ts, h):
+        for t in transforms:
+            ts = t.to_zoo(ts, h)
+        return ts
+
+    def to_hf(ts, h):
+        for t in reversed(transforms):
+            ts = t.to_hf(ts, h)
+        return ts
+
+    return Transform("+".join(t.name for t in transforms), to_zoo, to_hf)
+
+
+def _qkv(name: str, split, fuse) -> Transform:
+    return Transform(name, lambda ts, h: split(ts[0], h), lambda ts, h: [fuse(ts, h)])
+
+
+def _concat_split(t, h):
+    q = h.n_heads * h.head_dim
+    kv = h.n_kv_heads * h.head_dim
+    return list(torch.split(t, [q, kv, kv], dim=0))
+
+
+def _concat_fuse(ts, h):
+    return torch.cat(ts, dim=0)
+
+
+def _per_head_split(t, h):
+    # rows: for each head, [q_h, k_h, v_h] (GPT-NeoX; Falcon without multi-query)
+    if h.n_kv_heads != h.n_heads:
+        raise ValueError("the per-head fused QKV layout needs as many kv heads as query heads")
+    parts = t.reshape(h.n_heads, 3, h.head_dim, *t.shape[1:])
+    return [parts[:, j].reshape(h.n_heads * h.head_dim, *t.shape[1:]).contiguous() for j in range(3)]
+
+
+def _per_head_fuse(ts, h):
+    rest = ts[0].shape[1:]
+    parts = [x.reshape(h.n_heads, 1, h.head_dim, *rest) for x in ts]
+    return torch.cat(parts, dim=1).reshape(3 * h.n_heads * h.head_dim, *rest).contiguous()
+
+
+def _grouped_split(t, h):
+    # rows: for each kv group, [q of the group's G heads, k, v] (Falcon's new decoder architecture)
+    G = h.n_heads // h.n_kv_heads
+    rest = t.shape[1:]
+    parts = t.reshape(h.n_kv_heads, G + 2, h.head_dim, *rest)
+    q = parts[:, :G].reshape(h.n_heads * h.head_dim, *rest)
+    k = parts[:, G].reshape(h.n_kv_heads * h.head_dim, *rest)
+    v = parts[:, G + 1].reshape(h.n_kv_heads * h.head_dim, *rest)
+    return [q.contiguous(), k.contiguous(), v.contiguous()]
+
+
+def _grouped_fuse(ts, h):
+    q, k, v = ts
+    G = h.n_heads // h.n_kv_heads
+    rest = q.shape[1:]
+    q = q.reshape(h.n_kv_heads, G, h.head_dim, *rest)
+    k = k.reshape(h.n_kv_heads, 1, h.head_dim, *rest)
+    v = v.reshape(h.n_kv_heads, 1, h.head_dim, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest).contiguous()
+
+
+#: q, k and v stacked one after the other (GPT-2's c_attn, Falcon-7B's multi-query layout).
+FUSED_QKV = _qkv("fused_qkv", _concat_split, _concat_fuse)
+#: q, k, v interleaved head by head (GPT-NeoX, Falcon with one kv head per query head).
+FUSED_QKV_PER_HEAD = _qkv("fused_qkv_per_head", _per_head_split, _per_head_fuse)
+#: per kv group: the group's query heads, then its key and value head (Falcon 40B/180B).
+FUSED_QKV_GROUPED = _qkv("fused_qkv_grouped", _grouped_split, _grouped_fuse)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """HF name(s) <-> zoo name(s), through ``transform``. Names may contain ``{i}`` (layer index)."""
+
+    hf: tuple[str, ...]
+    zoo: tuple[str, ...]
+    transform: Transform = IDENTITY
+
+    @property
+    def per_layer(self) -> bool:
+        return any("{i}" in n for n in self.hf + self.zoo)
+
+
+def rule(hf: str | Sequence[str], zoo: str | Sequence[str], transform: Transform = IDENTITY) -> Rule:
+    as_tuple = lambda x: (x,) if isinstance(x, str) else tuple(x)  # noqa: E731
+    return Rule(as_tuple(hf), as_tuple(zoo), transform)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A rule instantiated for one layer (or for the whole model)."""
+
+    hf: tuple[str, ...]
+    zoo: tuple[str, ...]
+    transform: Transform
+    heads: Heads | None
+
+
+def bind(rules: Sequence[Rule], model) -> Iterator[Bound]:
+    """Instantiate ``rules`` for ``model``: each per-layer rule once per layer, and only the rules
+    whose zoo parameters the model has (a bias rule applies only where the model has biases)."""
+    names = set(model.state_dict(keep_vars=True))
+    for r in rules:
+        layers = range(len(model.layers)) if r.per_layer else [None]
+        for i in layers:
+            fmt = (lambda n: n.replace("{i}", str(i))) if i is not None else (lambda n: n)
+            zoo_names = tuple(fmt(n) for n in r.zoo)
+            present = [n in names for n in zoo_names]
+            if not any(present):
+                continue
+            if not all(present):
+                missing = [n for n, p in zip(zoo_names, present) if not p]
+                raise ValueError(f"rule {r.hf} -> {r.zoo}: the model lacks {missing}")
+            heads = None
+            if i is not None:
+                att = model.layers[i].attention
+                heads = Heads(att.n_heads, att.n_kv_heads, att.head_dim)
+            yield Bound(tuple(fmt(n) for n in r.hf), zoo_names, r.transform, heads)
