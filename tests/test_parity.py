@@ -1,128 +1,127 @@
-"""Parity with the transformers reference: for every supported model_type, a tiny random model
-saved by transformers, loaded by zoo, gives the same fp32 logits (also with left padding), and
-zoo's own save loads back into transformers with the same logits."""
+"""Parity with the transformers reference (pinned in pyproject.toml).
+
+For every supported model_type, a tiny random model made and saved by transformers (the format's
+``tiny`` config: GQA, head_dim != d_model / heads, sliding windows shorter than the sequence,
+QKV biases, soft-caps, and between them all four RoPE scalings: llama3 on llama, yarn on qwen2,
+linear on qwen3, dynamic on gemma), loaded by zoo, gives the same fp32 logits within 1e-4, also
+for a left-padded batch. Then zoo saves it and transformers loads zoo's files into the very same
+weights and logits, and zoo loads its own save bit for bit.
+"""
+
+import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import zoo
 from zoo.checkpoints.tiny import make_tiny, tiny_formats
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-4
-SEQ = 32  # longer than the tiny sliding windows (8)
+SEQ, PAD = 32, 5  # longer than the tiny sliding windows (8)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    made = {}
-
-    def get(model_type, **overrides):
-        key = (model_type, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
-        if key not in made:
-            d = tmp_path_factory.mktemp(model_type)
-            made[key] = (d, make_tiny(model_type, d, overrides=overrides))
-        return made[key]
-
-    return get
-
-
-def padded_batch(vocab, seq=SEQ, pad=5):
+def batch(vocab=128):
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab, (2, seq), generator=gen)
-    mask = torch.ones(2, seq, dtype=torch.long)
-    mask[1, :pad] = 0
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    return ids, mask, position_ids
+    ids = torch.randint(0, vocab, (2, SEQ), generator=gen)
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    mask[1, :PAD] = 0  # left padding
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def assert_parity(hf, model, vocab):
-    ids, mask, pos = padded_batch(vocab)
+def reference(hf):
+    ids, mask, pos = batch()
     with torch.no_grad():
-        ref = hf(ids[:1]).logits
-        out = model(ids[:1])
-        torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
-        ref = hf(ids, attention_mask=mask, position_ids=pos).logits
-        out = model(ids, attention_mask=mask, position_ids=pos)
-    real = mask.bool()
-    torch.testing.assert_close(out[real], ref[real], atol=ATOL, rtol=0)
-    return ref
+        return hf(ids, attention_mask=mask, position_ids=pos).logits
 
 
-@pytest.mark.parametrize("model_type", tiny_formats())
-def test_transformers_save_zoo_load(model_type, tiny_dir):
-    d, hf = tiny_dir(model_type)
-    model = zoo.from_pretrained(d)
-    assert model.checkpoint_format == model_type
-    ref = assert_parity(hf, model, hf.config.get_text_config().vocab_size)
+def assert_parity(model, ref):
+    ids, mask, pos = batch()
+    with torch.no_grad():
+        alone = model(ids[:1])  # no mask: the fast unmasked path
+        padded = model(ids, attention_mask=mask, position_ids=pos)
+    torch.testing.assert_close(alone[0], ref[0], atol=ATOL, rtol=0)
+    real = mask.bool()  # padding positions are not compared
+    torch.testing.assert_close(padded[real], ref[real], atol=ATOL, rtol=0)
+
+
+def check(model_type, overrides, tmp_path):
+    hf = make_tiny(model_type, tmp_path / "hf", overrides=overrides)
+    ref = reference(hf)
     assert ref.abs().max() > 1.0  # the logits are not trivially flat
 
+    model = zoo.from_pretrained(tmp_path / "hf")
+    assert model.checkpoint_format == model_type
+    assert_parity(model, ref)
 
-@pytest.mark.parametrize("model_type", tiny_formats())
-def test_zoo_save_transformers_load(model_type, tiny_dir, tmp_path):
-    import transformers
+    zoo.save_pretrained(model, tmp_path / "zoo", max_shard_size=40_000)
+    assert (tmp_path / "zoo" / "model.safetensors.index.json").is_file()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "zoo", attn_implementation="eager")
+    a, b = back.state_dict(), hf.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    torch.testing.assert_close(reference(back), ref, atol=ATOL, rtol=0)
 
-    d, hf = tiny_dir(model_type)
-    model = zoo.from_pretrained(d)
-    zoo.save_pretrained(model, tmp_path / "out", max_shard_size=40_000)
-    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
-    ids, _, _ = padded_batch(hf.config.vocab_size)
-    with torch.no_grad():
-        torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=0, rtol=0)
-    again = zoo.from_pretrained(tmp_path / "out")
+    again = zoo.from_pretrained(tmp_path / "zoo")
     a, b = model.state_dict(), again.state_dict()
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return hf, model, ref
 
 
-ROPE_SCALINGS = {
-    "linear": {"rope_type": "linear", "factor": 4.0},
-    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 16.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8},
-}
+VARIANTS = [
+    *[(m, {}) for m in tiny_formats()],
+    ("falcon", {"new_decoder_architecture": False, "multi_query": True, "num_kv_heads": None}),
+    ("falcon", {"new_decoder_architecture": False, "multi_query": False, "num_kv_heads": 4}),
+    ("falcon", {"new_decoder_architecture": False, "multi_query": False, "num_kv_heads": 4, "parallel_attn": False}),
+    ("falcon", {"num_ln_in_parallel_attn": 1, "bias": False, "tie_word_embeddings": False}),
+    ("gpt_neox", {"use_parallel_residual": False, "attention_bias": False}),
+    ("gpt2", {"scale_attn_weights": False, "tie_word_embeddings": False}),
+    ("gptj", {"tie_word_embeddings": True}),
+    ("mistral", {"sliding_window": None, "tie_word_embeddings": True}),
+    ("llama", {"attention_bias": True, "mlp_bias": True, "max_position_embeddings": 16,
+               "rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 3.0}}),
+]
 
 
-@pytest.mark.parametrize("scaling", sorted(ROPE_SCALINGS))
-def test_rope_scalings(scaling, tiny_dir):
-    # max_position_embeddings below the sequence length, so dynamic NTK actually rescales.
-    params = {"rope_theta": 5000.0, **ROPE_SCALINGS[scaling]}
-    d, hf = tiny_dir("llama", rope_parameters=params, max_position_embeddings=16)
-    model = zoo.from_pretrained(d)
-    assert model.spec.position.scaling is not None
-    assert_parity(hf, model, 128)
+@pytest.mark.parametrize("model_type,overrides", VARIANTS,
+                         ids=[m + ("" if not o else f"-{i}") for i, (m, o) in enumerate(VARIANTS)])
+def test_parity_and_round_trip(model_type, overrides, tmp_path):
+    check(model_type, overrides, tmp_path)
 
 
-def test_softcaps_are_reached(tiny_dir):
-    """The tiny Gemma 2 has caps small enough that they change the result: without them zoo differs."""
-    d, hf = tiny_dir("gemma2")
-    model = zoo.from_pretrained(d)
-    uncapped = zoo.build_model(model.spec.with_overrides({"layers.*.attention.softcap": None, "head.softcap": None}),
-                               device="meta")
+def test_softcaps_are_reached(tmp_path):
+    """The tiny Gemma 2's caps change the result: without them zoo would not match."""
+    hf, model, ref = check("gemma2", {}, tmp_path)
+    spec = model.spec.with_overrides({"layers.*.attention.softcap": None, "head.softcap": None})
+    uncapped = zoo.build_model(spec, device="meta")
     uncapped.load_state_dict(model.state_dict(), assign=True)
-    ids, _, _ = padded_batch(128)
+    ids, _, _ = batch()
     with torch.no_grad():
-        ref = hf(ids).logits
-        assert (uncapped(ids) - ref).abs().max() > 0.1
-        assert (model(ids) - ref).abs().max() < ATOL
-    assert ref.abs().max() < hf.config.final_logit_softcapping
+        assert (uncapped(ids[:1])[0] - ref[0]).abs().max() > 0.1
+        assert (uncapped(ids[:1]) - model(ids[:1])).abs().max() > 0.1
 
 
-def test_gemma3_multimodal_checkpoint_text_part(tiny_dir, tmp_path):
+def test_gemma3_multimodal_checkpoint_text_part(tmp_path):
     """A gemma3 checkpoint keeps its text model under text_config and language_model.* tensors."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
-    d, hf = tiny_dir("gemma3_text")
-    text = json.loads((d / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text,
-                                                      "architectures": ["Gemma3ForConditionalGeneration"]}))
-    tensors = {("language_model." + k): v for k, v in load_file(d / "model.safetensors").items()}
+    hf = make_tiny("gemma3_text", tmp_path / "text")
+    text = json.loads((tmp_path / "text" / "config.json").read_text())
+    out = tmp_path / "mm"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text,
+                                                 "architectures": ["Gemma3ForConditionalGeneration"]}))
+    tensors = {"language_model." + k: v for k, v in load_file(tmp_path / "text" / "model.safetensors").items()}
     tensors["vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(4, 3, 2, 2)
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    model = zoo.from_pretrained(tmp_path)
-    assert_parity(hf, model, 128)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    assert_parity(zoo.from_pretrained(out), reference(hf))
+
+
+def test_base_model_names_without_prefix(tmp_path):
+    """GPT-2's own files store 'h.0.attn...' rather than 'transformer.h.0.attn...'."""
+    hf = make_tiny("gpt2", tmp_path / "hf")
+    out = tmp_path / "bare"
+    out.mkdir()
+    (out / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    tensors = {k.removeprefix("transformer."): v for k, v in load_file(tmp_path / "hf" / "model.safetensors").items()}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    assert_parity(zoo.from_pretrained(out), reference(hf))

@@ -75,7 +75,9 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
     one the format ignores): anything else is an error naming the tensor, raised before the model
     is touched.
     """
-    renames = renames or {}
+    renames = dict(renames or {})
+    if fmt.base_prefix and not any(_rename(n, renames).startswith(fmt.base_prefix) for n in files.names()):
+        renames[""] = fmt.base_prefix  # a base-model checkpoint: names lack the prefix
     names = {_rename(n, renames): n for n in files.names()}
     bound = list(bind(fmt.rules(model.spec), model))
     meta = dict(model.state_dict(keep_vars=True))

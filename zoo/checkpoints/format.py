@@ -39,7 +39,7 @@ temperature top_k top_p typical_p repetition_penalty length_penalty no_repeat_ng
 encoder_no_repeat_ngram_size bad_words_ids num_return_sequences output_scores
 return_dict_in_generate forced_bos_token_id forced_eos_token_id remove_invalid_values
 exponential_decay_length_penalty suppress_tokens begin_suppress_tokens tf_legacy_loss
-use_bfloat16 xla_device gradient_checkpointing attention_dropout hidden_dropout resid_pdrop
+is_decoder use_bfloat16 xla_device gradient_checkpointing attention_dropout hidden_dropout resid_pdrop
 embd_pdrop attn_pdrop classifier_dropout summary_type summary_use_proj summary_activation
 summary_proj_to_labels summary_first_dropout initializer_factor pretraining_tp
 """.split())
@@ -96,6 +96,8 @@ class CheckpointFormat:
     architecture: str = ""
     # fnmatch patterns of HF tensors that carry nothing zoo needs (RoPE caches, causal-mask buffers).
     ignore: tuple[str, ...] = ()
+    # Checkpoints of the bare base model (GPT-2's own files, say) store names without this prefix.
+    base_prefix: str = "model."
 
     def config_to_spec(self, config: dict[str, Any], *, strict: bool = True) -> ModelSpec:
         raise NotImplementedError

@@ -17,7 +17,7 @@ LAYER = "model.layers.{i}."
 ZLAYER = "layers.{i}."
 
 TINY = {
-    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "max_position_embeddings": 64,
 }
 
@@ -68,7 +68,7 @@ class LlamaStyle(CheckpointFormat):
     # -- config -> spec -------------------------------------------------------------------------
     def layer_types(self, f: Fields, n_layers: int) -> list[str]:
         if self.window_rule == "all":
-            return [SLIDING if "sliding_window" in f else FULL] * n_layers
+            return [SLIDING if f.get("sliding_window") is not None else FULL] * n_layers
         if self.window_rule == "layer_types":
             types = f.get("layer_types")
             if types is None:
@@ -226,7 +226,7 @@ class Qwen3(Qwen2):
     model_type, architecture = "qwen3", "Qwen3ForCausalLM"
     qkv_bias = None
     qk_norm = "head"
-    tiny = {**TINY, "attention_bias": True, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2,
+    tiny = {**TINY, "attention_bias": True, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
             "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}
 
 
@@ -280,7 +280,7 @@ class Gemma3Text(Gemma2):
     ignore = LlamaStyle.ignore + ("vision_tower.*", "multi_modal_projector.*", "model.vision_tower.*",
                                   "model.multi_modal_projector.*")
     tiny = {**TINY, "sliding_window": 8, "query_pre_attn_scalar": 24,
-            "layer_types": [SLIDING, SLIDING, FULL],
+            "layer_types": [SLIDING, FULL],
             "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
                                 FULL: {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}}
 

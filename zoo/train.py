@@ -1,0 +1,536 @@
+"""Train any preset or recipe with Accelerate: one process, DDP or FSDP2, resumable.
+
+    >>> import zoo
+    >>> zoo.train("llama3-8b", overrides={"n_layers": 2, "d_model": 64, "vocab_size": 256, ...},
+    ...           steps=300, out_dir="runs/tiny")
+
+The defaults are the recipe of the lecture notes: AdamW (betas 0.9/0.95) with weight decay 0.1
+on matrices only (not on norms, biases or embeddings), linear warmup then cosine decay, gradient
+clipping at 1.0, z-loss with the spec's coefficient, dropout 0 (the spec's), gradient
+accumulation to reach the global batch.
+
+Accelerate sets up the processes (``accelerate launch`` or ``torchrun``), devices, mixed
+precision (bf16 where the device supports it), DDP, the backward pass and clipping. FSDP2 is
+applied here, per block: the model is built on the meta device, each ``model.layers[i]`` and
+then the root are wrapped with ``fully_shard``, and only then is each process's shard allocated
+and initialised, so a model larger than one device can start.
+
+Checkpoints (``out_dir/checkpoints/step-NNNNNNN``) hold the model, optimizer, scheduler, RNG
+states, step and data position; tensors are in safetensors, the rest in JSON; each is written
+to a temporary directory and renamed into place. Under FSDP2 every process writes its own shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from zoo.data import TokenData, get_tokenizer, load_tokens
+from zoo.model import build_model, lm_loss
+from zoo.recipes import get_spec
+from zoo.spec import ModelSpec
+
+
+@dataclass
+class TrainConfig:
+    """What to train on and how. Batch sizes count sequences of ``seq_len`` tokens."""
+
+    # data
+    data: tuple[str, ...] = ()  # text files; empty: the built-in corpus (Python stdlib sources)
+    tokenizer: Optional[str] = None  # a tokenizer.json or a checkpoint directory; None: bytes
+    seq_len: int = 256
+    # batch: global_batch = processes x micro_batch x grad_accum (grad_accum derived when None)
+    global_batch: int = 32
+    micro_batch: int = 8
+    grad_accum: Optional[int] = None
+    # optimisation
+    steps: int = 1000
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    z_loss: Optional[float] = None  # None: the spec's coefficient
+    seed: int = 0
+    # hardware
+    mixed_precision: str = "auto"  # auto (bf16 on CUDA with bf16, else fp32), no, bf16, fp16
+    fsdp: Optional[bool] = None  # None: FSDP2 when the accelerate launch config asks for FSDP
+    cpu: bool = False  # train on the CPU even when a GPU is present
+    # output
+    out_dir: str = "runs/zoo"
+    save_every: int = 0  # steps between checkpoints; 0: only at the end
+    keep_last: int = 2  # checkpoints kept
+    resume: Optional[str] = "auto"  # auto: latest checkpoint in out_dir; a path; None: start fresh
+    stop_after: Optional[int] = None  # stop (and checkpoint) after this many steps in this invocation
+    log_every: int = 10
+    progress: bool = True
+    plot: bool = True
+    export: bool = True  # write the trained weights with zoo.save_pretrained to out_dir/final
+    export_format: Optional[str] = None  # HF model_type to export as; None: the first that fits the spec
+
+    def check(self) -> None:
+        for name in ("seq_len", "global_batch", "micro_batch", "steps", "keep_last", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "save_every", "weight_decay", "grad_clip", "lr"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.grad_accum is not None and self.grad_accum < 1:
+            raise ValueError(f"TrainConfig.grad_accum must be at least 1, got {self.grad_accum}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+            raise ValueError(f"TrainConfig.mixed_precision must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
+
+    def accumulation(self, processes: int) -> int:
+        """Micro-batches per process per optimizer step; raises when the batch sizes do not divide."""
+        per_step = processes * self.micro_batch
+        if self.global_batch % per_step:
+            raise ValueError(
+                f"global_batch {self.global_batch} is not divisible by processes ({processes}) x micro_batch "
+                f"({self.micro_batch}) = {per_step}; choose a global batch that is a multiple of {per_step} "
+                "or another micro_batch"
+            )
+        accum = self.global_batch // per_step
+        if self.grad_accum is not None and self.grad_accum != accum:
+            raise ValueError(
+                f"global_batch {self.global_batch} != processes ({processes}) x micro_batch ({self.micro_batch}) "
+                f"x grad_accum ({self.grad_accum}) = {per_step * self.grad_accum}; fix one of them or leave "
+                "grad_accum unset to derive it"
+            )
+        return accum
+
+
+@dataclass
+class TrainResult:
+    step: int
+    losses: list[float]  # loss (cross-entropy + z-loss) of each step run in this invocation
+    ce: list[float]
+    z: list[float]  # mean log(Z)^2 of each step
+    out_dir: Path
+    checkpoint: Optional[Path] = None
+    export: Optional[Path] = None
+    plot: Optional[Path] = None
+    tokens_per_s: float = 0.0
+    main_process: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# -- the recipe -----------------------------------------------------------------------------------
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only: norms and biases (1-D) and embedding tables are left alone."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, rest = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 and id(p) not in embeddings else rest).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to 1 over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return _local(t).detach().to("cpu").contiguous()
+
+
+def _spec_diff(a: dict, b: dict, path: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b), key=str):
+        p = f"{path}.{k}" if path else str(k)
+        if isinstance(a.get(k), dict) and isinstance(b.get(k), dict):
+            out += _spec_diff(a[k], b[k], p)
+        elif a.get(k) != b.get(k):
+            out.append(f"{p}: {a.get(k)!r} in the checkpoint, {b.get(k)!r} now")
+    return out
+
+
+def checkpoints(out_dir: str | Path) -> list[Path]:
+    """Complete checkpoints under ``out_dir/checkpoints``, oldest first."""
+    root = Path(out_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / "state.json").is_file())
+
+
+def read_checkpoint_state(path: Path, spec: ModelSpec, processes: int) -> dict[str, Any]:
+    """The checkpoint's ``state.json``, after checking it belongs to this model and can resume here."""
+    state_file = Path(path) / "state.json"
+    if not state_file.is_file():
+        raise FileNotFoundError(f"{path} is not a training checkpoint (no state.json); pass a step-NNNNNNN directory")
+    state = json.loads(state_file.read_text())
+    diff = _spec_diff({**state["spec"], "label": None}, {**spec.to_dict(), "label": None})
+    if diff:
+        raise ValueError(
+            f"checkpoint {path} was written for another model ({'; '.join(diff[:3])}"
+            f"{'; ...' if len(diff) > 3 else ''}); resume with the same model and overrides, or use a new out_dir"
+        )
+    if state["sharded"] and state["processes"] != processes:
+        raise ValueError(
+            f"checkpoint {path} holds FSDP shards for {state['processes']} processes, but {processes} are running; "
+            "resume with the same number of processes"
+        )
+    return state
+
+
+class Checkpointer:
+    def __init__(self, accelerator, out_dir: Path, keep_last: int):
+        self.acc, self.root, self.keep_last = accelerator, Path(out_dir) / "checkpoints", keep_last
+
+    def _files(self, sharded: bool, name: str) -> str:
+        rank, world = self.acc.process_index, self.acc.num_processes
+        return f"{name}-rank{rank:05d}-of-{world:05d}.safetensors" if sharded else f"{name}.safetensors"
+
+    def save(self, *, model, optimizer, scheduler, step: int, data_position: int, spec: ModelSpec,
+             sharded: bool, config: TrainConfig) -> Path:
+        from safetensors.torch import save_file
+
+        acc = self.acc
+        final = self.root / f"step-{step:07d}"
+        tmp = self.root / f".tmp-step-{step:07d}"
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        writer = sharded or acc.is_main_process
+        if writer:
+            save_file({k: _cpu(v) for k, v in model.state_dict().items()}, str(tmp / self._files(sharded, "model")))
+            opt_state = optimizer.state_dict()
+            tensors = {f"{i}.{k}": _cpu(v) for i, s in opt_state["state"].items() for k, v in s.items()
+                       if torch.is_tensor(v)}
+            save_file(tensors, str(tmp / self._files(sharded, "optimizer")))
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        meta = {"python": json.dumps(random.getstate())}
+        save_file(rng, str(tmp / f"rng-rank{acc.process_index:05d}.safetensors"), metadata=meta)
+        if acc.is_main_process:
+            state = {
+                "step": step, "data_position": data_position, "processes": acc.num_processes,
+                "sharded": sharded, "spec": spec.to_dict(), "config": dataclasses.asdict(config),
+                "scheduler": scheduler.state_dict(),
+                "optimizer": {"param_groups": opt_state["param_groups"],
+                              "state_keys": {str(i): sorted(k for k, v in s.items() if torch.is_tensor(v))
+                                             for i, s in opt_state["state"].items()}},
+            }
+            (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)  # the checkpoint appears whole or not at all
+            for old in checkpoints(self.root.parent)[: -self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        acc.wait_for_everyone()
+        return final
+
+    def load(self, path: Path, state: dict[str, Any], *, model, optimizer, scheduler) -> None:
+        from safetensors.torch import load_file
+        from torch.distributed.tensor import DTensor
+
+        sharded = state["sharded"]
+        weights = load_file(str(path / self._files(sharded, "model")))
+        with torch.no_grad():
+            for name, t in model.state_dict(keep_vars=True).items():
+                if name not in weights:
+                    raise KeyError(f"checkpoint {path} has no tensor {name!r}; it was written by another model")
+                _local(t).copy_(weights[name])
+        # Optimizer: tensors from safetensors, the rest from state.json; DTensor states re-wrapped like their params.
+        tensors = load_file(str(path / self._files(sharded, "optimizer")))
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        opt_state: dict[int, dict[str, Any]] = {}
+        for i, keys in state["optimizer"]["state_keys"].items():
+            p = params[int(i)]
+            entry = {}
+            for k in keys:
+                v = tensors[f"{i}.{k}"]
+                if isinstance(p, DTensor) and v.ndim:
+                    v = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                entry[k] = v
+            opt_state[int(i)] = entry
+        optimizer.load_state_dict({"state": opt_state, "param_groups": state["optimizer"]["param_groups"]})
+        scheduler.load_state_dict(state["scheduler"])
+        rng_file = path / f"rng-rank{self.acc.process_index:05d}.safetensors"
+        if rng_file.is_file():
+            from safetensors import safe_open
+
+            rng = load_file(str(rng_file))
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+            with safe_open(str(rng_file), "pt") as f:
+                py = json.loads(f.metadata()["python"])
+            random.setstate((py[0], tuple(py[1]), py[2]))
+
+
+# -- the loop -------------------------------------------------------------------------------------
+
+def _mixed_precision(config: TrainConfig) -> str:
+    if config.mixed_precision != "auto":
+        return config.mixed_precision
+    if config.cpu or not torch.cuda.is_available():
+        return "no"
+    return "bf16" if torch.cuda.is_bf16_supported() else "no"
+
+
+def _shard(model: nn.Module, accelerator) -> None:
+    """FSDP2, one unit per block and one for the root (embeddings, final norm, head)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "FSDP2 needs a process group: launch with `accelerate launch` (an FSDP config) or `torchrun`, "
+            "or leave fsdp off for one process"
+        )
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is not None and getattr(plugin, "fsdp_version", 2) != 2:
+        raise ValueError("zoo trains with FSDP2: set fsdp_version: 2 in the accelerate config")
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    mp = MixedPrecisionPolicy(param_dtype=dtypes.get(accelerator.mixed_precision), reduce_dtype=torch.float32)
+    kwargs: dict[str, Any] = {
+        "mesh": init_device_mesh(accelerator.device.type, (accelerator.num_processes,)),
+        "mp_policy": mp,
+        "reshard_after_forward": getattr(plugin, "reshard_after_forward", True) if plugin is not None else True,
+    }
+    if plugin is not None and isinstance(getattr(plugin, "cpu_offload", None), CPUOffloadPolicy):
+        kwargs["offload_policy"] = plugin.cpu_offload
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def train(model: Any, config: Optional[TrainConfig] = None, *, overrides: Optional[dict[str, Any]] = None,
+          **fields: Any) -> TrainResult:
+    """Train a preset name, recipe file, dict or :class:`ModelSpec` (with spec ``overrides``).
+
+    Keyword ``fields`` set :class:`TrainConfig` fields (``steps=300``). Run under
+    ``accelerate launch`` or ``torchrun`` for several processes; every process calls this.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    config = dataclasses.replace(config or TrainConfig(), **fields)
+    config.check()
+    spec = get_spec(model, overrides)
+    if config.z_loss is not None:
+        spec = spec.with_overrides(z_loss=config.z_loss)
+    if config.seq_len > spec.max_seq_len:
+        raise ValueError(f"seq_len {config.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}")
+
+    # The scheduler steps once per optimizer step, whatever the number of processes.
+    acc = Accelerator(mixed_precision=_mixed_precision(config), cpu=config.cpu, step_scheduler_with_optimizer=False)
+    accum = config.accumulation(acc.num_processes)
+
+    # Data, then any checkpoint: every check before any compute.
+    tokenizer = get_tokenizer(config.tokenizer)
+    if tokenizer.vocab_size > spec.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {spec.vocab_size}; "
+            f"set vocab_size={tokenizer.vocab_size} (or more) in the overrides"
+        )
+    data = TokenData(load_tokens(config.data, tokenizer), config.seq_len, seed=config.seed)
+    out_dir = Path(config.out_dir)
+    resume_from: Optional[Path] = None
+    if config.resume == "auto":
+        found = checkpoints(out_dir)
+        resume_from = found[-1] if found else None
+    elif config.resume:
+        resume_from = Path(config.resume)
+    use_fsdp = config.fsdp if config.fsdp is not None else acc.distributed_type == DistributedType.FSDP
+    ckpt_state = read_checkpoint_state(resume_from, spec, acc.num_processes) if resume_from else None
+    if ckpt_state is not None and ckpt_state["sharded"] != use_fsdp:
+        raise ValueError(
+            f"checkpoint {resume_from} was written {'with' if ckpt_state['sharded'] else 'without'} FSDP; "
+            f"resume it the same way (fsdp={ckpt_state['sharded']})"
+        )
+
+    # Model: meta first; FSDP2 shards before anything is allocated.
+    torch.manual_seed(config.seed)
+    if use_fsdp:
+        net = build_model(spec, device="meta")
+        _shard(net, acc)
+        net.to_empty(device=acc.device)
+        net.init_weights()
+    else:
+        net = build_model(spec, device=acc.device, seed=config.seed)
+    net.train()
+    optimizer = torch.optim.AdamW(param_groups(net, config.weight_decay), lr=config.lr,
+                                  betas=(config.beta1, config.beta2), eps=config.eps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
+        s, warmup=config.warmup_steps, total=config.steps, min_ratio=config.min_lr_ratio))
+    if use_fsdp and acc.distributed_type != DistributedType.FSDP:
+        # Launched without an accelerate FSDP config (torchrun, CPU): Accelerate would wrap the model in DDP.
+        optimizer, schedule = acc.prepare(optimizer, schedule)
+        wrapped = net
+    else:  # one process, DDP, or FSDP2 under accelerate (which keeps an already sharded model as it is)
+        wrapped, optimizer, schedule = acc.prepare(net, optimizer, schedule)
+
+    ckpt = Checkpointer(acc, out_dir, config.keep_last)
+    step, position = 0, 0
+    if ckpt_state is not None:
+        ckpt.load(resume_from, ckpt_state, model=net, optimizer=optimizer.optimizer, scheduler=schedule.scheduler)
+        step, position = ckpt_state["step"], ckpt_state["data_position"]
+        acc.print(f"resumed from {resume_from} at step {step}")
+    metrics_file = out_dir / "metrics.jsonl"
+    if acc.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        kept = [line for line in (metrics_file.read_text().splitlines() if metrics_file.is_file() else [])
+                if json.loads(line)["step"] <= step] if step else []
+        metrics_file.write_text("".join(line + "\n" for line in kept))
+
+    last = config.steps if config.stop_after is None else min(config.steps, step + config.stop_after)
+    tokens_per_step = config.global_batch * config.seq_len
+    per_rank = config.micro_batch * accum
+    result = TrainResult(step=step, losses=[], ce=[], z=[], out_dir=out_dir, main_process=acc.is_main_process)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=config.steps, initial=step, disable=not (config.progress and acc.is_local_main_process),
+               desc="train", unit="step", dynamic_ncols=True)
+    started, tokens_seen = time.perf_counter(), 0
+    saved: Optional[Path] = None
+    while step < last:
+        t0 = time.perf_counter()
+        batch = data.batch(position + acc.process_index * per_rank, per_rank)
+        sums = torch.zeros(3, device=acc.device)
+        for m in range(accum):
+            ids = batch[m * config.micro_batch:(m + 1) * config.micro_batch].to(acc.device)
+            sync = m == accum - 1
+            if use_fsdp:
+                wrapped.set_requires_gradient_sync(sync)
+            with (acc.no_sync(wrapped) if not (sync or use_fsdp) else nullcontext()), acc.autocast():
+                logits = wrapped(ids)
+                out = lm_loss(logits[:, :-1], ids[:, 1:], z_loss=spec.z_loss)
+                acc.backward(out.loss / accum)
+            sums += torch.stack([out.loss.detach(), out.ce.detach(), out.z.detach()]).float() / accum
+        if config.grad_clip:
+            acc.clip_grad_norm_(wrapped.parameters(), config.grad_clip)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss, ce, z = (float(v) for v in acc.reduce(sums, reduction="mean"))
+        step += 1
+        position += config.global_batch
+        tokens_seen += tokens_per_step
+        tps = tokens_per_step / max(time.perf_counter() - t0, 1e-9)
+        result.losses.append(loss), result.ce.append(ce), result.z.append(z)
+        if acc.is_main_process:
+            with metrics_file.open("a") as f:
+                f.write(json.dumps({"step": step, "loss": loss, "ce": ce, "z": z,
+                                    "lr": schedule.get_last_lr()[0], "tokens_per_s": tps}) + "\n")
+        bar.update(1)
+        if step % config.log_every == 0 or step == last:
+            bar.set_postfix(loss=f"{loss:.4f}", z=f"{z:.3g}", tok_s=f"{tps:,.0f}")
+        if config.save_every and step % config.save_every == 0 and step < last:
+            saved = ckpt.save(model=net, optimizer=optimizer.optimizer, scheduler=schedule.scheduler, step=step,
+                              data_position=position, spec=spec, sharded=use_fsdp, config=config)
+    bar.close()
+    elapsed = time.perf_counter() - started
+    result.step = step
+    result.tokens_per_s = tokens_seen / elapsed if elapsed > 0 and tokens_seen else 0.0
+    if result.losses and (saved is None or not saved.name.endswith(f"{step:07d}")):
+        saved = ckpt.save(model=net, optimizer=optimizer.optimizer, scheduler=schedule.scheduler, step=step,
+                          data_position=position, spec=spec, sharded=use_fsdp, config=config)
+    result.checkpoint = saved or resume_from
+    if step >= config.steps:
+        if config.plot and acc.is_main_process:
+            result.plot = plot_losses(metrics_file, out_dir / "loss.png")
+        if config.export:
+            result.export = export(net, spec, out_dir / "final", acc, sharded=use_fsdp,
+                                   model_type=config.export_format, tokenizer=tokenizer)
+    acc.wait_for_everyone()
+    return result
+
+
+def full_state_dict(model: nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
+    """The whole model's weights on the CPU (gathered from every process under FSDP2)."""
+    if not sharded:
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def export(model: nn.Module, spec: ModelSpec, path: Path, accelerator, *, sharded: bool,
+           model_type: Optional[str] = None, tokenizer=None) -> Optional[Path]:
+    """Write the trained weights with ``zoo.save_pretrained`` (on the main process).
+
+    Without ``model_type``, the first registered checkpoint format that describes this spec
+    exactly is used; when none does, the export is skipped (the training checkpoint keeps the
+    weights and the spec) and the reason printed.
+    """
+    import zoo
+
+    state = full_state_dict(model, sharded)  # collective under FSDP2: every process takes part
+    if not accelerator.is_main_process:
+        return None
+    plain = build_model(spec, device="meta")
+    plain.load_state_dict(state, assign=True)
+    errors = []
+    for fmt in [model_type] if model_type else zoo.list_components("checkpoint_format"):
+        try:
+            zoo.save_pretrained(plain, path, model_type=fmt)
+        except Exception as exc:  # this format cannot describe this spec (some formats fail other than by ValueError)
+            if model_type:
+                raise
+            errors.append(f"{fmt}: {str(exc)[:120]}")
+            continue
+        if getattr(tokenizer, "path", None) is not None:
+            shutil.copy(tokenizer.path, Path(path) / "tokenizer.json")
+        return Path(path)
+    accelerator.print("no checkpoint format describes this model, so it was not exported with "
+                      "zoo.save_pretrained; the training checkpoint holds its weights and spec "
+                      f"({'; '.join(errors[:3])})")
+    return None
+
+
+def plot_losses(metrics_file: Path, png: Path) -> Path:
+    """A PNG of loss and cross-entropy against step, from ``metrics.jsonl``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in Path(metrics_file).read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="loss (ce + z-loss)")
+    ax.plot([r["step"] for r in rows], [r["ce"] for r in rows], label="cross-entropy", alpha=0.7)
+    ax.set_xlabel("step")
+    ax.set_ylabel("nats / token")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
