@@ -237,6 +237,8 @@ def select(module: Any, x: torch.Tensor) -> Optional[str]:
         return None
     if not _setting_text() and x.device.type != "cuda":
         return None  # the common CPU case, decided without looking anything up
+    if torch.compiler.is_compiling():
+        return None  # under torch.compile the reference is traced and fused by the compiler
     return decide(module, x.device, x.dtype, x).backend
 
 
