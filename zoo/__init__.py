@@ -23,6 +23,9 @@ from zoo.registry import (
     register,
 )
 from zoo.spec import ModelSpec, Part, SpecError
+# Imported here so that `zoo.train` is the function (the module stays reachable as
+# `importlib.import_module("zoo.train")` and through `from zoo.train import ...`).
+from zoo.train import TrainConfig, TrainResult, train
 
 __version__ = "0.1.0"
 
@@ -72,5 +75,5 @@ __all__ = [
     "Decoder", "DuplicateNameError", "Family", "LossOutput", "ModelSpec", "Part", "PluginError",
     "RegistryError", "SpecError", "UnknownNameError", "build", "build_model", "from_pretrained", "get", "get_spec",
     "hookimpl", "list_components", "list_models", "lm_loss", "manager", "published_params", "register",
-    "save_pretrained", "verify",
+    "save_pretrained", "TrainConfig", "TrainResult", "train", "verify",
 ]
