@@ -19,6 +19,7 @@ from zoo.registry import (
     UnknownNameError,
     get,
     list_components,
+    load_plugin,
     manager,
     register,
 )
@@ -74,6 +75,6 @@ def verify(path_or_repo_id, **kw):
 __all__ = [
     "Decoder", "DuplicateNameError", "Family", "LossOutput", "ModelSpec", "Part", "PluginError",
     "RegistryError", "SpecError", "UnknownNameError", "build", "build_model", "from_pretrained", "get", "get_spec",
-    "hookimpl", "list_components", "list_models", "lm_loss", "manager", "published_params", "register",
+    "hookimpl", "list_components", "list_models", "load_plugin", "lm_loss", "manager", "published_params", "register",
     "save_pretrained", "TrainConfig", "TrainResult", "train", "verify",
 ]
