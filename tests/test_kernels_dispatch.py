@@ -29,6 +29,10 @@ def spy(monkeypatch):
 def no_triton(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    kernels.refresh()  # forget that Triton was found
+    yield
+    monkeypatch.undo()
+    kernels.refresh()
 
 
 def rows(model, **kw):
