@@ -23,6 +23,7 @@ from zoo.registry import (
     register,
 )
 from zoo.spec import ModelSpec, Part, SpecError
+from zoo.verify import verify  # binds the function over the submodule of the same name
 
 __version__ = "0.1.0"
 
@@ -59,13 +60,6 @@ def save_pretrained(model, directory, **kw):
     from zoo.checkpoints import save_pretrained as _save
 
     return _save(model, directory, **kw)
-
-
-def verify(path_or_repo_id, **kw):
-    """Compare zoo with the transformers reference on a checkpoint; see :func:`zoo.verify.verify`."""
-    from zoo.verify import verify as _verify
-
-    return _verify(path_or_repo_id, **kw)
 
 
 __all__ = [
