@@ -243,3 +243,18 @@ def test_flex_attention_forward_matches_eager_with_softcap_window_gqa_and_paddin
                 out = model(ids, attention_mask=m)
             keep = slice(None) if m is None else m.bool()
             close(out[keep], ref[keep])
+
+
+def test_gpu_benchmark_dry_run_exercises_the_script():
+    """benchmarks/gpu_kernels.py needs a GPU to measure; its dry run checks it runs end to end."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_kernels.py"
+    spec = importlib.util.spec_from_file_location("gpu_kernels", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(bench.parse_args(["--dry-run", "--only", "rmsnorm,loss,train", "--layers", "1", "--repeats", "1"]))
+    assert [r["kernel"] for r in result["kernels"]] == ["rmsnorm", "rmsnorm (Gemma 1+w)", "loss (linear + CE)"]
+    assert all(r["max_rel_error"] < 2e-5 for r in result["kernels"]), result["kernels"]
+    assert result["train"]["tokens_per_step"] == 16

@@ -29,6 +29,10 @@ def spy(monkeypatch):
 def no_triton(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    kernels.refresh()  # forget that Triton was found
+    yield
+    monkeypatch.undo()
+    kernels.refresh()
 
 
 def rows(model, **kw):
@@ -157,3 +161,15 @@ def test_kernel_backends_are_registered_parts():
                 zoo.get("attention", "attention")):
         fast = set(kernels.components()[cls.kernel])
         assert fast and fast <= set(cls.backends)
+
+
+def test_describe_backends_prints_the_table(capsys, monkeypatch):
+    from zoo.cli import main
+
+    monkeypatch.setenv(kernels.ENV, "rmsnorm:off")
+    assert main(["describe", "gemma2-2b", "--backends", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "gemma2-2b: backends on cpu, bfloat16" in out
+    assert [line.split()[:4] for line in out.splitlines() if line.strip().startswith("rmsnorm")] == \
+        [["rmsnorm", "RMSNorm", "105", "torch"]]  # 4 per layer x 26 + the final norm
+    assert "switched off (ZOO_KERNELS)" in out

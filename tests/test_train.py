@@ -1,5 +1,6 @@
 """zoo.train in one process: the recipe, learning, z-loss, exact resumption, bad input."""
 
+import importlib
 import json
 import math
 
@@ -7,9 +8,10 @@ import pytest
 import torch
 
 import zoo
-import zoo.train as T
 from zoo.cli import main as cli
 from zoo.data import ByteTokenizer, TokenData, load_tokens, unigram_entropy
+
+T = importlib.import_module("zoo.train")  # the module; `zoo.train` is the function
 
 TINY = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.attention.n_heads": 4,
         "layers.*.attention.n_kv_heads": 2, "layers.*.ffn.d_ff": 64}

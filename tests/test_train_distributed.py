@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-import zoo.train as T
+import zoo
 
 SETS = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.attention.n_heads": 4,
         "layers.*.attention.n_kv_heads": 2, "layers.*.ffn.d_ff": 64}
@@ -43,7 +43,7 @@ def test_ddp_on_two_processes_matches_one_process_over_the_same_global_batch(tmp
     run(args)
     two = metrics(tmp_path / "ddp")
     # One process, the same 8 sequences per step, as 2 accumulated micro-batches of 4.
-    one = T.train("llama3-8b", overrides=SETS, micro_batch=4, out_dir=str(tmp_path / "one"), cpu=True,
+    one = zoo.train("llama3-8b", overrides=SETS, micro_batch=4, out_dir=str(tmp_path / "one"), cpu=True,
                   progress=False, plot=False, export=False, **RUN)
     assert [m["step"] for m in two] == list(range(1, 7))
     losses = [m["loss"] for m in two]
@@ -56,11 +56,11 @@ def test_ddp_on_two_processes_matches_one_process_over_the_same_global_batch(tmp
 
 FSDP_SCRIPT = """
 import json, sys
-import zoo.train as T
+import zoo
 out, sets, run = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 kw = dict(overrides=sets, fsdp=True, cpu=True, progress=False, plot=False, micro_batch=2, **run)
-T.train("gemma2-2b", out_dir=out + "/a", save_every=3, export_format="gemma2", **kw)
-T.train("gemma2-2b", out_dir=out + "/b", resume=out + "/a/checkpoints/step-0000003", export=False, **kw)
+zoo.train("gemma2-2b", out_dir=out + "/a", save_every=3, export_format="gemma2", **kw)
+zoo.train("gemma2-2b", out_dir=out + "/b", resume=out + "/a/checkpoints/step-0000003", export=False, **kw)
 """
 
 
@@ -87,8 +87,6 @@ def test_fsdp2_on_two_processes_trains_and_resumes_from_sharded_checkpoints(tmp_
     assert [m["loss"] for m in resumed] == pytest.approx(losses[3:], rel=1e-6, abs=0)
     # The export gathers the shards: its weights are the two processes' halves, end to end.
     from safetensors.torch import load_file
-
-    import zoo
 
     exported = zoo.from_pretrained(str(tmp_path / "a" / "final")).state_dict()
     halves = [load_file(str(tmp_path / "a" / "checkpoints" / "step-0000006" / f"model-rank0000{r}-of-00002.safetensors"))

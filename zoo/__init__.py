@@ -19,10 +19,14 @@ from zoo.registry import (
     UnknownNameError,
     get,
     list_components,
+    load_plugin,
     manager,
     register,
 )
 from zoo.spec import ModelSpec, Part, SpecError
+# Imported here so that `zoo.train` is the function (the module stays reachable as
+# `importlib.import_module("zoo.train")` and through `from zoo.train import ...`).
+from zoo.train import TrainConfig, TrainResult, train
 from zoo.verify import verify  # binds the function over the submodule of the same name
 
 __version__ = "0.1.0"
@@ -65,6 +69,6 @@ def save_pretrained(model, directory, **kw):
 __all__ = [
     "Decoder", "DuplicateNameError", "Family", "LossOutput", "ModelSpec", "Part", "PluginError",
     "RegistryError", "SpecError", "UnknownNameError", "build", "build_model", "from_pretrained", "get", "get_spec",
-    "hookimpl", "list_components", "list_models", "lm_loss", "manager", "published_params", "register",
-    "save_pretrained", "verify",
+    "hookimpl", "list_components", "list_models", "load_plugin", "lm_loss", "manager", "published_params", "register",
+    "save_pretrained", "TrainConfig", "TrainResult", "train", "verify",
 ]

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args._run(args) or 0)
-    except (zoo.SpecError, zoo.RegistryError, FileNotFoundError, ValueError) as exc:
+    except (zoo.SpecError, zoo.RegistryError, zoo.PluginError, FileNotFoundError, ValueError) as exc:
         print(f"zoo {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -81,7 +81,7 @@ def available(needs: str = "triton") -> Availability:
         if not torch.cuda.is_available():
             return Availability(False, "no CUDA device (FlexAttention is chosen automatically on CUDA only)")
         return Availability(True, "FlexAttention on CUDA")
-    if importlib.util.find_spec("triton") is None:
+    if not _importable("triton"):
         return Availability(False, "Triton is not installed (pip install 'zoo-lm[triton]')")
     if interpreting():
         return Availability(True, "Triton interpreter (TRITON_INTERPRET=1)")
@@ -143,16 +143,37 @@ def _parse(text: str) -> dict[str, str]:
     return out
 
 
+_cache: dict = {}
+
+
+def refresh() -> None:
+    """Forget cached look-ups and decisions (call after registering a kernel backend at run time)."""
+    _cache.clear()
+    _parsed.clear()
+
+
 def components() -> dict[str, dict[str, Backend]]:
     """Every registered fast backend, by component key and backend name."""
-    mgr = _registry.manager()
-    mgr.ensure_loaded()
-    reg = mgr.registries.get(KIND)
-    out: dict[str, dict[str, Backend]] = {}
-    for name in reg.names() if reg is not None else []:
-        b = reg.get(name)
-        out.setdefault(b.component, {})[b.name] = b
-    return out
+    if "components" not in _cache:
+        mgr = _registry.manager()
+        mgr.ensure_loaded()
+        reg = mgr.registries.get(KIND)
+        out: dict[str, dict[str, Backend]] = {}
+        for name in reg.names() if reg is not None else []:
+            b = reg.get(name)
+            out.setdefault(b.component, {})[b.name] = b
+        _cache["components"] = out
+    return _cache["components"]
+
+
+def _importable(name: str) -> bool:
+    key = ("importable", name)
+    if key not in _cache:
+        try:
+            _cache[key] = importlib.util.find_spec(name) is not None
+        except ImportError:
+            _cache[key] = False
+    return _cache[key]
 
 
 def _declared(component: str) -> set[str]:
@@ -187,47 +208,63 @@ class Decision:
 def decide(module: Any, device: torch.device | str, dtype: torch.dtype, x: Optional[torch.Tensor] = None) -> Decision:
     """What ``module`` runs on ``device``/``dtype`` (and, given a tensor, its shape), and why."""
     key = getattr(module, "kernel", None)
-    declared = tuple(getattr(module, "backends", ()))
     if key is None:
         return Decision(None, "no fast kernels declared")
-    setting = setting_for(key)
-    registered = components().get(key, {})
-    if setting == "off":
-        return Decision(None, f"switched off ({ENV})")
-    forced = setting not in ("auto", "on")
-    if forced and setting not in registered:
-        if setting in declared:
-            return Decision(setting, f"forced ({ENV})")
-        raise ValueError(f"{ENV}: {type(module).__name__} ({key}) has no backend {setting!r}; it has {', '.join(declared)}")
-    candidates = [setting] if forced else [b for b in declared if b in registered]
-    dev = torch.device(device).type
+    dev = device.type if isinstance(device, torch.device) else torch.device(device).type
+    plan = _plan(type(module), key, dev, dtype, _setting_text(), interpreting())
+    if isinstance(plan, Decision):
+        return plan
+    strict, forced, candidates = plan
     why = []
-    for name in candidates:
-        backend = registered[name]
-        problem = _problem(module, backend, dev, dtype, x, forced or setting == "on")
+    for name, problem in candidates:
+        if problem is None and hasattr(module, "kernel_problem"):
+            problem = module.kernel_problem(name, x, forced=strict)
         if problem is None:
             return Decision(name, f"forced ({ENV})" if forced else f"{dev}, {str(dtype).removeprefix('torch.')}")
-        if forced or setting == "on":
+        if strict:
             raise RuntimeError(f"{ENV} forces {key}:{name} but it cannot run: {problem}")
         why.append(f"{name}: {problem}")
     return Decision(None, "; ".join(why) or "no fast backend registered")
 
 
-def _problem(module, backend: Backend, dev: str, dtype: torch.dtype, x, forced: bool) -> Optional[str]:
+def _plan(cls, key: str, dev: str, dtype: torch.dtype, text: str, interp: bool):
+    """The part of a decision that depends only on the class, device, dtype and settings (cached):
+    a final :class:`Decision`, or (strict, forced, [(backend, problem or None)])."""
+    cache_key = ("plan", cls, key, dev, dtype, text, interp)
+    if cache_key in _cache:
+        return _cache[cache_key]
+    declared = tuple(getattr(cls, "backends", ()))
+    setting = setting_for(key)
+    registered = components().get(key, {})
+    forced = setting not in ("auto", "on", "off")
+    if setting == "off":
+        plan = Decision(None, f"switched off ({ENV})")
+    elif forced and setting not in registered:
+        if setting not in declared:
+            raise ValueError(f"{ENV}: {cls.__name__} ({key}) has no backend {setting!r}; it has {', '.join(declared)}")
+        plan = Decision(setting, f"forced ({ENV})")
+    else:
+        strict = forced or setting == "on"
+        names = [setting] if forced else [b for b in declared if b in registered]
+        plan = (strict, forced, [(n, _problem(registered[n], dev, dtype, strict)) for n in names])
+    _cache[cache_key] = plan
+    return plan
+
+
+def _problem(backend: Backend, dev: str, dtype: torch.dtype, forced: bool) -> Optional[str]:
     if str(dtype).removeprefix("torch.") not in backend.dtypes:
         return f"dtype {dtype} not supported"
     if backend.needs == "triton":
-        if importlib.util.find_spec("triton") is None:
+        if not _importable("triton"):
             return "Triton is not installed (pip install 'zoo-lm[triton]')"
         if dev != "cuda" and not (forced and interpreting()):
             return f"tensors on {dev}; Triton runs on CUDA (or on the CPU with TRITON_INTERPRET=1, for tests)"
-    else:
-        if backend.needs == "flex" and importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
-            return f"torch {torch.__version__} has no FlexAttention (needs >= 2.5)"
-        if not forced and dev not in backend.devices:
-            return f"tensors on {dev}; chosen automatically on {', '.join(backend.devices)} only"
-    check = getattr(module, "kernel_problem", None)
-    return check(backend.name, x) if check is not None else None
+        return None
+    if backend.needs == "flex" and not _importable("torch.nn.attention.flex_attention"):
+        return f"torch {torch.__version__} has no FlexAttention (needs >= 2.5)"
+    if not forced and dev not in backend.devices:
+        return f"tensors on {dev}; chosen automatically on {', '.join(backend.devices)} only"
+    return None
 
 
 def select(module: Any, x: torch.Tensor) -> Optional[str]:
@@ -237,15 +274,20 @@ def select(module: Any, x: torch.Tensor) -> Optional[str]:
         return None
     if not _setting_text() and x.device.type != "cuda":
         return None  # the common CPU case, decided without looking anything up
+    if torch.compiler.is_compiling():
+        return None  # under torch.compile the reference is traced and fused by the compiler
     return decide(module, x.device, x.dtype, x).backend
 
 
 def implementation(component: str, backend: str) -> Callable:
     """The function registered for ``component``'s fast ``backend``."""
-    found = components().get(component, {})
-    if backend not in found:
-        raise ValueError(f"{component} has no fast backend {backend!r}; registered: {', '.join(found) or 'none'}")
-    return found[backend].load()
+    key = ("impl", component, backend)
+    if key not in _cache:
+        found = components().get(component, {})
+        if backend not in found:
+            raise ValueError(f"{component} has no fast backend {backend!r}; registered: {', '.join(found) or 'none'}")
+        _cache[key] = found[backend].load()
+    return _cache[key]
 
 
 def fast(module: Any, x: torch.Tensor) -> Optional[Callable]:

@@ -202,7 +202,8 @@ def _distribution_of(module: str) -> tuple[Optional[str], Optional[str]]:
 class PluginManager:
     """Holds every registry and loads plugins into them (lazily, once)."""
 
-    def __init__(self) -> None:
+    def __init__(self, builtin_plugins: tuple[str, ...] = BUILTIN_PLUGINS) -> None:
+        self.builtin_plugins = builtin_plugins
         self.pm = pluggy.PluginManager("zoo")
         self.pm.add_hookspecs(hookspecs)
         self.registries = {k: Registry(k, self) for k in KINDS}
@@ -312,7 +313,7 @@ class PluginManager:
             from zoo.recipes import Family
 
             family = Family.from_toml(family)
-        return self.add("family", family.name, family, override=override)
+        return self.add("family", getattr(family, "name", None) or repr(family), family, override=override)
 
     def add_checkpoint_format(self, name: str, fmt: Any, *, override: bool = False) -> Any:
         """A checkpoint format, keyed by the Hugging Face ``model_type`` it reads and writes."""
@@ -326,7 +327,7 @@ class PluginManager:
             return
         self._loading = True
         try:
-            for modname in BUILTIN_PLUGINS:
+            for modname in self.builtin_plugins:
                 self.load_plugin(modname, builtin=True)
             if not _env_flag("ZOO_DISABLE_PLUGIN_AUTOLOAD"):
                 for ep in self._entry_points():

@@ -4,9 +4,10 @@ without ever holding the (tokens x vocab) logits, let alone an fp32 copy of them
 Tokens are processed in chunks. For each chunk the logits are computed by one matmul in the
 input dtype (as the reference head does); one Triton program per token then reads its row in
 blocks, applies the final-logit soft-cap, finds the log-partition ``lse`` online, and overwrites
-the row with the gradient of ``mean CE + z_loss * mean lse^2`` (soft-cap derivative included).
-Two more matmuls turn that into the chunk's hidden-state gradient and its share of the weight
-gradient, so the backward only scales what the forward already computed.
+the row with the token's gradient of ``CE + z_loss * lse^2`` (soft-cap derivative included).
+Two more matmuls, which also apply the mean's 1/n, turn that into the chunk's hidden-state
+gradient and its share of the weight gradient, so the backward only scales what the forward
+already computed.
 
 The weight gradient is accumulated across chunks in the weight's dtype (``accumulate_dtype``
 changes that). Ignored labels (``ignore_index``) count neither in the mean nor in z.
@@ -97,17 +98,20 @@ class _FusedLinearCE(torch.autograd.Function):
             if bias is not None:
                 logits += bias
             logits = logits.contiguous()
+            # The rows get the per-token gradient (entries in [-1, 1]); the 1/n of the mean is applied
+            # in the matmuls below, so that fp16 rows do not underflow at large n.
             _ce_rows[(hc.shape[0],)](
                 logits, logits.stride(0), labels[start:start + rows], loss_rows[start:], lse_rows[start:], v,
-                float(softcap or 1.0), scale, scale * z_loss, ignore_index,
+                float(softcap or 1.0), 1.0, z_loss, ignore_index,
                 HAS_CAP=softcap is not None, WANT_GRAD=want_grad, BLOCK_V=min(BLOCK_V, triton.next_power_of_2(v)),
             )
             if grad_h is not None:
-                torch.mm(logits, weight, out=grad_h[start:start + rows])
+                out = grad_h[start:start + rows]
+                torch.addmm(out, logits, weight, beta=0, alpha=scale, out=out)
             if grad_w is not None:
-                grad_w.addmm_(logits.t().to(grad_w.dtype), hc.to(grad_w.dtype))
+                grad_w.addmm_(logits.t().to(grad_w.dtype), hc.to(grad_w.dtype), alpha=scale)
             if grad_b is not None:
-                grad_b += logits.float().sum(0)
+                grad_b += logits.float().sum(0) * scale
         ce = loss_rows.sum() * scale
         z = lse_rows.pow(2).sum() * scale
         loss = ce + z_loss * z  # a tensor of its own: ce and z are marked non-differentiable

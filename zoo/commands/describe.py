@@ -20,6 +20,9 @@ def add_parser(sub):
     p.add_argument("--batch", type=int, default=1, help="batch size for the KV cache (default 1)")
     p.add_argument("--dtype", default="bf16", help="storage dtype of weights and cache: bf16, fp16, fp32, fp8, int8, int4 (default bf16)")
     p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override a spec field, e.g. --set layers.*.attention.n_kv_heads=64")
+    p.add_argument("--backends", nargs="?", const="here", default=None, metavar="DEVICE",
+                   help="also print which backend (Triton, FlexAttention or plain PyTorch) each component would run "
+                        "and why, on DEVICE (cuda or cpu; default: this machine's), honouring ZOO_KERNELS")
     p.add_argument("--json", action="store_true", help="print JSON (components and figures)")
     return p
 
@@ -74,10 +77,30 @@ def run(args):
     figures = account(model, context=args.context, batch=args.batch, dtype=args.dtype)
     figures["name"] = args.name
     parts = components(model)
+    backends = backend_rows(model, args) if args.backends else None
     if args.json:
-        print(json.dumps({"components": dict(parts), **figures}, indent=2))
+        print(json.dumps({"components": dict(parts), **figures, **({"backends": backends} if backends else {})}, indent=2))
         return 0
     print_table(parts, f"{args.name}: components")
     print()
     print_table(figure_rows(figures), f"{args.name}: figures")
+    if backends:
+        from zoo.kernels import format_table
+
+        print(f"\n{args.name}: backends on {backends[0]['device']}, {backends[0]['dtype']}")
+        print("  " + format_table(backends).replace("\n", "\n  "))
     return 0
+
+
+def backend_rows(model, args):
+    """``zoo.kernels.backend_table`` for the device asked for, in the compute dtype of --dtype."""
+    import torch
+
+    from zoo.kernels import backend_table
+
+    device = args.backends if args.backends != "here" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(args.dtype, torch.bfloat16)
+    rows = backend_table(model, device=device, dtype=dtype)
+    for r in rows:
+        r.update(device=device, dtype=str(dtype).removeprefix("torch."))
+    return rows

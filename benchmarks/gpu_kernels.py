@@ -1,0 +1,312 @@
+"""zoo's fast kernels against eager PyTorch and torch.compile, side by side in one process.
+
+For each kernel (forward + backward): median time and peak memory above the inputs, for the
+eager reference, the reference under ``torch.compile``, and zoo's fast path; then a training step
+(forward, backward, AdamW) of a Llama-3-8B-shaped model with the fast paths off and on. Outputs
+and gradients of the fast paths are compared with the reference first. Ratios are what to read;
+absolute times depend on the machine.
+
+    python benchmarks/gpu_kernels.py                 # on a CUDA device (an H200 for the targets)
+    python benchmarks/gpu_kernels.py --dry-run       # tiny sizes on the CPU, Triton interpreter
+
+Targets on an H200: RMSNorm >= 3x eager; fused loss <= 0.25x eager's peak memory at a 128k
+vocabulary; training step >= 1.2x eager's tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny sizes on the CPU under TRITON_INTERPRET=1, without torch.compile: checks that the script runs")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per kernel call and per training step (default 8192)")
+    p.add_argument("--vocab", type=int, default=128256, help="vocabulary of the loss and the model (default Llama 3's 128256)")
+    p.add_argument("--layers", type=int, default=8,
+                   help="layers of the Llama-3-8B-shaped model in the training step (default 8 of 32, to fit one GPU with AdamW)")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length of the training step (default 4096)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repetitions per measurement, median reported (default 20; 2 in a dry run)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
+    p.add_argument("--only", default=None, help="comma-separated subset: rmsnorm,layernorm,rope,swiglu,loss,attention,train")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is defined
+        args.no_compile = True
+    args.repeats = args.repeats or (2 if args.dry_run else 20)
+    return args
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import zoo  # noqa: E402
+from zoo import kernels  # noqa: E402
+from zoo.model import lm_loss  # noqa: E402
+
+
+class Bench:
+    def __init__(self, device, repeats):
+        self.device, self.repeats = torch.device(device), repeats
+        self.cuda = self.device.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def measure(self, fn):
+        """Median seconds of ``fn()`` and its peak memory above what was allocated before (bytes;
+        None off CUDA)."""
+        fn()  # warm-up (compilation, autotuning)
+        self.sync()
+        if self.cuda:
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(self.repeats):
+            self.sync()
+            t = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - t)
+        peak = torch.cuda.max_memory_allocated() - base if self.cuda else None
+        return statistics.median(times), peak
+
+
+def fwd_bwd(fn, inputs):
+    """A closure running ``fn(*inputs)`` forward and backward (fresh gradients each time)."""
+
+    def run():
+        for t in inputs:
+            t.grad = None
+        out = fn(*inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        outs = [o.sum() for o in outs if o.requires_grad]
+        if outs:
+            torch.autograd.backward(outs)
+
+    return run
+
+
+def with_setting(setting, fn):
+    def call(*a):
+        with kernels.using(setting):
+            return fn(*a)
+
+    return call
+
+
+def compare(name, fast, ref, inputs, tol):
+    """Max relative error of the fast path's outputs and input gradients against the reference."""
+    results = []
+    for fn in (fast, ref):
+        xs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+        out = fn(*xs)
+        outs = out if isinstance(out, tuple) else (out,)
+        g = torch.Generator(device=outs[0].device).manual_seed(12345)  # not the inputs' seed: equal draws would cancel
+        diff = [o for o in outs if o.requires_grad]
+        if diff:
+            torch.autograd.backward(diff, [torch.randn(o.shape, generator=g, device=o.device, dtype=o.dtype) for o in diff])
+        results.append([o.detach().float() for o in outs] + [x.grad.float() for x in xs if x.grad is not None])
+    err = max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-12)) for a, b in zip(*results))
+    status = "ok" if err <= tol else "MISMATCH"
+    print(f"  check {name:<24} max error / max |ref| = {err:.2e}  ({status}, tolerance {tol:g})")
+    return err
+
+
+def kernel_cases(a, dev, dtype):
+    """(name, shape note, fast setting, reference fn, inputs) for each kernel."""
+    n, tiny = a.tokens, a.dry_run
+    d, d_ff, heads, kv, hd = (64, 160, 4, 2, 16) if tiny else (4096, 14336, 32, 8, 128)
+    seq = 8 if tiny else 4096
+    batch = max(1, n // seq)
+    mk = dict(device=dev, dtype=dtype)
+    llama = zoo.get_spec("llama3-8b", {"n_layers": 1, **({"d_model": d, "vocab_size": a.vocab,
+                                        "layers.*.attention.n_heads": heads, "layers.*.attention.n_kv_heads": kv,
+                                        "layers.*.ffn.d_ff": d_ff} if tiny else {})})
+    cases = []
+
+    rms = zoo.get("norm", "rmsnorm")(zoo.get("norm", "rmsnorm").Config(eps=1e-5), dim=d).to(**mk)
+    cases.append(("rmsnorm", f"({n}, {d})", "rmsnorm:triton", rms, [torch.randn(n, d, **mk, requires_grad=True)]))
+    gem = zoo.get("norm", "rmsnorm")(zoo.get("norm", "rmsnorm").Config(unit_offset=True, scale_in_fp32=True), dim=d).to(**mk)
+    cases.append(("rmsnorm (Gemma 1+w)", f"({n}, {d})", "rmsnorm:triton", gem, [torch.randn(n, d, **mk, requires_grad=True)]))
+    ln = zoo.get("norm", "layernorm")(zoo.get("norm", "layernorm").Config(), dim=d).to(**mk)
+    cases.append(("layernorm", f"({n}, {d})", "layernorm:triton", ln, [torch.randn(n, d, **mk, requires_grad=True)]))
+
+    rope = llama.position_for(0).build(spec=llama, layer=llama.layer(0)).to(dev)
+    state = rope.prepare(torch.arange(seq, device=dev)[None].expand(batch, seq), dtype)
+    q = torch.randn(batch, seq, heads, hd, **mk).transpose(1, 2).requires_grad_()
+    k = torch.randn(batch, seq, kv, hd, **mk).transpose(1, 2).requires_grad_()
+    cases.append(("rope (q and k)", f"q {tuple(q.shape)}", "rope:triton", lambda q, k: rope.rotate(q, k, state), [q, k]))
+
+    ffn = llama.layer(0).ffn.build(d_model=d).to(**mk)
+    cases.append(("swiglu product", f"({n}, {d_ff})", "glu:triton",
+                  _glu_product(ffn), [torch.randn(n, d_ff, **mk, requires_grad=True) for _ in range(2)]))
+
+    w = (torch.randn(a.vocab, d, **mk) * d ** -0.5).requires_grad_()
+    h = torch.randn(n, d, **mk, requires_grad=True)
+    labels = torch.randint(0, a.vocab, (n,), device=dev)
+    cases.append(("loss (linear + CE)", f"({n}, {d}) x vocab {a.vocab}", "loss:triton", _loss(labels), [h, w]))
+
+    gemma = zoo.get_spec("gemma2-9b", {"n_layers": 2, **({"d_model": d, "layers.*.attention.head_dim": hd,
+                                       "layers.*.attention.n_heads": heads, "layers.*.attention.n_kv_heads": kv,
+                                       "layers.local.attention.window": 3} if tiny else {})})
+    attn = gemma.layer(0).attention.build(d_model=gemma.d_model, layer=gemma.layer(0), spec=gemma).to(**mk)
+    aseq = seq if tiny else 8192  # longer than Gemma 2's 4096 window
+    idx = torch.arange(aseq, device=dev)
+    qa = torch.randn(1, attn.n_heads, aseq, attn.head_dim, **mk, requires_grad=not tiny)
+    ka = torch.randn(1, attn.n_kv_heads, aseq, attn.head_dim, **mk, requires_grad=not tiny)
+    va = torch.randn(1, attn.n_kv_heads, aseq, attn.head_dim, **mk, requires_grad=not tiny)
+    cases.append(("attention (softcap+window)", f"q {tuple(qa.shape)}, window {attn.window}", "attention:flex",
+                  lambda q, k, v: attn.attend(q, k, v, idx, idx), [qa, ka, va]))
+    return cases
+
+
+def _glu_product(ffn):
+    from zoo.components.kernels.glu import gated_product
+
+    def product(g, u):
+        if kernels.setting_for("glu") == "triton":
+            return gated_product(g, u, ffn.act.fused_name)
+        return ffn.act(g) * u
+
+    return product
+
+
+def _loss(labels):
+    from zoo.components.kernels.cross_entropy import fused_linear_cross_entropy
+
+    def loss(h, w):
+        if kernels.setting_for("loss") == "triton":
+            return fused_linear_cross_entropy(h, w, labels)[0]
+        return lm_loss(F.linear(h, w), labels).loss
+
+    return loss
+
+
+def run_kernels(a, bench, dtype, only):
+    rows = []
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for name, shape, setting, ref, inputs in kernel_cases(a, bench.device, dtype):
+        key = name.split()[0]
+        if only and key not in only:
+            continue
+        print(f"{name}  {shape}")
+        fast = with_setting(setting, ref)
+        eager = with_setting("off", ref)
+        err = compare(name, fast, eager, inputs, tol)
+        row = {"kernel": name, "shape": shape, "max_rel_error": err}
+        variants = [("eager", eager), ("zoo", fast)]
+        if not a.no_compile:
+            variants.insert(1, ("compile", torch.compile(ref)))
+        for label, fn in variants:
+            t, peak = bench.measure(fwd_bwd(fn, inputs))
+            row[f"{label}_ms"], row[f"{label}_peak_mb"] = t * 1e3, None if peak is None else peak / 2**20
+        row["speedup_vs_eager"] = row["eager_ms"] / row["zoo_ms"]
+        if "compile_ms" in row:
+            row["speedup_vs_compile"] = row["compile_ms"] / row["zoo_ms"]
+        if row["zoo_peak_mb"] is not None:
+            row["memory_vs_eager"] = row["zoo_peak_mb"] / max(row["eager_peak_mb"], 1e-9)
+        rows.append(row)
+        print("  " + "  ".join(f"{k}={v:.3g}" for k, v in row.items() if isinstance(v, float)))
+        torch.cuda.empty_cache() if bench.cuda else None
+    return rows
+
+
+def run_training(a, bench, dtype):
+    """Tokens/s of forward + backward + AdamW on a Llama-3-8B-shaped model, fast paths off and on."""
+    dev = bench.device
+    over = {"n_layers": a.layers, "vocab_size": a.vocab}
+    if a.dry_run:
+        over.update({"d_model": 64, "layers.*.attention.n_heads": 4, "layers.*.attention.n_kv_heads": 2,
+                     "layers.*.ffn.d_ff": 160})
+    model = zoo.build("llama3-8b", device=dev, dtype=dtype, seed=0, **over)
+    seq = min(a.seq, 8) if a.dry_run else a.seq
+    batch = max(1, a.tokens // seq)
+    ids = torch.randint(0, a.vocab, (batch, seq), device=dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if bench.cuda else {}))
+    print(f"training step: llama3-8b shape, {a.layers} layers, {model.num_parameters():,} parameters, "
+          f"batch {batch} x {seq}, {dtype}")
+    print(kernels.format_table(kernels.backend_table(model)))
+
+    def step_with(setting, loss_fn=None):
+        def step():
+            with kernels.using(setting):
+                loss = (loss_fn or (lambda: model.loss(ids).loss))()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+
+    # auto picks the fast paths on CUDA; the dry run on the CPU has to force them
+    variants = [("eager", step_with("off")), ("zoo", step_with("triton" if a.dry_run else None))]
+    if not a.no_compile:
+        compiled = torch.compile(lambda: model.loss(ids).loss)
+        variants.insert(1, ("compile", step_with("off", compiled)))
+    row = {"model": f"llama3-8b x{a.layers} layers", "tokens_per_step": batch * seq}
+    for label, step in variants:
+        t, peak = bench.measure(step)
+        row[f"{label}_tokens_per_s"] = batch * seq / t
+        row[f"{label}_peak_gb"] = None if peak is None else peak / 2**30
+    row["speedup_vs_eager"] = row["zoo_tokens_per_s"] / row["eager_tokens_per_s"]
+    print("  " + "  ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)))
+    return row
+
+
+def targets(rows, train, dry_run=False):
+    by = {r["kernel"]: r for r in rows}
+    out = []
+    if "rmsnorm" in by:
+        out.append(("RMSNorm speed-up vs eager", by["rmsnorm"]["speedup_vs_eager"], ">=", 3.0))
+    loss = by.get("loss (linear + CE)")
+    if loss and loss.get("memory_vs_eager") is not None:
+        out.append(("fused loss peak memory / eager", loss["memory_vs_eager"], "<=", 0.25))
+    if train:
+        out.append(("training step tokens/s vs eager", train["speedup_vs_eager"], ">=", 1.2))
+    print("\ntargets (H200):")
+    for name, value, op, goal in out:
+        ok = value >= goal if op == ">=" else value <= goal
+        verdict = "dry run: not a measurement" if dry_run else ("met" if ok else "NOT met")
+        print(f"  {name:<34} {value:6.3f}  (target {op} {goal})  {verdict}")
+    return [{"target": n, "value": v, "goal": f"{o} {g}"} for n, v, o, g in out]
+
+
+def main(a):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
+    if a.dry_run:
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+        dev, dtype, a.tokens, a.vocab = "cpu", torch.float32, 16, 300  # the interpreter has no bf16
+        a.layers = min(a.layers, 2)
+    elif not torch.cuda.is_available():
+        sys.exit("gpu_kernels.py needs a CUDA device (or --dry-run to exercise it on the CPU)")
+    else:
+        dev = "cuda"
+    bench = Bench(dev, a.repeats)
+    name = torch.cuda.get_device_name() if bench.cuda else "cpu (dry run: Triton interpreter, numbers mean nothing)"
+    print(f"device: {name}; torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"kernels: {kernels.available()}")
+    only = set(a.only.split(",")) if a.only else None
+    rows = run_kernels(a, bench, dtype, only)
+    train = run_training(a, bench, dtype) if not only or "train" in only else None
+    result = {"device": name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+              "dtype": str(dtype), "kernels": rows, "train": train, "targets": targets(rows, train, a.dry_run)}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main(ARGS)

@@ -1,0 +1,68 @@
+"""``zoo list [KIND] [PATTERN]``: registered parts and model presets, with the plugin that provided each."""
+
+import fnmatch
+import json
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "list",
+        help="list registered parts (or model presets) and which plugin provided each",
+        description="KIND is a registry kind (norm, attention, family, checkpoint_format, ...) or 'model' for the "
+                    "presets zoo.build accepts; PATTERN is a shell-style pattern ('gemma*'). Without KIND: every "
+                    "kind of part.",
+    )
+    p.add_argument("kind", nargs="?", default=None, help="a registry kind, or 'model' (default: every kind of part)")
+    p.add_argument("pattern", nargs="?", default="*", help="shell-style name pattern (default '*')")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    return p
+
+
+def rows(kind, pattern):
+    import zoo
+
+    m = zoo.manager()
+    m.ensure_loaded()
+
+    def provenance(provider):
+        info = m.plugins.get(provider)
+        return {"provider": provider, "distribution": info.distribution if info else None,
+                "version": info.version if info else None}
+
+    if kind in ("model", "models"):
+        out = []
+        for family in m.registry("family").entries():
+            for preset in family.obj.presets:
+                if fnmatch.fnmatchcase(preset, pattern):
+                    out.append({"kind": "model", "name": preset, "family": family.name, **provenance(family.provider)})
+        return sorted(out, key=lambda r: r["name"])
+    kinds = [kind] if kind else list(m.registries)
+    out = []
+    for k in kinds:
+        for e in m.registry(k).entries():
+            if fnmatch.fnmatchcase(e.name, pattern):
+                row = {"kind": k, "name": e.name, **provenance(e.provider)}
+                if e.replaced is not None:
+                    row["overrides"] = e.replaced.provider
+                if k == "family":
+                    row["presets"] = sorted(e.obj.presets)
+                out.append(row)
+    return out
+
+
+def run(args):
+    found = rows(args.kind, args.pattern)
+    if args.json:
+        print(json.dumps(found, indent=2))
+        return 0
+    for r in found:
+        where = r["provider"] + (f" ({r['distribution']} {r['version']})" if r["distribution"] else "")
+        extra = f"  overrides {r['overrides']}" if "overrides" in r else ""
+        if "presets" in r:
+            extra += f"  presets: {', '.join(r['presets'])}"
+        if "family" in r:
+            extra += f"  family {r['family']}"
+        print(f"{r['kind']:<18} {r['name']:<22} {where}{extra}")
+    if not found:
+        print(f"nothing matches {args.pattern!r}" + (f" in {args.kind}" if args.kind else ""))
+    return 0
