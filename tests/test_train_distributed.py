@@ -61,6 +61,9 @@ out, sets, run = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 kw = dict(overrides=sets, fsdp=True, cpu=True, progress=False, plot=False, micro_batch=2, **run)
 zoo.train("gemma2-2b", out_dir=out + "/a", save_every=3, export_format="gemma2", **kw)
 zoo.train("gemma2-2b", out_dir=out + "/b", resume=out + "/a/checkpoints/step-0000003", export=False, **kw)
+# Start from the exported weights; with lr 0 they come back out unchanged, shard by shard.
+kw.update(overrides=None, lr=0.0, steps=1, export=False)
+zoo.train(init_from=out + "/a/final", out_dir=out + "/c", **kw)
 """
 
 
@@ -94,3 +97,7 @@ def test_fsdp2_on_two_processes_trains_and_resumes_from_sharded_checkpoints(tmp_
     assert set(exported) == set(halves[0])
     for name, tensor in exported.items():
         torch.testing.assert_close(tensor, torch.cat([halves[0][name], halves[1][name]]), rtol=0, atol=0)
+    for r in (0, 1):
+        again = load_file(str(tmp_path / "c" / "checkpoints" / "step-0000001" / f"model-rank0000{r}-of-00002.safetensors"))
+        for name, tensor in again.items():
+            torch.testing.assert_close(tensor, halves[r][name], rtol=0, atol=0)

@@ -129,10 +129,8 @@ class TokenData:
         return self._seqs[torch.tensor(rows)]
 
 
-def load_tokens(data: Optional[Sequence[str | Path]] = None, tokenizer=None) -> torch.Tensor:
-    """Tokenise the built-in corpus (``data`` empty) or the given text files into one 1-D stream."""
-    tokenizer = tokenizer if tokenizer is not None and not isinstance(tokenizer, (str, Path)) else get_tokenizer(tokenizer)
-    texts = read_texts(data) if data else [builtin_corpus()]
+def tokenize(texts: Sequence[str], tokenizer) -> torch.Tensor:
+    """One 1-D stream of token ids for the texts, in order."""
     if isinstance(tokenizer, ByteTokenizer):
         blob = "\n\n".join(texts).encode("utf-8")
         return torch.frombuffer(bytearray(blob), dtype=torch.uint8).long()
@@ -140,6 +138,12 @@ def load_tokens(data: Optional[Sequence[str | Path]] = None, tokenizer=None) -> 
     for text in texts:
         ids += tokenizer.encode(text)
     return torch.tensor(ids, dtype=torch.long)
+
+
+def load_tokens(data: Optional[Sequence[str | Path]] = None, tokenizer=None) -> torch.Tensor:
+    """Tokenise the built-in corpus (``data`` empty) or the given text files into one 1-D stream."""
+    tokenizer = tokenizer if tokenizer is not None and not isinstance(tokenizer, (str, Path)) else get_tokenizer(tokenizer)
+    return tokenize(read_texts(data) if data else [builtin_corpus()], tokenizer)
 
 
 def unigram_entropy(tokens: torch.Tensor) -> float:

@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from zoo.data import TokenData, get_tokenizer, load_tokens
+from zoo.data import TokenData, builtin_corpus, get_tokenizer, read_texts, tokenize
 from zoo.model import build_model, lm_loss
 from zoo.recipes import get_spec
 from zoo.spec import ModelSpec
@@ -49,12 +49,14 @@ class TrainConfig:
 
     # data
     data: tuple[str, ...] = ()  # text files; empty: the built-in corpus (Python stdlib sources)
-    tokenizer: Optional[str] = None  # a tokenizer.json or a checkpoint directory; None: bytes
+    tokenizer: Optional[str] = None  # a tokenizer.json or a checkpoint directory; None: bytes (or init_from's)
     seq_len: int = 256
     # batch: global_batch = processes x micro_batch x grad_accum (grad_accum derived when None)
     global_batch: int = 32
     micro_batch: int = 8
     grad_accum: Optional[int] = None
+    # start from trained weights: an HF checkpoint directory or hub id, read by zoo.from_pretrained
+    init_from: Optional[str] = None
     # optimisation
     steps: int = 1000
     lr: float = 3e-4
@@ -331,9 +333,10 @@ def _shard(model: nn.Module, accelerator) -> None:
     fully_shard(model, **kwargs)
 
 
-def train(model: Any, config: Optional[TrainConfig] = None, *, overrides: Optional[dict[str, Any]] = None,
+def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides: Optional[dict[str, Any]] = None,
           **fields: Any) -> TrainResult:
-    """Train a preset name, recipe file, dict or :class:`ModelSpec` (with spec ``overrides``).
+    """Train a preset name, recipe file, dict or :class:`ModelSpec` (with spec ``overrides``), from
+    random weights or from a checkpoint's (``init_from=``; the model may then be omitted).
 
     Keyword ``fields`` set :class:`TrainConfig` fields (``steps=300``). Run under
     ``accelerate launch`` or ``torchrun`` for several processes; every process calls this.
@@ -343,24 +346,35 @@ def train(model: Any, config: Optional[TrainConfig] = None, *, overrides: Option
 
     config = dataclasses.replace(config or TrainConfig(), **fields)
     config.check()
-    spec = get_spec(model, overrides)
+    # The scheduler steps once per optimizer step, whatever the number of processes.
+    acc = Accelerator(mixed_precision=_mixed_precision(config), cpu=config.cpu, step_scheduler_with_optimizer=False)
+    accum = config.accumulation(acc.num_processes)
+    texts = read_texts(config.data) if config.data else [builtin_corpus()]
+
+    # Every check before any compute: model, tokenizer, checkpoint.
+    pretrained = None
+    if config.init_from:
+        import zoo
+
+        pretrained = zoo.from_pretrained(config.init_from)
+        spec = get_spec(model if model is not None else pretrained.spec, overrides)
+    elif model is None:
+        raise ValueError("train needs a model: a preset name, a recipe file or a spec, or init_from=a checkpoint")
+    else:
+        spec = get_spec(model, overrides)
     if config.z_loss is not None:
         spec = spec.with_overrides(z_loss=config.z_loss)
     if config.seq_len > spec.max_seq_len:
         raise ValueError(f"seq_len {config.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}")
-
-    # The scheduler steps once per optimizer step, whatever the number of processes.
-    acc = Accelerator(mixed_precision=_mixed_precision(config), cpu=config.cpu, step_scheduler_with_optimizer=False)
-    accum = config.accumulation(acc.num_processes)
-
-    # Data, then any checkpoint: every check before any compute.
-    tokenizer = get_tokenizer(config.tokenizer)
+    tok_source = config.tokenizer
+    if tok_source is None and config.init_from and (Path(config.init_from) / "tokenizer.json").is_file():
+        tok_source = config.init_from
+    tokenizer = get_tokenizer(tok_source)
     if tokenizer.vocab_size > spec.vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {spec.vocab_size}; "
             f"set vocab_size={tokenizer.vocab_size} (or more) in the overrides"
         )
-    data = TokenData(load_tokens(config.data, tokenizer), config.seq_len, seed=config.seed)
     out_dir = Path(config.out_dir)
     resume_from: Optional[Path] = None
     if config.resume == "auto":
@@ -375,6 +389,7 @@ def train(model: Any, config: Optional[TrainConfig] = None, *, overrides: Option
             f"checkpoint {resume_from} was written {'with' if ckpt_state['sharded'] else 'without'} FSDP; "
             f"resume it the same way (fsdp={ckpt_state['sharded']})"
         )
+    data = TokenData(tokenize(texts, tokenizer), config.seq_len, seed=config.seed)
 
     # Model: meta first; FSDP2 shards before anything is allocated.
     torch.manual_seed(config.seed)
@@ -385,6 +400,10 @@ def train(model: Any, config: Optional[TrainConfig] = None, *, overrides: Option
         net.init_weights()
     else:
         net = build_model(spec, device=acc.device, seed=config.seed)
+    fmt = getattr(pretrained, "checkpoint_format", None)  # export in the format the weights came in
+    if pretrained is not None and ckpt_state is None:
+        load_full_state_dict(net, pretrained.state_dict(), sharded=use_fsdp)
+    del pretrained
     net.train()
     optimizer = torch.optim.AdamW(param_groups(net, config.weight_decay), lr=config.lr,
                                   betas=(config.beta1, config.beta2), eps=config.eps)
@@ -406,6 +425,8 @@ def train(model: Any, config: Optional[TrainConfig] = None, *, overrides: Option
     metrics_file = out_dir / "metrics.jsonl"
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
+        for stale in (out_dir / "checkpoints").glob(".tmp-step-*"):  # left by a save that was cut short
+            shutil.rmtree(stale, ignore_errors=True)
         kept = [line for line in (metrics_file.read_text().splitlines() if metrics_file.is_file() else [])
                 if json.loads(line)["step"] <= step] if step else []
         metrics_file.write_text("".join(line + "\n" for line in kept))
@@ -467,8 +488,8 @@ def train(model: Any, config: Optional[TrainConfig] = None, *, overrides: Option
         if config.plot and acc.is_main_process:
             result.plot = plot_losses(metrics_file, out_dir / "loss.png")
         if config.export:
-            result.export = export(net, spec, out_dir / "final", acc, sharded=use_fsdp,
-                                   model_type=config.export_format, tokenizer=tokenizer)
+            result.export = export(net, spec, out_dir / "final", acc, sharded=use_fsdp, tokenizer=tokenizer,
+                                   model_type=config.export_format or fmt)
     acc.wait_for_everyone()
     return result
 
@@ -480,6 +501,16 @@ def full_state_dict(model: nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], sharded: bool) -> None:
+    """Copy whole weights into the model (each process keeps its own shard under FSDP2)."""
+    if not sharded:
+        model.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
 def export(model: nn.Module, spec: ModelSpec, path: Path, accelerator, *, sharded: bool,

@@ -25,7 +25,7 @@ def add_parser(sub):
 
     p = sub.add_parser("train", help="train a preset or recipe with Accelerate (one process, DDP or FSDP2)",
                        description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
-    p.add_argument("model", help="preset name or recipe file (.toml/.json)")
+    p.add_argument("model", nargs="?", help="preset name or recipe file (.toml/.json); may be omitted with --init-from")
     p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                    help="override a spec field, e.g. --set n_layers=2 --set layers.*.attention.n_heads=4")
     hints = typing.get_type_hints(TrainConfig)
