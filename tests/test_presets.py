@@ -38,7 +38,7 @@ def test_every_preset_builds_on_meta_without_allocating(name):
         assert model.num_parameters() == PUBLISHED[name]
     recorded = zoo.published_params(name)
     if recorded is not None:  # the recipe's own record agrees with the published count
-        assert recorded == PUBLISHED[name]
+        assert recorded == PUBLISHED.get(name, model.num_parameters())  # (plugin presets: not listed here)
 
 
 def test_paper_counts_for_presets_without_weights():

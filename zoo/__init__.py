@@ -27,6 +27,7 @@ from zoo.spec import ModelSpec, Part, SpecError
 # Imported here so that `zoo.train` is the function (the module stays reachable as
 # `importlib.import_module("zoo.train")` and through `from zoo.train import ...`).
 from zoo.train import TrainConfig, TrainResult, train
+from zoo.verify import verify  # binds the function over the submodule of the same name
 
 __version__ = "0.1.0"
 
@@ -63,13 +64,6 @@ def save_pretrained(model, directory, **kw):
     from zoo.checkpoints import save_pretrained as _save
 
     return _save(model, directory, **kw)
-
-
-def verify(path_or_repo_id, **kw):
-    """Compare zoo with the transformers reference on a checkpoint; see :func:`zoo.verify.verify`."""
-    from zoo.verify import verify as _verify
-
-    return _verify(path_or_repo_id, **kw)
 
 
 __all__ = [
