@@ -258,3 +258,22 @@ def test_gpu_benchmark_dry_run_exercises_the_script():
     assert [r["kernel"] for r in result["kernels"]] == ["rmsnorm", "rmsnorm (Gemma 1+w)", "loss (linear + CE)"]
     assert all(r["max_rel_error"] < 2e-5 for r in result["kernels"]), result["kernels"]
     assert result["train"]["tokens_per_step"] == 16
+
+
+def test_fused_loss_and_rope_follow_autocast_like_the_reference():
+    from zoo.components.kernels.cross_entropy import fused_linear_cross_entropy
+
+    h = torch.randn(9, 16, requires_grad=True)
+    w = torch.randn(200, 16, requires_grad=True)
+    labels = torch.randint(0, 200, (9,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast = fused_linear_cross_entropy(h, w, labels)[0]
+        ref = lm_loss(F.linear(h, w), labels).loss
+        rope = rope_module("half", 1.0)
+        state = rope.prepare(torch.arange(5)[None], torch.float32)
+        q = torch.randn(1, 2, 5, 24, dtype=torch.bfloat16)
+        with kernels.using("rope:triton"):
+            rotated = rope.rotate(q, q, state)[0]
+    assert rotated.dtype == rope._rotate(q, *state).dtype == torch.float32
+    close(fast, ref, rtol=1e-3)  # both from the same bf16 logits; only the summation order differs
+    close(torch.autograd.grad(fast, w)[0], torch.autograd.grad(ref, w)[0], rtol=1e-2, scale=1e-2)

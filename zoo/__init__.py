@@ -27,6 +27,8 @@ from zoo.spec import ModelSpec, Part, SpecError
 # Imported here so that `zoo.train` is the function (the module stays reachable as
 # `importlib.import_module("zoo.train")` and through `from zoo.train import ...`).
 from zoo.train import TrainConfig, TrainResult, train
+from zoo.verify import verify  # binds the function over the submodule of the same name
+from zoo.generate import generate  # likewise: zoo.generate is the function
 
 __version__ = "0.1.0"
 
@@ -64,15 +66,6 @@ def save_pretrained(model, directory, **kw):
 
     return _save(model, directory, **kw)
 
-
-def verify(path_or_repo_id, **kw):
-    """Compare zoo with the transformers reference on a checkpoint; see :func:`zoo.verify.verify`."""
-    from zoo.verify import verify as _verify
-
-    return _verify(path_or_repo_id, **kw)
-
-
-from zoo.generate import generate  # noqa: E402  (the function; the module stays importable as zoo.generate)
 
 __all__ = [
     "Decoder", "DuplicateNameError", "Family", "LossOutput", "ModelSpec", "Part", "PluginError",

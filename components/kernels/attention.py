@@ -14,7 +14,7 @@ _masks: dict = {}
 def _flex():
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(flex_attention, dynamic=False)
+        _compiled = torch.compile(flex_attention)
     return _compiled
 
 

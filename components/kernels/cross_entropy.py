@@ -147,8 +147,13 @@ def fused_linear_cross_entropy(h, weight, labels, *, bias=None, softcap=None, z_
         raise ValueError(f"hidden states {tuple(h.shape)} and labels {tuple(labels.shape)} do not match")
     want_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (h2, weight, bias))
-    return _FusedLinearCE.apply(h2.contiguous(), weight, bias, labels2.contiguous(), softcap, float(z_loss),
-                                ignore_index, want_grad, accumulate_dtype)
+    device = h.device.type
+    if torch.is_autocast_enabled(device):  # cast as autocast would for the head matmul, then run without it
+        dt = torch.get_autocast_dtype(device)
+        h2, weight, bias = (t.to(dt) if t is not None else None for t in (h2, weight, bias))
+    with torch.autocast(device, enabled=False):
+        return _FusedLinearCE.apply(h2.contiguous(), weight, bias, labels2.contiguous(), softcap, float(z_loss),
+                                    ignore_index, want_grad, accumulate_dtype)
 
 
 def decoder_loss(model, hidden, labels, *, z_loss, ignore_index=-100):

@@ -20,17 +20,20 @@ def _act_and_grad(g, ACT: tl.constexpr):
     """act(g) and act'(g), in fp32."""
     if ACT == 0:
         s = tl.sigmoid(g)
-        return g * s, s * (1.0 + g * (1.0 - s))
+        a = g * s
+        d = s * (1.0 + g * (1.0 - s))
     elif ACT == 1:
         cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
-        return g * cdf, cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
+        a = g * cdf
+        d = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
     elif ACT == 2:
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        t = _tanh(inner)
+        t = _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))
+        a = 0.5 * g * (1.0 + t)
         d = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3 * 0.044715 * g * g)
-        return 0.5 * g * (1.0 + t), d
     else:
-        return tl.maximum(g, 0.0), tl.where(g > 0, 1.0, 0.0)
+        a = tl.maximum(g, 0.0)
+        d = tl.where(g > 0, 1.0, 0.0)
+    return a, d
 
 
 @triton.jit

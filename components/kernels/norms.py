@@ -57,7 +57,7 @@ def _norm_bwd(X, W, DY, DX, DW, DB, MEAN, RSTD, stride_x, stride_dy, stride_dx, 
         w = w + 1.0
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
     db = tl.zeros((BLOCK,), dtype=tl.float32)
-    start = pid * rows_per_program
+    start = pid.to(tl.int64) * rows_per_program
     end = tl.minimum(start + rows_per_program, M)
     for r in range(start, end):
         row = r

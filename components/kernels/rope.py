@@ -57,11 +57,11 @@ def _rope(X, COS, SIN, Y, H, T, D, ROT,
         tl.store(y_row + r, tl.load(x_row + r, mask=rmask, other=0.0), mask=rmask)
 
 
-def _launch(x, cos, sin, rot, interleaved, backward):
+def _launch(x, cos, sin, rot, interleaved, backward, dtype):
     B, H, T, D = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, dtype=dtype)
     cos = cos.expand(B, 1, T, cos.shape[-1])
     sin = sin.expand(B, 1, T, sin.shape[-1])
     if cos.stride(-1) != 1 or cos.stride() != sin.stride():
@@ -81,12 +81,14 @@ class _Rope(torch.autograd.Function):
     def forward(ctx, x, cos, sin, rot, interleaved):
         ctx.save_for_backward(cos, sin)
         ctx.args = (rot, interleaved)
-        return _launch(x, cos, sin, rot, interleaved, False)
+        ctx.dtype = x.dtype
+        # the reference's x * cos promotes: bf16 q with fp32 cos (under autocast) gives fp32
+        return _launch(x, cos, sin, rot, interleaved, False, torch.promote_types(x.dtype, cos.dtype))
 
     @staticmethod
     def backward(ctx, dy):
         cos, sin = ctx.saved_tensors
-        return _launch(dy, cos, sin, *ctx.args, True), None, None, None, None
+        return _launch(dy, cos, sin, *ctx.args, True, ctx.dtype), None, None, None, None
 
 
 def apply_rope(x, cos, sin, rotary_dim: int, interleaved: bool = False):

@@ -1,6 +1,9 @@
 """Hugging Face checkpoints: ``config.json`` <-> spec through a format per ``model_type``;
 safetensors <-> module through that format's two-way weight-name map.
 
+The module is built on the meta device and filled by assignment, tensor by tensor, so loading
+needs about one copy of the weights.
+
     >>> model = zoo.from_pretrained("meta-llama/Llama-3.2-1B", dtype=torch.bfloat16)
     >>> zoo.save_pretrained(model, "out/")   # transformers loads it back
 """
@@ -111,12 +114,13 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
                 f"{files.directory}: tensor(s) {', '.join(b.hf)} of shape(s) "
                 f"{[tuple(t.shape) for t in hf_tensors]} do not fit {b.transform.name} for {', '.join(b.zoo)} ({exc})"
             ) from None
-        for zname, t, hname in zip(b.zoo, zoo_tensors, b.hf * len(b.zoo) if len(b.hf) == 1 else b.hf):
+        for zname, t in zip(b.zoo, zoo_tensors):
             want = tuple(meta[zname].shape)
             if tuple(t.shape) != want:
+                shapes = ", ".join(f"{h!r} {tuple(x.shape)}" for h, x in zip(b.hf, hf_tensors))
                 raise CheckpointError(
-                    f"{files.directory}: tensor {hname!r} has shape {tuple(hf_tensors[b.hf.index(hname)].shape)}, "
-                    f"but {zname} needs {want} (via {b.transform.name}); the config does not describe these weights"
+                    f"{files.directory}: tensor {shapes} gives {zname} the shape {tuple(t.shape)}, but it needs "
+                    f"{want} (via {b.transform.name}); the config does not describe these weights"
                 )
             target_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
             state[zname] = t.to(device=device or "cpu", dtype=target_dtype)
@@ -140,7 +144,7 @@ def from_pretrained(
     """Load an HF checkpoint (local directory or hub repo id) into a zoo model.
 
     ``dtype`` converts floating-point weights on load (default: as stored). The model is built on
-    the meta device and filled by assignment from memory-mapped safetensors, so loading needs about
+    the meta device and filled by assignment, tensor by tensor, from safetensors, so loading needs about
     one copy of the weights. ``strict=False`` lets unknown config fields through.
     """
     directory = resolve(path_or_repo_id, revision=revision, token=token, cache_dir=cache_dir)

@@ -1,4 +1,4 @@
-"""Safetensors I/O: memory-mapped reading of single-file and sharded checkpoints, atomic writing."""
+"""Safetensors I/O: reading single-file and sharded checkpoints tensor by tensor, atomic writing."""
 
 from __future__ import annotations
 
@@ -21,14 +21,26 @@ INDEX = "model.safetensors.index.json"
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
 
 
+# safetensors dtype codes -> torch dtypes
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
 class WeightFiles:
-    """The tensors of a checkpoint directory: name -> shard file, opened lazily and memory-mapped."""
+    """The tensors of a checkpoint directory: name -> shard file.
+
+    Headers are parsed and validated by safetensors when the directory is opened. Each tensor is
+    then read straight into a buffer of its own when asked for (``get``), with no file mapping
+    held open, so a whole load needs about one copy of the weights in memory.
+    """
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
         self.where: dict[str, Path] = {}
-        self._open: dict[Path, object] = {}
-        self._stack = contextlib.ExitStack()
+        self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}  # dtype, shape, start, end
         index = self.directory / INDEX
         if index.is_file():
             try:
@@ -41,14 +53,14 @@ class WeightFiles:
                     raise CheckpointError(f"{index} lists shard {shard!r}, which is missing from {self.directory}")
             # The index is a promise: check each shard really holds what it lists.
             for shard in shards:
-                names = set(self._handle(self.directory / shard).keys())
+                names = set(self._read_header(self.directory / shard))
                 for name, file in weight_map.items():
                     if file == shard and name not in names:
                         raise CheckpointError(f"{index} says tensor {name!r} is in {shard}, but that file lacks it")
             self.where = {name: self.directory / file for name, file in weight_map.items()}
         elif (self.directory / SINGLE).is_file():
             path = self.directory / SINGLE
-            self.where = {name: path for name in self._handle(path).keys()}
+            self.where = {name: path for name in self._read_header(path)}
         else:
             pickles = [p for p in PICKLES if (self.directory / p).exists()]
             if pickles:
@@ -59,36 +71,43 @@ class WeightFiles:
                 )
             raise CheckpointError(f"{self.directory} has no {SINGLE} or {INDEX}: no safetensors weights to load")
 
-    def _handle(self, path: Path):
-        if path not in self._open:
-            try:
-                self._open[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
-            except Exception as exc:  # safetensors raises its own error types for corrupt headers
-                raise CheckpointError(
-                    f"{path}: cannot read safetensors header ({type(exc).__name__}: {exc}); the file is "
-                    "corrupt or truncated: download it again"
-                ) from None
-        return self._open[path]
+    def _read_header(self, path: Path) -> list[str]:
+        try:  # safetensors validates the header (offsets, dtypes, overlaps)
+            with safe_open(str(path), framework="pt") as f:
+                names = list(f.keys())
+        except Exception as exc:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(
+                f"{path}: cannot read safetensors header ({type(exc).__name__}: {exc}); the file is "
+                "corrupt or truncated: download it again"
+            ) from None
+        header, start = _header(path)
+        for name in names:
+            info = header[name]
+            if info["dtype"] not in DTYPES:
+                raise CheckpointError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which zoo cannot load")
+            begin, end = info["data_offsets"]
+            self.entries[name] = (info["dtype"], tuple(info["shape"]), start + begin, start + end)
+        return names
 
     def names(self) -> list[str]:
         return list(self.where)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.where[name]).get_slice(name).get_shape())
+        return self.entries[name][1]
 
     def get(self, name: str) -> torch.Tensor:
         path = self.where[name]
-        try:
-            return self._handle(path).get_tensor(name)
-        except Exception as exc:
-            raise CheckpointError(
-                f"{path}: cannot read tensor {name!r} ({type(exc).__name__}: {exc}); the file is truncated or "
-                "corrupt: download it again"
-            ) from None
+        dtype, shape, begin, end = self.entries[name]
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        with open(path, "rb") as f:
+            f.seek(begin)
+            got = f.readinto(buf.numpy()) if end > begin else 0
+        if got != end - begin:
+            raise CheckpointError(f"{path}: truncated while reading tensor {name!r}; download it again")
+        return buf.view(DTYPES[dtype]).reshape(shape)
 
     def close(self) -> None:
-        self._stack.close()
-        self._open.clear()
+        pass
 
     def __enter__(self) -> "WeightFiles":
         return self
@@ -97,24 +116,29 @@ class WeightFiles:
         self.close()
 
 
+def _header(path: Path) -> tuple[dict, int]:
+    """The JSON header of a safetensors file and where its data starts."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated (no safetensors header); download it again")
+        n = int.from_bytes(head, "little")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CheckpointError(f"{path}: corrupt safetensors header; download it again") from None
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
 def check_sizes(directory: Path) -> None:
     """A truncated shard has a valid header but less data than it promises: catch that up front."""
     for path in sorted(Path(directory).glob("*.safetensors")):
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: truncated (no safetensors header); download it again")
-            n = int.from_bytes(head, "little")
-            try:
-                header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise CheckpointError(f"{path}: corrupt safetensors header; download it again") from None
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        header, start = _header(path)
+        end = start + max((v["data_offsets"][1] for v in header.values()), default=0)
         size = path.stat().st_size
-        if size < 8 + n + end:
-            raise CheckpointError(
-                f"{path}: truncated: {size} bytes, but its header describes {8 + n + end}; download it again"
-            )
+        if size < end:
+            raise CheckpointError(f"{path}: truncated: {size} bytes, but its header describes {end}; download it again")
 
 
 def parse_size(size: int | str) -> int:

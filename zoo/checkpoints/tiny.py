@@ -18,7 +18,8 @@ def tiny_formats() -> list[str]:
 
 def tiny_config(model_type: str, **overrides: Any) -> dict[str, Any]:
     fmt = _registry.get("checkpoint_format", model_type)
-    return {**fmt.tiny, **overrides}
+    # Token ids inside the tiny vocabulary (the defaults of real models are not).
+    return {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None, **fmt.tiny, **overrides}
 
 
 def make_tiny(model_type: str, directory: str | Path, *, seed: int = 0, std: float = 0.25,

@@ -1,0 +1,95 @@
+"""Peak memory of loading a checkpoint: zoo.from_pretrained beside transformers' from_pretrained.
+
+Each loader runs in its own subprocess, so each peak RSS is clean (Linux: the peak is reset after
+imports through /proc/self/clear_refs and read from VmHWM). The growth of peak RSS over the
+process's state after imports (every weight touched once, as a first forward would) is reported
+as a multiple of the checkpoint's size on disk. zoo builds on the meta device and
+reads each tensor into its own buffer, so it should stay near 1x.
+
+    python benchmarks/load_memory.py                 # makes a ~400 MB llama-shaped checkpoint
+    python benchmarks/load_memory.py PATH [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CHILD = r"""
+import gc, json, sys, torch
+dtype = getattr(torch, sys.argv[3]) if sys.argv[3] != "auto" else None
+# Each loader first builds the model on the meta device once, so the modules it imports on the
+# way (the modeling code, kernels) are not counted as weight memory.
+if sys.argv[1] == "zoo":
+    import zoo
+    from zoo.checkpoints import config_to_spec, read_config
+    zoo.build_model(config_to_spec(read_config(sys.argv[2])), device="meta")
+    load = lambda p: zoo.from_pretrained(p, dtype=dtype)
+else:
+    import transformers
+    transformers.utils.logging.disable_progress_bar()
+    with torch.device("meta"):
+        transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(sys.argv[2]))
+    load = lambda p: transformers.AutoModelForCausalLM.from_pretrained(p, dtype=dtype or "auto")
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+gc.collect()
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
+before = status("VmRSS")
+peak = lambda: status("VmHWM")
+model = load(sys.argv[2])
+# Memory-mapped weights are paged in on first use: touch every one, as a first forward would.
+with torch.no_grad():
+    for p in model.parameters():
+        p.sum()
+n = sum(p.numel() * p.element_size() for p in model.parameters())
+print(json.dumps({"before": before, "after": peak(), "param_bytes": n}))
+"""
+
+
+def make_checkpoint(directory: Path) -> None:
+    import zoo
+    from zoo.checkpoints import config_to_spec
+
+    config = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048,
+              "num_hidden_layers": 8, "num_attention_heads": 12, "num_key_value_heads": 4,
+              "max_position_embeddings": 2048, "tie_word_embeddings": False}
+    model = zoo.build_model(config_to_spec(config), seed=0)
+    zoo.save_pretrained(model, directory, model_type="llama", max_shard_size="150MB")
+
+
+def measure(loader: str, path: Path, dtype: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, loader, str(path), dtype], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{loader} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("path", nargs="?", help="checkpoint directory (default: make one)")
+    ap.add_argument("--dtype", default="auto", help="dtype to load in (default: as stored)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(args.path) if args.path else Path(tmp) / "ckpt"
+        if not args.path:
+            make_checkpoint(path)
+        size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+        print(f"checkpoint {path}: {size / 2**20:.0f} MiB of safetensors; loading in {args.dtype}")
+        rows = {name: measure(name, path, args.dtype) for name in ("zoo", "transformers")}
+    print(f"{'loader':<14} {'peak RSS growth':>16} {'x checkpoint':>13} {'x loaded params':>16}")
+    for name, r in rows.items():
+        grow = r["after"] - r["before"]
+        print(f"{name:<14} {grow / 2**20:>12.0f} MiB {grow / size:>13.2f} {grow / r['param_bytes']:>16.2f}")
+    z, t = (rows[n]["after"] - rows[n]["before"] for n in ("zoo", "transformers"))
+    print(f"zoo / transformers peak growth: {z / t:.2f}")
+
+
+if __name__ == "__main__":
+    main()
