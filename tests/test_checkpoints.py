@@ -200,3 +200,30 @@ def test_hub_repo_from_offline_cache(ckpt, tmp_path, monkeypatch):
     assert same_weights(model, zoo.from_pretrained("someone/tiny-llama"))
     with pytest.raises(CheckpointError, match="not in the Hugging Face cache.*offline"):
         zoo.from_pretrained("someone/not-cached")
+
+
+def test_real_world_config_spellings():
+    # Gemma's official configs say "gelu" and mean the tanh approximation.
+    gemma = {**TINY, "model_type": "gemma", "hidden_act": "gelu", "hidden_activation": None}
+    assert config_to_spec(gemma).layer(0).ffn.activation.approximate == "tanh"
+    # GPT-2's config.json carries n_ctx; GPT-J's carries rotary and scale_attn_weights.
+    gpt2 = {"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_layer": 1, "n_head": 4, "n_positions": 16,
+            "n_ctx": 16, "summary_type": "cls_index", "task_specific_params": {"text-generation": {}}}
+    assert config_to_spec(gpt2).max_seq_len == 16
+    gptj = {"model_type": "gptj", "vocab_size": 64, "n_embd": 32, "n_layer": 1, "n_head": 4, "n_positions": 16,
+            "rotary": True, "scale_attn_weights": True, "rotary_dim": 4}
+    assert config_to_spec(gptj).position.rotary_dim == 4
+    with pytest.raises(ConfigError, match="'rotary'"):
+        config_to_spec({**gptj, "rotary": False})
+    falcon = {"model_type": "falcon", "vocab_size": 64, "hidden_size": 32, "n_layer": 1, "n_head": 4,
+              "alibi": False, "multi_query": True, "apply_residual_connection_post_layernorm": False}
+    assert config_to_spec(falcon).layer(0).attention.n_kv_heads == 1
+    with pytest.raises(ConfigError, match="'alibi'.*ALiBi"):
+        config_to_spec({**falcon, "alibi": True})
+
+
+def test_formats_are_registry_parts():
+    assert {"llama", "gemma3", "gpt2", "falcon"} <= set(zoo.list_components("checkpoint_format"))
+    assert zoo.manager().provider_of("checkpoint_format", "qwen3") == "zoo.checkpoints.formats"
+    with pytest.raises(zoo.RegistryError, match="needs a `config_to_spec` method"):
+        zoo.manager().add("checkpoint_format", "broken", object(), provider="test")

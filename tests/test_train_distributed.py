@@ -36,7 +36,9 @@ def one_thread():
 
 
 def test_ddp_on_two_processes_matches_one_process_over_the_same_global_batch(tmp_path):
-    args = ["-m", "zoo.cli", "train", "llama3-8b", "--cpu", "--no-progress", "--no-plot", "--no-export",
+    # Without --cpu on a machine without a GPU: zoo must still ask Accelerate for CPU processes (gloo).
+    cpu = ["--cpu"] if torch.cuda.is_available() else []
+    args = ["-m", "zoo.cli", "train", "llama3-8b", *cpu, "--no-progress", "--no-plot", "--no-export",
             "--out-dir", str(tmp_path / "ddp"), "--micro-batch", "4"]
     args += [a for k, v in SETS.items() for a in ("--set", f"{k}={v}")]
     args += [a for k, v in RUN.items() for a in (f"--{k.replace('_', '-')}", str(v))]

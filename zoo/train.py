@@ -70,7 +70,7 @@ class TrainConfig:
     z_loss: Optional[float] = None  # None: the spec's coefficient
     seed: int = 0
     # hardware
-    mixed_precision: str = "auto"  # auto (bf16 on CUDA with bf16, else fp32), no, bf16, fp16
+    mixed_precision: str = "auto"  # auto: the accelerate config's, else bf16 on CUDA with bf16, else fp32; no, bf16, fp16
     fsdp: Optional[bool] = None  # None: FSDP2 when the accelerate launch config asks for FSDP
     cpu: bool = False  # train on the CPU even when a GPU is present
     # output
@@ -297,9 +297,18 @@ class Checkpointer:
 
 # -- the loop -------------------------------------------------------------------------------------
 
-def _mixed_precision(config: TrainConfig) -> str:
+def _on_cpu(config: TrainConfig) -> bool:
+    """Accelerate sets up several CPU processes (gloo) only when asked for the CPU explicitly."""
+    has_accelerator = getattr(torch, "accelerator", None)
+    available = has_accelerator.is_available() if has_accelerator is not None else torch.cuda.is_available()
+    return config.cpu or (int(os.environ.get("WORLD_SIZE", "1")) > 1 and not available)
+
+
+def _mixed_precision(config: TrainConfig) -> Optional[str]:
     if config.mixed_precision != "auto":
         return config.mixed_precision
+    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
+        return None  # `accelerate launch` passes the config's choice; Accelerator reads it
     if config.cpu or not torch.cuda.is_available():
         return "no"
     return "bf16" if torch.cuda.is_bf16_supported() else "no"
@@ -347,7 +356,11 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     config = dataclasses.replace(config or TrainConfig(), **fields)
     config.check()
     # The scheduler steps once per optimizer step, whatever the number of processes.
-    acc = Accelerator(mixed_precision=_mixed_precision(config), cpu=config.cpu, step_scheduler_with_optimizer=False)
+    acc = Accelerator(mixed_precision=_mixed_precision(config), cpu=_on_cpu(config), step_scheduler_with_optimizer=False)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if acc.num_processes != launched:
+        raise RuntimeError(f"{launched} processes were launched but Accelerate sees {acc.num_processes}; "
+                           "check the launcher's environment (WORLD_SIZE, RANK, MASTER_ADDR)")
     accum = config.accumulation(acc.num_processes)
     texts = read_texts(config.data) if config.data else [builtin_corpus()]
 

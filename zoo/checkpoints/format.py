@@ -41,7 +41,8 @@ return_dict_in_generate forced_bos_token_id forced_eos_token_id remove_invalid_v
 exponential_decay_length_penalty suppress_tokens begin_suppress_tokens tf_legacy_loss
 is_decoder use_bfloat16 xla_device gradient_checkpointing attention_dropout hidden_dropout resid_pdrop
 embd_pdrop attn_pdrop classifier_dropout summary_type summary_use_proj summary_activation
-summary_proj_to_labels summary_first_dropout initializer_factor pretraining_tp
+summary_proj_to_labels summary_first_dropout initializer_factor pretraining_tp cache_implementation
+_attn_implementation
 """.split())
 
 

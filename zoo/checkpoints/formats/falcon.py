@@ -56,6 +56,7 @@ class Falcon(CheckpointFormat):
                                     "n_embed": "hidden_size", "n_head_kv": "num_kv_heads"}), self.model_type)
         d, n_heads = f.require("hidden_size"), f.require("num_attention_heads")
         f.expect("alibi", False, "zoo has no ALiBi checkpoint support for falcon (use a RoPE falcon)")
+        f.expect("apply_residual_connection_post_layernorm", False, "the residual is taken before the norm")
         new = f.get("new_decoder_architecture", False)
         multi_query = f.get("multi_query", True)
         parallel = f.get("parallel_attn", True)

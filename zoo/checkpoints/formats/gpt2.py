@@ -43,6 +43,7 @@ class GPT2(CheckpointFormat):
         f.expect("add_cross_attention", False, "zoo builds decoder-only models")
         f.expect("scale_attn_by_inverse_layer_idx", False, "zoo's attention has no per-layer score scale")
         f.get("reorder_and_upcast_attn")  # numerics only: zoo computes softmax in fp32 anyway
+        f.get("n_ctx")  # an old name of n_positions
         scaled = f.get("scale_attn_weights", True)
         norm = layernorm(f, "layer_norm_epsilon")
         attention = {"name": "attention", "n_heads": n_heads, "bias": True, "out_bias": True}

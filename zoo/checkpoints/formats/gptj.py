@@ -39,6 +39,8 @@ class GPTJ(CheckpointFormat):
         d, n_heads = f.require("n_embd"), f.require("n_head")
         head_dim = d // n_heads
         rotary_dim = f.get("rotary_dim", head_dim)
+        f.expect("rotary", True, "GPT-J checkpoints use rotary positions")
+        f.expect("scale_attn_weights", True, "GPT-J scales scores by head_dim ** -0.5")
         norm = layernorm(f, "layer_norm_epsilon")
         spec = {
             "vocab_size": f.require("vocab_size"), "d_model": d, "n_layers": f.require("n_layer"),

@@ -97,7 +97,6 @@ class LlamaStyle(CheckpointFormat):
         head_dim = f.get("head_dim", d // n_heads)
         max_pos = f.get("max_position_embeddings", 2048)
         norm = {"name": "rmsnorm", "eps": float(f.get("rms_norm_eps", 1e-6)), **self.norm_extra}
-        f.expect("attention_dropout", (0.0, 0), "zoo loads for inference without attention dropout")
         for key in self.extra_fields:
             f.get(key)
         if self.qkv_bias is None:
@@ -245,9 +244,10 @@ class Gemma(LlamaStyle):
             "max_position_embeddings": 16}
 
     def config_to_spec(self, config, *, strict=True):
-        # Old Gemma configs name the activation twice; hidden_activation wins where given.
-        if config.get("hidden_activation"):
-            config = {**config, "hidden_act": config["hidden_activation"]}
+        # Old Gemma configs name the activation twice; hidden_activation wins where given. The
+        # official releases say "gelu" and mean the tanh approximation (transformers reads it so).
+        act = config.get("hidden_activation") or config.get("hidden_act")
+        config = {**config, "hidden_act": "gelu_pytorch_tanh" if act in (None, "gelu") else act}
         return super().config_to_spec(config, strict=strict)
 
 
