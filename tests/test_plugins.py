@@ -299,3 +299,18 @@ def test_hooks_are_called_with_keywords_only(fresh):
         fresh.pm.hook.zoo_register(fresh)  # positional: refused by pluggy
     fresh.pm.hook.zoo_register(registry=fresh)
     assert fresh.registry("norm").get("kw") is Scale
+
+
+def test_cli_text_output(capsys):
+    from zoo.cli import main
+
+    assert main(["list", "norm", "rms*"]) == 0
+    assert capsys.readouterr().out.split() == ["norm", "rmsnorm", "zoo.components", "(zoo-lm", f"{zoo.__version__})"]
+    assert main(["list", "model", "llama2-7b"]) == 0
+    assert capsys.readouterr().out.split()[:4] == ["model", "llama2-7b", "zoo.families", "(zoo-lm"]
+    assert main(["plugins"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert "zoo-lm" in lines["zoo.components"] and "norm: layernorm, rmsnorm" in lines["zoo.components"]
+    assert "family: " in lines["zoo.families"] and "llama3" in lines["zoo.families"]
+    assert main(["list", "nrom"]) == 2
+    assert "unknown registry kind 'nrom'. Did you mean 'norm'?" in capsys.readouterr().err
