@@ -436,5 +436,6 @@ def load_plugin(name: str) -> PluginInfo:
 def list_components(kind: Optional[str] = None, pattern: str = "*") -> list[str] | dict[str, list[str]]:
     """Names registered under ``kind`` (shell-style ``pattern``), or every kind's names."""
     if kind is None:
-        return {k: r.names(pattern) for k, r in _manager.registries.items()}
+        _manager.ensure_loaded()  # plugins may add kinds: load them before iterating
+        return {k: r.names(pattern) for k, r in list(_manager.registries.items())}
     return _manager.registry(kind).names(pattern)
