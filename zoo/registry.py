@@ -243,6 +243,8 @@ class PluginManager:
         return self.registries[kind]
 
     def registry(self, kind: str) -> Registry:
+        if kind not in self.registries:
+            self.ensure_loaded()  # a plugin may add the kind
         try:
             return self.registries[kind]
         except KeyError:
