@@ -32,12 +32,13 @@ def add_parser(sub):
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         tp = _option_type(hints[f.name])
+        doc = f"TrainConfig.{f.name} (default: {f.default!r})"
         if tp is bool:
-            p.add_argument(flag, action=__import__("argparse").BooleanOptionalAction, default=f.default)
+            p.add_argument(flag, action=__import__("argparse").BooleanOptionalAction, default=f.default, help=doc)
         elif typing.get_origin(tp) is tuple:
-            p.add_argument(flag, nargs="+", default=f.default, metavar="FILE")
+            p.add_argument(flag, nargs="+", default=f.default, metavar="FILE", help=doc)
         else:
-            p.add_argument(flag, type=tp, default=f.default)
+            p.add_argument(flag, type=tp, default=f.default, help=doc)
     return p
 
 
