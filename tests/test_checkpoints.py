@@ -177,11 +177,11 @@ def test_save_needs_model_type_and_an_expressible_model():
         zoo.save_pretrained(model, "unused", model_type="llama")
 
 
-def hub_cache(root, repo, files_from, commit="0123456789abcdef0123456789abcdef01234567"):
-    """The huggingface_hub cache layout: refs/main -> snapshots/<commit>/files."""
+def hub_cache(root, repo, files_from, commit="0123456789abcdef0123456789abcdef01234567", ref="main"):
+    """The huggingface_hub cache layout: refs/<ref> -> snapshots/<commit>/files."""
     folder = root / ("models--" + repo.replace("/", "--"))
-    (folder / "refs").mkdir(parents=True)
-    (folder / "refs" / "main").write_text(commit)
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    (folder / "refs" / ref).write_text(commit)
     snap = folder / "snapshots" / commit
     snap.mkdir(parents=True)
     for p in files_from.iterdir():
@@ -198,6 +198,10 @@ def test_hub_repo_from_offline_cache(ckpt, tmp_path, monkeypatch):
     monkeypatch.setattr(C, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(C, "HF_HUB_OFFLINE", True)
     assert same_weights(model, zoo.from_pretrained("someone/tiny-llama"))
+    other = zoo.build_model(model.spec, seed=3)
+    zoo.save_pretrained(other, tmp_path / "v2", model_type="llama")
+    hub_cache(cache, "someone/tiny-llama", tmp_path / "v2", commit="f" * 40, ref="v2")
+    assert same_weights(other, zoo.from_pretrained("someone/tiny-llama", revision="v2"))
     with pytest.raises(CheckpointError, match="not in the Hugging Face cache.*offline"):
         zoo.from_pretrained("someone/not-cached")
 

@@ -53,6 +53,7 @@ def covers(*parts):
 
 def _registered():
     m = zoo.manager()
+    m.ensure_loaded()  # plugins may add kinds
     return [e for kind in list(m.registries) for e in m.registry(kind).entries()]
 
 

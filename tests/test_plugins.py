@@ -105,24 +105,26 @@ def site(tmp_path_factory):
     return target
 
 
-def zoo_cli(site, *args, **env):
-    """Run the ``zoo`` command line in a fresh interpreter that sees the test plugins."""
+def python(site, code, **env):
+    """Run ``code`` in a fresh interpreter that sees the test plugins (and no ZOO_* settings but ``env``)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("ZOO_")}
     full_env.update(PYTHONPATH=str(site), PYTHONWARNINGS="default", **env)
-    return subprocess.run([sys.executable, "-m", "zoo.cli", *args], env=full_env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=180)
 
 
 @pytest.fixture(scope="module")
 def autoloaded(site):
-    """``zoo plugins --json`` with every test plugin discovered through its entry point."""
-    proc = zoo_cli(site, "plugins", "--json")
+    """``zoo plugins --json`` and ``zoo list --json`` in one fresh interpreter, with every test plugin
+    discovered through its entry point."""
+    code = "import zoo.cli; zoo.cli.main(['plugins', '--json']); print('\\f'); zoo.cli.main(['list', '--json'])"
+    proc = python(site, code)
     assert proc.returncode == 0, proc.stderr  # broken plugins do not take zoo down
-    return {p["name"]: p for p in json.loads(proc.stdout)}, proc.stderr
+    plugins, listing = proc.stdout.split("\f")
+    return {p["name"]: p for p in json.loads(plugins)}, proc.stderr, json.loads(listing)
 
 
 def test_discovery_and_provenance(autoloaded):
-    plugins, _ = autoloaded
+    plugins, _, _ = autoloaded
     good = plugins["good"]
     assert good["distribution"] == "zoo-test-good" and good["version"] == "0.3" and good["module"] == "zoo_test_good"
     assert good["error"] is None and not good["builtin"]
@@ -133,7 +135,7 @@ def test_discovery_and_provenance(autoloaded):
 
 
 def test_broken_plugin_is_reported_and_skipped(autoloaded):
-    plugins, stderr = autoloaded
+    plugins, stderr, _ = autoloaded
     broken = plugins["broken"]
     assert "ModuleNotFoundError" in broken["error"] and "a_module_that_does_not_exist" in broken["error"]
     assert broken["registered"] == []
@@ -141,7 +143,7 @@ def test_broken_plugin_is_reported_and_skipped(autoloaded):
 
 
 def test_duplicate_name_is_an_error_naming_both_providers(autoloaded):
-    plugins, stderr = autoloaded
+    plugins, stderr, _ = autoloaded
     error = plugins["dup"]["error"]
     assert error.startswith("DuplicateNameError")
     assert "norm 'rmsnorm' is registered twice" in error
@@ -156,10 +158,8 @@ def test_interface_is_checked_at_registration(autoloaded):
     assert error.startswith("InterfaceError") and "norm 'noconfig'" in error and "a `Config` dataclass" in error
 
 
-def test_plugin_components_build_and_list_with_their_provider(site):
-    proc = zoo_cli(site, "list", "--json")
-    assert proc.returncode == 0, proc.stderr
-    rows = {(r["kind"], r["name"]): r for r in json.loads(proc.stdout)}
+def test_zoo_list_names_the_provider(autoloaded):
+    rows = {(r["kind"], r["name"]): r for r in autoloaded[2]}
     assert rows[("norm", "halfnorm")]["provider"] == "good"
     assert rows[("norm", "halfnorm")]["distribution"] == "zoo-test-good"
     assert rows[("activation", "gelu")]["provider"] == "good"
@@ -170,36 +170,31 @@ def test_plugin_components_build_and_list_with_their_provider(site):
 
 
 def test_strict_mode_makes_a_failing_plugin_fatal(site):
-    proc = zoo_cli(site, "plugins", ZOO_STRICT_PLUGINS="1")
+    proc = python(site, "import sys, zoo.cli; sys.exit(zoo.cli.main(['plugins']))", ZOO_STRICT_PLUGINS="1")
     assert proc.returncode != 0
     assert "zoo plugins: error: zoo plugin" in proc.stderr and "failed to load" in proc.stderr
 
 
 def test_autoload_switch_and_explicit_loading(site):
-    # Autoloading off: only the built-ins, until a plugin is loaded by name through the Python API.
+    """Autoloading off: the built-ins, the plugins named in ZOO_PLUGINS (by entry-point name, with
+    their provenance), and those loaded through the Python API; none of the broken ones."""
     code = textwrap.dedent("""
         import json, zoo
         zoo.list_components("norm")  # first use: loads what is to be loaded
-        before = sorted(zoo.manager().plugins)
+        loaded = {n: i.distribution for n, i in zoo.manager().plugins.items()}
         info = zoo.load_plugin("good")
         m = zoo.build("llama3-8b", n_layers=1, d_model=32, vocab_size=64, overrides={
             "layers.*.norm": "halfnorm", "layers.*.attention.n_heads": 4, "layers.*.attention.n_kv_heads": 2,
             "layers.*.ffn.d_ff": 64})
-        print(json.dumps([before, info.distribution, type(m.layers[0].attn_norm).__name__]))
+        print(json.dumps([loaded, info.version, type(m.layers[0].attn_norm).__name__]))
     """)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZOO_")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**env, "PYTHONPATH": str(site), "ZOO_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    proc = python(site, code, ZOO_DISABLE_PLUGIN_AUTOLOAD="1", ZOO_PLUGINS="good")
     assert proc.returncode == 0, proc.stderr
-    before, distribution, norm = json.loads(proc.stdout)
-    assert set(before) == set(zoo.registry.BUILTIN_PLUGINS)  # no third-party plugin, no warnings
-    assert "failed to load" not in proc.stderr
-    assert distribution == "zoo-test-good" and norm == "HalfNorm"
-    # ... or through ZOO_PLUGINS, by entry-point name.
-    named = zoo_cli(site, "plugins", "--json", ZOO_DISABLE_PLUGIN_AUTOLOAD="1", ZOO_PLUGINS="good")
-    plugins = {p["name"]: p for p in json.loads(named.stdout)}
-    assert set(plugins) == set(before) | {"good"}
-    assert plugins["good"]["distribution"] == "zoo-test-good" and plugins["good"]["version"] == "0.3"
+    loaded, version, norm = json.loads(proc.stdout)
+    assert set(loaded) == {*zoo.registry.BUILTIN_PLUGINS, "good"}  # nothing else third-party
+    assert loaded["good"] == "zoo-test-good" and version == "0.3"
+    assert "failed to load" not in proc.stderr  # the broken ones were never tried
+    assert norm == "HalfNorm"
 
 
 # ------------------------------------------------------------------- the registry, in-process

@@ -160,3 +160,13 @@ def test_list_models_takes_shell_patterns():
         "gemma3-27b", "olmo2-7b", "olmo2-13b", "mistral-7b", "mistral-7b-v0.3",
     }
     assert expected <= names
+
+
+def test_listing_every_kind_first_thing_loads_the_plugins():
+    # In a fresh interpreter the first call loads the plugins, which may add kinds.
+    import subprocess
+    import sys
+
+    code = "import zoo; d = zoo.list_components(); print('rmsnorm' in d['norm'], 'llama' in d['checkpoint_format'])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"]

@@ -243,6 +243,8 @@ class PluginManager:
         return self.registries[kind]
 
     def registry(self, kind: str) -> Registry:
+        if kind not in self.registries:
+            self.ensure_loaded()  # a plugin may add the kind
         try:
             return self.registries[kind]
         except KeyError:
@@ -436,5 +438,6 @@ def load_plugin(name: str) -> PluginInfo:
 def list_components(kind: Optional[str] = None, pattern: str = "*") -> list[str] | dict[str, list[str]]:
     """Names registered under ``kind`` (shell-style ``pattern``), or every kind's names."""
     if kind is None:
-        return {k: r.names(pattern) for k, r in _manager.registries.items()}
+        _manager.ensure_loaded()  # plugins may add kinds: load them before iterating
+        return {k: r.names(pattern) for k, r in list(_manager.registries.items())}
     return _manager.registry(kind).names(pattern)
