@@ -28,10 +28,11 @@ def run(args):
     import zoo
     from zoo.tokenizer import TextStream, Tokenizer
 
-    if not hasattr(zoo, "from_pretrained"):
-        raise ValueError("loading checkpoints needs zoo.from_pretrained, which this installation lacks")
-    tokenizer = Tokenizer(zoo.checkpoints.resolve(args.checkpoint) if hasattr(zoo, "checkpoints") else args.checkpoint)
-    model = zoo.from_pretrained(args.checkpoint, dtype=args.dtype)
+    from zoo.checkpoints import resolve
+
+    directory = resolve(args.checkpoint)  # a local directory, or the hub repo's cached snapshot
+    tokenizer = Tokenizer(directory)
+    model = zoo.from_pretrained(directory, dtype=args.dtype)
     ids = torch.tensor([tokenizer.encode(args.prompt)])
     stream = TextStream(tokenizer)
     out = sys.stdout
