@@ -69,6 +69,7 @@ class Bench:
         """Median seconds of ``fn()`` and its peak memory above what was allocated before (bytes;
         None off CUDA)."""
         fn()  # warm-up (compilation, autotuning)
+        getattr(fn, "reset", lambda: None)()  # the warm-up's gradients are not part of the baseline
         self.sync()
         if self.cuda:
             torch.cuda.empty_cache()
@@ -88,15 +89,19 @@ class Bench:
 def fwd_bwd(fn, inputs):
     """A closure running ``fn(*inputs)`` forward and backward (fresh gradients each time)."""
 
-    def run():
+    def reset():
         for t in inputs:
             t.grad = None
+
+    def run():
+        reset()
         out = fn(*inputs)
         outs = out if isinstance(out, tuple) else (out,)
         outs = [o.sum() for o in outs if o.requires_grad]
         if outs:
             torch.autograd.backward(outs)
 
+    run.reset = reset
     return run
 
 

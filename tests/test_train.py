@@ -83,25 +83,42 @@ def test_loss_falls_well_below_unigram_entropy_and_z_loss_holds_log_partition_ne
     assert sum(without.z[-20:]) / 20 > 25.0  # log Z stays around log V or beyond (|log Z| > 5)
 
 
-def test_interrupted_and_resumed_run_follows_the_uninterrupted_trajectory(tmp_path):
+def test_interrupted_and_resumed_run_follows_the_uninterrupted_trajectory(tmp_path, monkeypatch):
+    """Stopped after 2 steps, resumed, killed while writing the step-6 checkpoint, resumed again
+    (from step 3): the 8 losses are those of a run never interrupted."""
+    import safetensors.torch
+
     kw = dict(overrides=TINY, steps=8, seq_len=32, global_batch=8, micro_batch=4, lr=3e-3, warmup_steps=3,
               weight_decay=0.1, **QUIET)
     T.train("llama3-8b", out_dir=str(tmp_path / "whole"), **kw)
-    part = T.train("llama3-8b", out_dir=str(tmp_path / "parts"), stop_after=3, **kw)
-    assert part.step == 3 and part.checkpoint.name == "step-0000003"
-    # A save cut short (the process killed while writing step 5) leaves only a temporary directory.
-    stale = tmp_path / "parts" / "checkpoints" / ".tmp-step-0000005"
-    stale.mkdir()
-    (stale / "model.safetensors").write_bytes(b"half a file")
-    rest = T.train("llama3-8b", out_dir=str(tmp_path / "parts"), **kw)  # resume="auto": latest checkpoint
+    out = tmp_path / "parts"
+    part = T.train("llama3-8b", out_dir=str(out), stop_after=2, **kw)
+    assert part.step == 2 and part.checkpoint.name == "step-0000002"
+
+    real_save = safetensors.torch.save_file
+
+    def dies_writing_step_6(tensors, filename, metadata=None):
+        if ".tmp-step-0000006" in str(filename) and "optimizer" in str(filename):
+            open(filename, "wb").write(b"half a file")
+            raise RuntimeError("killed while saving")
+        return real_save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", dies_writing_step_6)
+    with pytest.raises(RuntimeError, match="killed while saving"):
+        T.train("llama3-8b", out_dir=str(out), save_every=3, **kw)
+    assert [p.name for p in T.checkpoints(out)] == ["step-0000002", "step-0000003"]  # no step 6: it never completed
+    assert (out / "checkpoints" / ".tmp-step-0000006").is_dir()
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+
+    rest = T.train("llama3-8b", out_dir=str(out), **kw)  # resume="auto": the latest complete checkpoint
     assert len(rest.losses) == 5 and rest.step == 8
-    whole, parts = metrics(tmp_path / "whole"), metrics(tmp_path / "parts")
+    whole, parts = metrics(tmp_path / "whole"), metrics(out)
     assert [m["step"] for m in parts] == list(range(1, 9))
     for key in ("loss", "z", "lr"):
         assert [m[key] for m in parts] == pytest.approx([m[key] for m in whole], rel=1e-6, abs=0)
-    ckpts = sorted(p.name for p in (tmp_path / "parts" / "checkpoints").iterdir())
-    assert ckpts == ["step-0000003", "step-0000008"]  # complete ones only, no temporary directory
-    files = {p.name for p in (tmp_path / "parts" / "checkpoints" / "step-0000008").iterdir()}
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == ["step-0000003", "step-0000008"]  # keep_last=2; the temporary directory is gone
+    files = {p.name for p in (out / "checkpoints" / "step-0000008").iterdir()}
     assert files == {"model.safetensors", "optimizer.safetensors", "rng-rank00000.safetensors", "state.json"}
 
 

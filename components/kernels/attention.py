@@ -20,15 +20,16 @@ def _flex():
 
 def _block_mask(q_idx, k_idx, window, allowed, batch, device):
     """A block mask for slots ``q_idx`` x ``k_idx``; ``allowed`` (B, 1, Tq, Tk) when padding
-    makes it data-dependent (then it is not cached)."""
+    makes it data-dependent (then it is not cached). Otherwise it is built once per forward and
+    window: every layer of a forward gets the same slot tensors, recognised by identity (no sync)."""
     Tq, Tk = len(q_idx), len(k_idx)
     if allowed is not None:
         def mask_mod(b, h, qi, ki):
             return allowed[b, 0, qi, ki]
         return create_block_mask(mask_mod, batch, None, Tq, Tk, device=device)
-    key = (Tq, Tk, window, str(device))
+    key = (id(q_idx), id(k_idx), window)
     hit = _masks.get(key)
-    if hit is not None and torch.equal(hit[0], q_idx) and torch.equal(hit[1], k_idx):
+    if hit is not None and hit[0] is q_idx and hit[1] is k_idx:
         return hit[2]
 
     def mask_mod(b, h, qi, ki):
@@ -39,9 +40,9 @@ def _block_mask(q_idx, k_idx, window, allowed, batch, device):
         return ok
 
     mask = create_block_mask(mask_mod, None, None, Tq, Tk, device=device)
-    if len(_masks) > 32:
+    if len(_masks) >= 8:
         _masks.clear()
-    _masks[key] = (q_idx.clone(), k_idx.clone(), mask)
+    _masks[key] = (q_idx, k_idx, mask)  # holding the tensors keeps their ids from being reused
     return mask
 
 
