@@ -28,6 +28,7 @@ from zoo.spec import ModelSpec, Part, SpecError
 # `importlib.import_module("zoo.train")` and through `from zoo.train import ...`).
 from zoo.train import TrainConfig, TrainResult, train
 from zoo.verify import verify  # binds the function over the submodule of the same name
+from zoo.generate import generate  # likewise: zoo.generate is the function
 
 __version__ = "0.1.0"
 
@@ -68,7 +69,7 @@ def save_pretrained(model, directory, **kw):
 
 __all__ = [
     "Decoder", "DuplicateNameError", "Family", "LossOutput", "ModelSpec", "Part", "PluginError",
-    "RegistryError", "SpecError", "UnknownNameError", "build", "build_model", "from_pretrained", "get", "get_spec",
+    "RegistryError", "SpecError", "UnknownNameError", "build", "build_model", "from_pretrained", "generate", "get", "get_spec",
     "hookimpl", "list_components", "list_models", "load_plugin", "lm_loss", "manager", "published_params", "register",
     "save_pretrained", "TrainConfig", "TrainResult", "train", "verify",
 ]

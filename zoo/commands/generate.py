@@ -1,0 +1,50 @@
+"""``zoo generate DIR --prompt "..."``: load a checkpoint and stream its continuation."""
+
+import sys
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "generate",
+        help="continue a prompt with a checkpoint, streaming tokens as they come",
+        description="Load a Hugging Face checkpoint directory (or hub repo id) into zoo, tokenize the prompt with "
+                    "its tokenizer.json, and print the continuation as it is generated. Greedy unless --temperature > 0.",
+    )
+    p.add_argument("checkpoint", help="checkpoint directory (config.json, *.safetensors, tokenizer.json) or hub repo id")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", "-n", type=int, default=64, help="most tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy; > 0 samples")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set reaching this probability")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    p.add_argument("--dtype", default=None, help="load weights as this dtype (float32, bfloat16, float16); default as stored")
+    p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-sequence token")
+    return p
+
+
+def run(args):
+    import torch
+
+    import zoo
+    from zoo.tokenizer import TextStream, Tokenizer
+
+    if not hasattr(zoo, "from_pretrained"):
+        raise ValueError("loading checkpoints needs zoo.from_pretrained, which this installation lacks")
+    tokenizer = Tokenizer(zoo.checkpoints.resolve(args.checkpoint) if hasattr(zoo, "checkpoints") else args.checkpoint)
+    model = zoo.from_pretrained(args.checkpoint, dtype=args.dtype)
+    ids = torch.tensor([tokenizer.encode(args.prompt)])
+    stream = TextStream(tokenizer)
+    out = sys.stdout
+    out.write(args.prompt)
+    out.flush()
+
+    def show(column):
+        piece = stream.push(int(column[0]))
+        if piece:
+            out.write(piece)
+            out.flush()
+
+    zoo.generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                 seed=args.seed, stop=None if args.no_stop else (tokenizer.eos_token_ids or None), callback=show)
+    out.write("\n")
+    return 0
