@@ -535,6 +535,7 @@ def export(model: nn.Module, spec: ModelSpec, path: Path, accelerator, *, sharde
     weights and the spec) and the reason printed.
     """
     import zoo
+    from zoo.checkpoints.format import CheckpointError
 
     state = full_state_dict(model, sharded)  # collective under FSDP2: every process takes part
     if not accelerator.is_main_process:
@@ -545,7 +546,7 @@ def export(model: nn.Module, spec: ModelSpec, path: Path, accelerator, *, sharde
     for fmt in [model_type] if model_type else zoo.list_components("checkpoint_format"):
         try:
             zoo.save_pretrained(plain, path, model_type=fmt)
-        except Exception as exc:  # this format cannot describe this spec (some formats fail other than by ValueError)
+        except CheckpointError as exc:  # this format cannot describe this spec
             if model_type:
                 raise
             errors.append(f"{fmt}: {str(exc)[:120]}")

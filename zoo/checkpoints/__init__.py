@@ -59,8 +59,18 @@ def config_to_spec(config: dict[str, Any], *, strict: bool = True) -> ModelSpec:
 
 
 def spec_to_config(spec: ModelSpec, model_type: str) -> dict[str, Any]:
+    """The HF config of ``spec`` in ``model_type``'s format; a CheckpointError when the format has no
+    way to say what the spec holds (a format reads the parts it knows: learned positions have no
+    RoPE base for a RoPE-only format to write)."""
     fmt = get_format(model_type)
-    return {"architectures": [fmt.architecture], "model_type": fmt.model_type, **fmt.spec_to_config(spec)}
+    try:
+        body = fmt.spec_to_config(spec)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"the {fmt.model_type} format cannot describe this model ({type(exc).__name__}: {exc}); "
+            f"choose a model_type whose architecture matches the spec"
+        ) from None
+    return {"architectures": [fmt.architecture], "model_type": fmt.model_type, **body}
 
 
 def _rename(name: str, renames: dict[str, str]) -> str:
@@ -208,10 +218,7 @@ def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Option
         )
     fmt = get_format(model_type)
     spec = model.spec
-    try:
-        config = {**getattr(model, "hf_config", {}), **spec_to_config(spec, fmt.model_type)}
-    except ValueError as exc:
-        raise CheckpointError(f"this model cannot be written as {fmt.model_type}: {exc}") from None
+    config = {**getattr(model, "hf_config", {}), **spec_to_config(spec, fmt.model_type)}
     state = model.state_dict()
     config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
     tensors: dict[str, torch.Tensor] = {}
