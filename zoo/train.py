@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from zoo.data import TokenData, builtin_corpus, get_tokenizer, read_texts, tokenize
-from zoo.model import build_model, lm_loss
+from zoo.model import build_model
 from zoo.recipes import get_spec
 from zoo.spec import ModelSpec
 
@@ -464,8 +464,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
             if use_fsdp:
                 wrapped.set_requires_gradient_sync(sync)
             with (acc.no_sync(wrapped) if not (sync or use_fsdp) else nullcontext()), acc.autocast():
-                logits = wrapped(ids)
-                out = lm_loss(logits[:, :-1], ids[:, 1:], z_loss=spec.z_loss)
+                out = wrapped(ids, labels=ids)  # the model's own loss: fused where a fast path runs
                 acc.backward(out.loss / accum)
             sums += torch.stack([out.loss.detach(), out.ce.detach(), out.z.detach()]).float() / accum
         if config.grad_clip:
