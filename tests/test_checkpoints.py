@@ -231,3 +231,17 @@ def test_formats_are_registry_parts():
     assert zoo.manager().provider_of("checkpoint_format", "qwen3") == "zoo.checkpoints.formats"
     with pytest.raises(zoo.RegistryError, match="needs a `config_to_spec` method"):
         zoo.manager().add("checkpoint_format", "broken", object(), provider="test")
+
+
+def test_a_format_that_cannot_describe_the_model_says_so(tmp_path):
+    # GPT-3's learned positions have no RoPE base for the llama format to write.
+    model = zoo.build("gpt3-125m", n_layers=1, d_model=32, vocab_size=64, max_seq_len=16,
+                      overrides={"layers.*.attention.n_heads": 2, "layers.*.attention.head_dim": 16}, seed=0)
+    for model_type in zoo.list_components("checkpoint_format"):
+        if model_type == "gpt2":
+            continue
+        with pytest.raises(CheckpointError, match=f"cannot be written as {model_type}"):
+            zoo.save_pretrained(model, tmp_path / model_type, model_type=model_type)
+        assert not (tmp_path / model_type).exists()
+    zoo.save_pretrained(model, tmp_path / "gpt2", model_type="gpt2")
+    assert (tmp_path / "gpt2" / "config.json").exists()

@@ -175,3 +175,17 @@ def test_gpt3_small_matches_gpt2_with_a_2048_context():
     with torch.device("meta"):
         ref = AutoModelForCausalLM.from_config(GPT2Config(n_positions=2048, n_embd=768, n_layer=12, n_head=12))
     assert zoo.build("gpt3-125m", device="meta").num_parameters() == sum(p.numel() for p in ref.parameters())
+
+
+def test_forward_with_labels_is_the_loss():
+    model = shrink("llama2-7b")
+    ids = torch.randint(0, 128, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    via_forward = model(ids, attention_mask=mask, labels=ids)
+    direct = model.loss(ids, attention_mask=mask)
+    logits = model(ids, attention_mask=mask)
+    labels = ids.masked_fill(mask == 0, -100)
+    reference = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 128), labels[:, 1:].reshape(-1))
+    torch.testing.assert_close(via_forward.loss, direct.loss)
+    torch.testing.assert_close(via_forward.ce, reference)

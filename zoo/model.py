@@ -174,8 +174,13 @@ class Decoder(nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.Tensor] = None,
         cache=None,
-    ) -> torch.Tensor:
-        """Logits of shape (batch, seq, vocab)."""
+        *,
+        labels: Optional[torch.Tensor] = None,
+    ):
+        """Logits of shape (batch, seq, vocab); with ``labels``, the :meth:`loss` instead (so a
+        wrapper that only sees ``forward`` — DDP, FSDP — still gets the fused loss path)."""
+        if labels is not None:
+            return self.loss(input_ids, labels, attention_mask)
         return self.logits_from_hidden(self.hidden_states(input_ids, attention_mask, position_ids, cache))
 
     def loss(

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from zoo.data import TokenData, builtin_corpus, get_tokenizer, read_texts, tokenize
-from zoo.model import build_model, lm_loss
+from zoo.model import build_model
 from zoo.recipes import get_spec
 from zoo.spec import ModelSpec
 
@@ -464,8 +464,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
             if use_fsdp:
                 wrapped.set_requires_gradient_sync(sync)
             with (acc.no_sync(wrapped) if not (sync or use_fsdp) else nullcontext()), acc.autocast():
-                logits = wrapped(ids)
-                out = lm_loss(logits[:, :-1], ids[:, 1:], z_loss=spec.z_loss)
+                out = wrapped(ids, labels=ids)  # the model's own loss: fused where a fast path runs
                 acc.backward(out.loss / accum)
             sums += torch.stack([out.loss.detach(), out.ce.detach(), out.z.detach()]).float() / accum
         if config.grad_clip:
@@ -535,6 +534,7 @@ def export(model: nn.Module, spec: ModelSpec, path: Path, accelerator, *, sharde
     weights and the spec) and the reason printed.
     """
     import zoo
+    from zoo.checkpoints.format import CheckpointError
 
     state = full_state_dict(model, sharded)  # collective under FSDP2: every process takes part
     if not accelerator.is_main_process:
@@ -545,7 +545,7 @@ def export(model: nn.Module, spec: ModelSpec, path: Path, accelerator, *, sharde
     for fmt in [model_type] if model_type else zoo.list_components("checkpoint_format"):
         try:
             zoo.save_pretrained(plain, path, model_type=fmt)
-        except Exception as exc:  # this format cannot describe this spec (some formats fail other than by ValueError)
+        except CheckpointError as exc:  # this format cannot describe this spec
             if model_type:
                 raise
             errors.append(f"{fmt}: {str(exc)[:120]}")

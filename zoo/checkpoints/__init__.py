@@ -59,8 +59,16 @@ def config_to_spec(config: dict[str, Any], *, strict: bool = True) -> ModelSpec:
 
 
 def spec_to_config(spec: ModelSpec, model_type: str) -> dict[str, Any]:
+    """The HF config of ``spec`` in ``model_type``'s format; a CheckpointError when the format has no
+    way to say what the spec holds (a format reads the parts it knows: learned positions have no
+    RoPE base for a RoPE-only format to write)."""
     fmt = get_format(model_type)
-    return {"architectures": [fmt.architecture], "model_type": fmt.model_type, **fmt.spec_to_config(spec)}
+    try:
+        body = fmt.spec_to_config(spec)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        detail = str(exc) if isinstance(exc, ValueError) else f"it has no field for what the spec holds ({type(exc).__name__}: {exc})"
+        raise CheckpointError(f"this model cannot be written as {fmt.model_type}: {detail}") from None
+    return {"architectures": [fmt.architecture], "model_type": fmt.model_type, **body}
 
 
 def _rename(name: str, renames: dict[str, str]) -> str:
@@ -208,23 +216,20 @@ def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Option
         )
     fmt = get_format(model_type)
     spec = model.spec
-    try:
-        config = {**getattr(model, "hf_config", {}), **spec_to_config(spec, fmt.model_type)}
-    except ValueError as exc:
-        raise CheckpointError(f"this model cannot be written as {fmt.model_type}: {exc}") from None
-    state = model.state_dict()
-    config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    tensors: dict[str, torch.Tensor] = {}
-    for b in bind(fmt.rules(spec), model):
-        for name, t in zip(b.hf, b.transform.to_hf([state[z].detach() for z in b.zoo], b.heads)):
-            tensors[name] = t.contiguous().cpu()
-    # Before anything is written: the config must describe exactly this model.
+    config = {**getattr(model, "hf_config", {}), **spec_to_config(spec, fmt.model_type)}
+    # Before any tensor is converted or written: the config must describe exactly this model.
     back = fmt.config_to_spec(config)
     if _architecture(back) != _architecture(spec):
         raise CheckpointError(
             f"this model cannot be written as {fmt.model_type}: its config would describe a different model "
             f"(spec {json.dumps(_architecture(spec))[:400]} vs {json.dumps(_architecture(back))[:400]})"
         )
+    state = model.state_dict()
+    config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    tensors: dict[str, torch.Tensor] = {}
+    for b in bind(fmt.rules(spec), model):
+        for name, t in zip(b.hf, b.transform.to_hf([state[z].detach() for z in b.zoo], b.heads)):
+            tensors[name] = t.contiguous().cpu()
     with atomic_directory(Path(directory), keep=_keep_on_save) as tmp:
         write_shards(tensors, tmp, max_shard_size)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -12,6 +12,9 @@ import zoo.testing as zt
 
 transformers = pytest.importorskip("transformers")
 
+# The README test command installs the plugin; elsewhere (a venv without it) these tests are skipped.
+pytest.importorskip("zoo_phi", reason="the plugin is not installed: pip install ./plugins/zoo-phi")
+
 PLUGIN = "phi"
 
 
