@@ -94,7 +94,6 @@ def generate(
     stops = _stop_ids(stop)
     pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)
     device = input_ids.device
-    input_ids = input_ids.to(device)
     gen = None
     if seed is not None:
         gen = torch.Generator(device=device).manual_seed(seed)
