@@ -189,3 +189,16 @@ def test_forward_with_labels_is_the_loss():
     reference = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 128), labels[:, 1:].reshape(-1))
     torch.testing.assert_close(via_forward.loss, direct.loss)
     torch.testing.assert_close(via_forward.ce, reference)
+
+
+def test_building_the_largest_preset_on_meta_needs_no_torch_decompositions():
+    # Building on meta skips torch's throw-away random init, which would pull in torch's Python
+    # decompositions (and sympy) and take over a second in a fresh process.
+    import subprocess
+    import sys
+
+    code = ("import sys, zoo; m = zoo.build('llama3.1-405b', device='meta'); "
+            "import torch.nn as nn; print(m.num_parameters(), 'sympy' in sys.modules, "
+            "nn.Linear.reset_parameters.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(PUBLISHED["llama3.1-405b"]), "False", "reset_parameters"]

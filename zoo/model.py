@@ -7,6 +7,7 @@ specific norm, attention or family. Data flows: ids -> embeddings (+ absolute po
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -228,6 +229,22 @@ class Decoder(nn.Module):
         return generate(self, input_ids, max_new_tokens, **kwargs)
 
 
+@contextlib.contextmanager
+def _no_default_init():
+    """Skip torch's own initialisation of Linear and Embedding while building on the meta device.
+
+    Those random inits are thrown away (``init_weights`` or a checkpoint fills the weights), and on
+    meta tensors they cost over a second the first time in a process (torch imports its Python
+    decompositions for them), which would dominate building even the largest preset.
+    """
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
 def build_model(
     spec: ModelSpec,
     *,
@@ -236,7 +253,7 @@ def build_model(
     seed: Optional[int] = None,
 ) -> Decoder:
     """Build on the meta device (no allocation), then materialise on ``device`` and initialise."""
-    with torch.device("meta"):
+    with torch.device("meta"), _no_default_init():
         model = Decoder(spec)
     if dtype is not None:
         model = model.to(dtype)

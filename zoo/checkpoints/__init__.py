@@ -114,7 +114,10 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
         raise CheckpointError(f"the {fmt.model_type} name map leaves zoo parameter {uncovered[0]!r} unfilled")
     state: dict[str, torch.Tensor] = {}
     for b in bound:
-        hf_tensors = [files.get(names[h]) for h in b.hf]
+        # Map (no copy) what is kept as stored; read what will be converted.
+        keep = (device is None or torch.device(device).type == "cpu")
+        hf_tensors = [files.get(names[h], mapped=keep and (dtype is None or files.dtype(names[h]) == dtype))
+                      for h in b.hf]
         try:
             zoo_tensors = b.transform.to_zoo(hf_tensors, b.heads)
         except RuntimeError as exc:

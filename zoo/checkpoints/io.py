@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import shutil
 import tempfile
@@ -32,13 +33,16 @@ DTYPES = {
 class WeightFiles:
     """The tensors of a checkpoint directory: name -> shard file.
 
-    Headers are parsed and validated by safetensors when the directory is opened. Each tensor is
-    then read straight into a buffer of its own when asked for (``get``), with no file mapping
-    held open, so a whole load needs about one copy of the weights in memory.
+    Headers are parsed and validated by safetensors when the directory is opened. A tensor that
+    is kept as stored (same dtype, on the CPU) is a view of a private, copy-on-write mapping of its
+    file (``get(name, mapped=True)``): no copy at all, the pages shared with the page cache. One that
+    will be converted is read straight into a buffer of its own, so no mapping holds pages of data
+    that is thrown away. Either way a whole load needs about one copy of the weights in memory.
     """
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
+        self._maps: dict[Path, mmap.mmap] = {}
         self.where: dict[str, Path] = {}
         self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}  # dtype, shape, start, end
         index = self.directory / INDEX
@@ -95,9 +99,21 @@ class WeightFiles:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.entries[name][1]
 
-    def get(self, name: str) -> torch.Tensor:
+    def dtype(self, name: str) -> torch.dtype:
+        return DTYPES[self.entries[name][0]]
+
+    def get(self, name: str, *, mapped: bool = False) -> torch.Tensor:
         path = self.where[name]
         dtype, shape, begin, end = self.entries[name]
+        itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+        if mapped and end > begin and begin % itemsize == 0:
+            if path not in self._maps:
+                with open(path, "rb") as f:
+                    self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            if len(self._maps[path]) < end:
+                raise CheckpointError(f"{path}: truncated while reading tensor {name!r}; download it again")
+            raw = torch.frombuffer(self._maps[path], dtype=torch.uint8, count=end - begin, offset=begin)
+            return raw.view(DTYPES[dtype]).reshape(shape)
         buf = torch.empty(end - begin, dtype=torch.uint8)
         with open(path, "rb") as f:
             f.seek(begin)
@@ -107,7 +123,7 @@ class WeightFiles:
         return buf.view(DTYPES[dtype]).reshape(shape)
 
     def close(self) -> None:
-        pass
+        self._maps.clear()  # tensors still viewing a mapping keep it alive
 
     def __enter__(self) -> "WeightFiles":
         return self
