@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args._run(args) or 0)
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
     except (zoo.SpecError, zoo.RegistryError, zoo.PluginError, FileNotFoundError, ValueError) as exc:
         print(f"zoo {args.command}: error: {exc}", file=sys.stderr)
         return 2
