@@ -13,13 +13,14 @@ from zoo.spec import Part, SpecError, part_field
 
 
 def derive_d_ff(d_model: int, rule: str, multiple_of: int = 1, multiplier: Optional[float] = None) -> int:
-    """d_ff from d_model: ``4x``; ``8/3`` (GLU's parameter-matched width); ``llama`` (Llama's
-    ``int(2/3 * 4d)``, times ``ffn_dim_multiplier``); each rounded up to ``multiple_of``."""
+    """d_ff from d_model: ``4x``; ``8/3`` (GLU's parameter-matched width); ``8/3_scaled``
+    (``int(2/3 * 4d)`` times ``ffn_dim_multiplier``, the rule Llama 2 and 3 publish); each
+    rounded up to ``multiple_of``."""
     if rule == "4x":
         hidden = 4 * d_model
     elif rule == "8/3":
         hidden = math.ceil(8 * d_model / 3)
-    elif rule == "llama":
+    elif rule == "8/3_scaled":
         hidden = int(2 * 4 * d_model / 3)
         if multiplier is not None:
             hidden = int(multiplier * hidden)
@@ -33,8 +34,8 @@ def _check(cfg) -> None:
         raise SpecError("d_ff", f"must be positive, got {cfg.d_ff}")
     if cfg.multiple_of <= 0:
         raise SpecError("multiple_of", f"must be positive, got {cfg.multiple_of}")
-    if cfg.ffn_dim_multiplier is not None and cfg.d_ff_rule != "llama":
-        raise SpecError("ffn_dim_multiplier", "only applies with d_ff_rule = 'llama'")
+    if cfg.ffn_dim_multiplier is not None and cfg.d_ff_rule != "8/3_scaled":
+        raise SpecError("ffn_dim_multiplier", "only applies with d_ff_rule = '8/3_scaled'")
 
 
 @register("ffn", "mlp")
@@ -44,7 +45,7 @@ class MLP(nn.Module):
     @dataclass(frozen=True)
     class Config:
         d_ff: Optional[int] = None
-        d_ff_rule: Literal["4x", "8/3", "llama"] = "4x"
+        d_ff_rule: Literal["4x", "8/3", "8/3_scaled"] = "4x"
         multiple_of: int = 1
         ffn_dim_multiplier: Optional[float] = None
         activation: Part = part_field("activation", "gelu")
@@ -86,7 +87,7 @@ class GLU(MLP):
 
     @dataclass(frozen=True)
     class Config(MLP.Config):
-        d_ff_rule: Literal["4x", "8/3", "llama"] = "8/3"
+        d_ff_rule: Literal["4x", "8/3", "8/3_scaled"] = "8/3"
         activation: Part = part_field("activation", "silu")
         bias: bool = False
 

@@ -164,13 +164,13 @@ def test_ffn_formulas(name, act):
     (48, {}, 4 * 48),  # mlp: 4x
     (96, {"d_ff_rule": "8/3"}, 256),  # 8/3 * 96
     (100, {"d_ff_rule": "8/3", "multiple_of": 64}, 320),  # 266.7 rounded up to a multiple of 64
-    (4096, {"d_ff_rule": "llama", "multiple_of": 256}, 11008),  # Llama-2-7B
-    (4096, {"d_ff_rule": "llama", "multiple_of": 1024, "ffn_dim_multiplier": 1.3}, 14336),  # Llama-3-8B
-    (8192, {"d_ff_rule": "llama", "multiple_of": 4096, "ffn_dim_multiplier": 1.3}, 28672),  # Llama-3-70B
+    (4096, {"d_ff_rule": "8/3_scaled", "multiple_of": 256}, 11008),  # Llama-2-7B
+    (4096, {"d_ff_rule": "8/3_scaled", "multiple_of": 1024, "ffn_dim_multiplier": 1.3}, 14336),  # Llama-3-8B
+    (8192, {"d_ff_rule": "8/3_scaled", "multiple_of": 4096, "ffn_dim_multiplier": 1.3}, 28672),  # Llama-3-70B
     (64, {"d_ff": 100}, 100),  # given
 ])
 def test_d_ff_rules(d_model, cfg, d_ff):
-    name = "swiglu" if cfg.get("d_ff_rule") == "llama" else "mlp"
+    name = "swiglu" if cfg.get("d_ff_rule") == "8/3_scaled" else "mlp"
     with torch.device("meta"):
         ffn = _ffn(name, d_model=d_model, **cfg)
     assert ffn.up.weight.shape == (d_ff, d_model)
