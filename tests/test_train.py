@@ -19,13 +19,7 @@ QUIET = dict(progress=False, plot=False, export=False, cpu=True)
 SMALL = dict(seq_len=16, **QUIET)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny models train fastest on one thread, and CI runs two test workers on two cores.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def metrics(out_dir):
