@@ -156,7 +156,8 @@ class Attention(nn.Module):
     def _sdpa(self, q, k, v, q_idx, k_idx, key_mask, bias):
         Tq, Tk = q.shape[2], k.shape[2]
         plain = key_mask is None and bias is None
-        windowed = self.window is not None and int(q_idx[-1] - k_idx.min()) >= self.window  # cache rings are unordered
+        # Cache rings are unordered; only asked when the mask could be skipped (keeps a compiled step branch-free).
+        windowed = plain and self.window is not None and int(q_idx[-1] - k_idx.min()) >= self.window
         mask, is_causal = None, False
         if plain and not windowed and Tq == Tk and bool((q_idx == k_idx).all()):
             is_causal = True

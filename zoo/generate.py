@@ -72,6 +72,7 @@ def generate(
     callback: Optional[Callable[[torch.Tensor], None]] = None,
     streamer=None,
     cache: Optional[KVCache] = None,
+    compile: bool = False,
 ) -> torch.Tensor:
     """Continue ``input_ids`` (B, T) by up to ``max_new_tokens``; returns (B, T + n) token ids.
 
@@ -79,7 +80,8 @@ def generate(
     filled with ``pad_token_id`` (default: the first stop id) until every row is, then generation
     ends. ``attention_mask`` (B, T): 1 for real tokens, 0 for left padding. ``callback`` (or a
     transformers-style ``streamer`` with ``put``/``end``) receives each new (B,) column of tokens
-    as it is produced.
+    as it is produced. ``compile=True``: prefill eagerly, then decode with one ``torch.compile``d
+    step over a static cache (zoo.compiled); the first call pays the compilation.
     """
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)
@@ -97,8 +99,18 @@ def generate(
     gen = None
     if seed is not None:
         gen = torch.Generator(device=device).manual_seed(seed)
-    if cache is None:
-        cache = KVCache.for_model(model, max_len=input_ids.shape[1] + max_new_tokens)
+    if compile:
+        if cache is not None:
+            raise ValueError("cache: compile=True decodes with its own static cache; pass cache=None")
+        from zoo.compiled import CompiledDecoder
+
+        step = CompiledDecoder(model, input_ids.shape[1], max_new_tokens)
+    else:
+        if cache is None:
+            cache = KVCache.for_model(model, max_len=input_ids.shape[1] + max_new_tokens)
+
+        def step(ids, mask):
+            return model.logits_from_hidden(model.hidden_states(ids, attention_mask=mask, cache=cache)[:, -1])
     emit = callback
     if streamer is not None:
         emit = streamer.put
@@ -109,8 +121,7 @@ def generate(
     stop_t = torch.tensor(stops, device=device) if stops else None
     step_ids, mask = input_ids, attention_mask
     for _ in range(max_new_tokens):
-        hidden = model.hidden_states(step_ids, attention_mask=mask, cache=cache)
-        logits = model.logits_from_hidden(hidden[:, -1])
+        logits = step(step_ids, mask)
         nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
         nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
         out.append(nxt[:, None])

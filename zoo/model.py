@@ -138,7 +138,12 @@ class Decoder(nn.Module):
             else:
                 position_ids = q_idx.unsqueeze(0).expand(B, T)
         ctx = ForwardContext(position_ids=position_ids, q_idx=q_idx, key_mask=key_mask, cache=cache)
+        return self.hidden_states_in(input_ids, ctx, output_hidden_states)
 
+    def hidden_states_in(self, input_ids: torch.Tensor, ctx: ForwardContext, output_hidden_states: bool = False):
+        """The layers' pass for a context already built (slots, positions, masks, cache); free of
+        data-dependent Python branches, so a compiled decode step can trace it (zoo.compiled)."""
+        position_ids = ctx.position_ids
         x = self.embed(input_ids)
         if self.spec.embedding.scale == "sqrt_d_model":
             x = x * torch.tensor(math.sqrt(self.spec.d_model), dtype=x.dtype)

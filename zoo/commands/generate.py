@@ -19,6 +19,8 @@ def add_parser(sub):
     p.add_argument("--seed", type=int, default=None, help="seed for sampling")
     p.add_argument("--dtype", default=None, help="load weights as this dtype (float32, bfloat16, float16); default as stored")
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-sequence token")
+    p.add_argument("--compile", action="store_true",
+                   help="decode with a torch.compile'd step over a static cache (compiling takes a while; pays on long outputs)")
     return p
 
 
@@ -46,6 +48,7 @@ def run(args):
             out.flush()
 
     zoo.generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                 seed=args.seed, stop=None if args.no_stop else (tokenizer.eos_token_ids or None), callback=show)
+                 seed=args.seed, stop=None if args.no_stop else (tokenizer.eos_token_ids or None), callback=show,
+                 compile=args.compile)
     out.write("\n")
     return 0
