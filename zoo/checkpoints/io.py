@@ -105,8 +105,7 @@ class WeightFiles:
     def get(self, name: str, *, mapped: bool = False) -> torch.Tensor:
         path = self.where[name]
         dtype, shape, begin, end = self.entries[name]
-        itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
-        if mapped and end > begin and begin % itemsize == 0:
+        if mapped and end > begin and begin % DTYPES[dtype].itemsize == 0:
             if path not in self._maps:
                 with open(path, "rb") as f:
                     self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
