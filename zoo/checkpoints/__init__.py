@@ -79,7 +79,8 @@ def _rename(name: str, renames: dict[str, str]) -> str:
 
 
 def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, dtype=None, device=None,
-                 renames: Optional[dict[str, str]] = None, ignore: tuple[str, ...] = ()) -> None:
+                 renames: Optional[dict[str, str]] = None, ignore: tuple[str, ...] = (),
+                 progress: bool = True) -> None:
     """Fill ``model`` (built on the meta device) from ``files`` through ``fmt``'s name map, by assignment.
 
     Every zoo parameter must come from the file and every tensor in the file must be used (or be
@@ -113,7 +114,11 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
     if uncovered:
         raise CheckpointError(f"the {fmt.model_type} name map leaves zoo parameter {uncovered[0]!r} unfilled")
     state: dict[str, torch.Tensor] = {}
-    for b in bound:
+    from tqdm.auto import tqdm
+
+    # The bar appears only for loads that take over a second (a big checkpoint, a dtype conversion).
+    for b in tqdm(bound, desc=f"Loading {fmt.model_type} weights", unit="tensor", delay=1.0, leave=False,
+                  disable=not progress):
         # Map (no copy) what is kept as stored; read what will be converted.
         keep = (device is None or torch.device(device).type == "cpu")
         hf_tensors = [files.get(names[h], mapped=keep and (dtype is None or files.dtype(names[h]) == dtype))
@@ -151,12 +156,14 @@ def from_pretrained(
     strict: bool = True,
     token: Any = None,
     cache_dir: Optional[str] = None,
+    progress: bool = True,
 ) -> Decoder:
     """Load an HF checkpoint (local directory or hub repo id) into a zoo model.
 
     ``dtype`` converts floating-point weights on load (default: as stored). The model is built on
     the meta device and filled by assignment, tensor by tensor, from safetensors, so loading needs about
-    one copy of the weights. ``strict=False`` lets unknown config fields through.
+    one copy of the weights. ``strict=False`` lets unknown config fields through; ``progress=False``
+    hides the progress bar that long loads show.
     """
     directory = resolve(path_or_repo_id, revision=revision, token=token, cache_dir=cache_dir)
     config = read_config(directory)
@@ -167,7 +174,7 @@ def from_pretrained(
     check_sizes(directory)
     model = build_model(spec, device="meta")
     with WeightFiles(directory) as files:
-        load_weights(model, fmt, files, dtype=dtype, device=device, renames=renames)
+        load_weights(model, fmt, files, dtype=dtype, device=device, renames=renames, progress=progress)
     model.eval()
     model.checkpoint_format = fmt.model_type
     model.hf_config = {k: inner[k] for k in CARRIED if k in inner}
