@@ -17,7 +17,7 @@ from torch import nn
 
 from zoo import kernels
 from zoo.registry import register
-from zoo.spec import SpecError
+from zoo.spec import SpecError, positive
 
 
 def causal_mask(q_idx, k_idx, window: Optional[int], key_mask=None):
@@ -70,9 +70,7 @@ class Attention(nn.Module):
                         "n_kv_heads", f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}"
                     )
             for name in ("head_dim", "window", "softcap", "scale_dim"):
-                v = getattr(self, name)
-                if v is not None and v <= 0:
-                    raise SpecError(name, f"must be positive, got {v}")
+                positive(name, getattr(self, name))
 
     @staticmethod
     def head_dim_for(cfg, d_model: int) -> int:

@@ -9,7 +9,7 @@ from torch import nn
 
 from zoo import kernels
 from zoo.registry import register
-from zoo.spec import SpecError
+from zoo.spec import positive
 
 
 def _row_problem(dim: int):
@@ -30,8 +30,7 @@ class LayerNorm(nn.Module):
         bias: bool = True
 
         def check(self):
-            if self.eps <= 0:
-                raise SpecError("eps", f"must be positive, got {self.eps}")
+            positive("eps", self.eps, allow_none=False)
 
     def __init__(self, cfg: Config, *, dim: int):
         super().__init__()
@@ -72,8 +71,7 @@ class RMSNorm(nn.Module):
         scale_in_fp32: bool = False
 
         def check(self):
-            if self.eps <= 0:
-                raise SpecError("eps", f"must be positive, got {self.eps}")
+            positive("eps", self.eps, allow_none=False)
 
     def __init__(self, cfg: Config, *, dim: int):
         super().__init__()

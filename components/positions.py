@@ -11,7 +11,7 @@ from torch import nn
 from zoo import kernels
 from zoo.parts import PositionEncoding
 from zoo.registry import register
-from zoo.spec import Part, SpecError, part_field
+from zoo.spec import Part, SpecError, part_field, positive
 
 from .rope_scaling import default_inv_freq
 
@@ -96,8 +96,7 @@ class RoPE(PositionEncoding):
         scaling: Optional[Part] = part_field("rope_scaling", None)
 
         def check(self):
-            if self.theta <= 0:
-                raise SpecError("theta", f"must be positive, got {self.theta}")
+            positive("theta", self.theta, allow_none=False)
             if not 0.0 < self.rotary_fraction <= 1.0:
                 raise SpecError("rotary_fraction", f"must be in (0, 1], got {self.rotary_fraction}")
             if self.rotary_dim is not None and (self.rotary_dim <= 0 or self.rotary_dim % 2):

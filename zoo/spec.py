@@ -54,9 +54,6 @@ class Part:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, **to_dict(self.config)}
 
-    def replace(self, **changes: Any) -> "Part":
-        return Part(self.kind, self.name, dataclasses.replace(self.config, **changes))
-
     def __getattr__(self, item: str) -> Any:  # part.window reads the config's field
         if item.startswith("__"):
             raise AttributeError(item)
