@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from zoo.hookspecs import hookimpl
 from zoo.model import Decoder, LossOutput, build_model, lm_loss
-from zoo.recipes import Family, get_spec, list_models, published_params
+from zoo.recipes import Family, build, get_spec, list_models, published_params
 from zoo.registry import (
     DuplicateNameError,
     PluginError,
@@ -31,26 +31,6 @@ from zoo.verify import verify  # binds the function over the submodule of the sa
 from zoo.generate import generate  # likewise: zoo.generate is the function
 
 __version__ = "0.1.0"
-
-
-def build(
-    name_or_spec: Any,
-    *,
-    device: Optional[Any] = None,
-    dtype: Optional[Any] = None,
-    seed: Optional[int] = None,
-    overrides: Optional[dict[str, Any]] = None,
-    **kw: Any,
-) -> Decoder:
-    """Build a model from a preset name (``"gemma2-2b"``), an HF repo id, a recipe file, a dict
-    or a :class:`ModelSpec`.
-
-    Keyword overrides set spec fields by dotted path: ``n_layers=2``, or
-    ``overrides={"layers.local.attention.window": 64}`` (``__`` may stand for ``.``; ``*``
-    matches every layer kind). ``device="meta"`` allocates nothing.
-    """
-    spec = get_spec(name_or_spec, {**(overrides or {}), **kw})
-    return build_model(spec, device=device, dtype=dtype, seed=seed)
 
 
 def from_pretrained(path_or_repo_id, **kw):

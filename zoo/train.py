@@ -367,9 +367,9 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     # Every check before any compute: model, tokenizer, checkpoint.
     pretrained = None
     if config.init_from:
-        import zoo
+        from zoo.checkpoints import from_pretrained
 
-        pretrained = zoo.from_pretrained(config.init_from)
+        pretrained = from_pretrained(config.init_from)
         spec = get_spec(model if model is not None else pretrained.spec, overrides)
     elif model is None:
         raise ValueError("train needs a model: a preset name, a recipe file or a spec, or init_from=a checkpoint")
@@ -533,8 +533,9 @@ def export(model: nn.Module, spec: ModelSpec, path: Path, accelerator, *, sharde
     exactly is used; when none does, the export is skipped (the training checkpoint keeps the
     weights and the spec) and the reason printed.
     """
-    import zoo
+    from zoo.checkpoints import save_pretrained
     from zoo.checkpoints.format import CheckpointError
+    from zoo.registry import list_components
 
     state = full_state_dict(model, sharded)  # collective under FSDP2: every process takes part
     if not accelerator.is_main_process:
@@ -542,9 +543,9 @@ def export(model: nn.Module, spec: ModelSpec, path: Path, accelerator, *, sharde
     plain = build_model(spec, device="meta")
     plain.load_state_dict(state, assign=True)
     errors = []
-    for fmt in [model_type] if model_type else zoo.list_components("checkpoint_format"):
+    for fmt in [model_type] if model_type else list_components("checkpoint_format"):
         try:
-            zoo.save_pretrained(plain, path, model_type=fmt)
+            save_pretrained(plain, path, model_type=fmt)
         except CheckpointError as exc:  # this format cannot describe this spec
             if model_type:
                 raise
