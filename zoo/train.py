@@ -121,9 +121,11 @@ class TrainConfig:
 @dataclass
 class TrainResult:
     step: int
-    losses: list[float]  # loss (cross-entropy + z-loss) of each step run in this invocation
+    losses: list[float]  # loss (cross-entropy + z-loss + weighted auxiliary losses) of each step run in this invocation
     ce: list[float]
     z: list[float]  # mean log(Z)^2 of each step
+    # Every term the loss output carried (loss, ce, z, each auxiliary loss and metric), per step.
+    terms: list[dict[str, float]] = field(default_factory=list)
     out_dir: Path
     checkpoint: Optional[Path] = None
     export: Optional[Path] = None
@@ -457,7 +459,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     while step < last:
         t0 = time.perf_counter()
         batch = data.batch(position + acc.process_index * per_rank, per_rank)
-        sums = torch.zeros(3, device=acc.device)
+        sums: dict[str, torch.Tensor] = {}
         for m in range(accum):
             ids = batch[m * config.micro_batch:(m + 1) * config.micro_batch].to(acc.device)
             sync = m == accum - 1
@@ -466,22 +468,25 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
             with (acc.no_sync(wrapped) if not (sync or use_fsdp) else nullcontext()), acc.autocast():
                 out = wrapped(ids, labels=ids)  # the model's own loss: fused where a fast path runs
                 acc.backward(out.loss / accum)
-            sums += torch.stack([out.loss.detach(), out.ce.detach(), out.z.detach()]).float() / accum
+            for name, value in out.terms().items():
+                sums[name] = sums.get(name, 0.0) + value.detach().float() / accum
         if config.grad_clip:
             acc.clip_grad_norm_(wrapped.parameters(), config.grad_clip)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        loss, ce, z = (float(v) for v in acc.reduce(sums, reduction="mean"))
+        after_optimizer_step(net, acc)
+        terms = step_terms(sums, acc)
+        loss, ce, z = terms["loss"], terms["ce"], terms["z"]
         step += 1
         position += config.global_batch
         tokens_seen += tokens_per_step
         tps = tokens_per_step / max(time.perf_counter() - t0, 1e-9)
         result.losses.append(loss), result.ce.append(ce), result.z.append(z)
+        result.terms.append(terms)
         if acc.is_main_process:
             with metrics_file.open("a") as f:
-                f.write(json.dumps({"step": step, "loss": loss, "ce": ce, "z": z,
-                                    "lr": schedule.get_last_lr()[0], "tokens_per_s": tps}) + "\n")
+                f.write(json.dumps({"step": step, **terms, "lr": schedule.get_last_lr()[0], "tokens_per_s": tps}) + "\n")
         bar.update(1)
         if step % config.log_every == 0 or step == last:
             bar.set_postfix(loss=f"{loss:.4f}", z=f"{z:.3g}", tok_s=f"{tps:,.0f}")
@@ -504,6 +509,34 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
                                    model_type=config.export_format or fmt)
     acc.wait_for_everyone()
     return result
+
+
+def step_terms(sums: dict[str, torch.Tensor], accelerator) -> dict[str, float]:
+    """One step's loss terms (loss, ce, z, then each auxiliary loss and metric by name), averaged
+    over the processes. Every process has the same names: they come from the same model."""
+    names = ["loss", "ce", "z"] + sorted(k for k in sums if k not in ("loss", "ce", "z"))
+    values = accelerator.reduce(torch.stack([sums[k] for k in names]), reduction="mean")
+    return dict(zip(names, (float(v) for v in values)))
+
+
+@torch.no_grad()
+def after_optimizer_step(model: nn.Module, accelerator) -> None:
+    """Call ``after_optimizer_step(reduce=...)`` on every part that defines it (an aux-loss-free
+    expert bias update), after each optimizer step, on every process. ``reduce(t)`` sums a tensor
+    over the processes (identity on one), so a part that updates from it updates identically
+    everywhere, under DDP and FSDP2 alike."""
+    hooks = [m.after_optimizer_step for m in model.modules()
+             if m is not model and callable(getattr(m, "after_optimizer_step", None))]
+    if not hooks:
+        return
+    if accelerator.num_processes > 1:
+        def reduce(t):
+            return accelerator.reduce(t.clone(), reduction="sum")
+    else:
+        def reduce(t):
+            return t
+    for hook in hooks:
+        hook(reduce=reduce)
 
 
 def full_state_dict(model: nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
