@@ -7,7 +7,6 @@ projection (OLMo 2); tanh soft-capping of scores (Gemma 2). Runs on
 the eager path (the reference) when they do not (soft-capping) or when asked.
 """
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Optional
 

@@ -1,7 +1,6 @@
 """Position encodings: sinusoidal and learned absolute, RoPE (half-split or interleaved pairs,
 partial rotary, any registered frequency scaling), and NoPE."""
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Optional
 

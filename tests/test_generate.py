@@ -7,7 +7,7 @@ import torch
 
 import zoo
 from zoo.state import DecodeState, KVState
-from zoo.generate import sample_next
+from zoo.generation import sample_next
 
 TINY = {
     "n_layers": 2, "d_model": 64, "vocab_size": 128, "layers.*.ffn.d_ff": 96,

@@ -7,8 +7,6 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
 from zoo.hookspecs import hookimpl
 from zoo.model import Decoder, LossOutput, build_model, lm_loss
 from zoo.recipes import Family, build, get_spec, list_models, published_params
@@ -24,11 +22,11 @@ from zoo.registry import (
     register,
 )
 from zoo.spec import ModelSpec, Part, SpecError
-# Imported here so that `zoo.train` is the function (the module stays reachable as
-# `importlib.import_module("zoo.train")` and through `from zoo.train import ...`).
-from zoo.train import TrainConfig, TrainResult, train
-from zoo.verify import verify  # binds the function over the submodule of the same name
-from zoo.generate import generate  # likewise: zoo.generate is the function
+# zoo.train, zoo.generate and zoo.verify are functions; their modules are zoo.training,
+# zoo.generation and zoo.verification (so `zoo.training.TrainConfig` and `zoo.train(...)` both work).
+from zoo.training import TrainConfig, TrainResult, train
+from zoo.verification import verify
+from zoo.generation import generate
 
 __version__ = "0.1.0"
 

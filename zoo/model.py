@@ -271,7 +271,7 @@ class Decoder(nn.Module):
         return total
 
     def generate(self, input_ids, max_new_tokens: int = 32, **kwargs):
-        from zoo.generate import generate
+        from zoo.generation import generate
 
         return generate(self, input_ids, max_new_tokens, **kwargs)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 

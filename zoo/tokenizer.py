@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 from tokenizers import Tokenizer as _HFTokenizer
 

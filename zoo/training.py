@@ -124,8 +124,6 @@ class TrainResult:
     losses: list[float]  # loss (cross-entropy + z-loss + weighted auxiliary losses) of each step run in this invocation
     ce: list[float]
     z: list[float]  # mean log(Z)^2 of each step
-    # Every term the loss output carried (loss, ce, z, each auxiliary loss and metric), per step.
-    terms: list[dict[str, float]] = field(default_factory=list)
     out_dir: Path
     checkpoint: Optional[Path] = None
     export: Optional[Path] = None
@@ -133,6 +131,8 @@ class TrainResult:
     tokens_per_s: float = 0.0
     main_process: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+    # Every term the loss output carried (loss, ce, z, each auxiliary loss and metric), per step.
+    terms: list[dict[str, float]] = field(default_factory=list)
 
 
 # -- the recipe -----------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ def run(args):
     import torch
 
     from zoo.checkpoints import from_pretrained
-    from zoo.generate import generate
+    from zoo.generation import generate
     from zoo.tokenizer import TextStream, Tokenizer
 
     from zoo.checkpoints import resolve
