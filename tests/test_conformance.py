@@ -496,12 +496,9 @@ def test_softcap_bounded_odd_identity_near_zero():
     assert (y[1:] >= y[:-1]).all()  # monotone: order of logits kept
 
 
-@covers(("stability", "z_loss"))
 def test_z_loss_is_mean_squared_logsumexp():
-    z_loss = zoo.get("stability", "z_loss")
     logits = torch.randn(3, 5, 17) * 4
     expected = torch.stack([torch.log(torch.exp(row.double()).sum()) ** 2 for row in logits.reshape(-1, 17)]).mean()
-    torch.testing.assert_close(z_loss(logits).double(), expected, rtol=1e-5, atol=1e-6)
     out = zoo.lm_loss(logits, torch.randint(0, 17, (3, 5)), z_loss=1e-2)
     torch.testing.assert_close(out.loss, out.ce + 1e-2 * out.z)
     torch.testing.assert_close(out.z.double(), expected, rtol=1e-5, atol=1e-6)

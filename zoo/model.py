@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from types import MappingProxyType
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,10 @@ class Decoder(nn.Module):
     # The loss (head + soft-cap + cross-entropy + z-loss) has a fused, chunked fast path.
     kernel = "loss"
     backends = ("triton", "torch")
+    # Where the weights came from, set by zoo.from_pretrained: the HF model_type, and the config
+    # fields a save carries over. None and empty for a model built from a recipe.
+    checkpoint_format: Optional[str] = None
+    hf_config: Mapping[str, Any] = MappingProxyType({})
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
