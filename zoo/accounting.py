@@ -83,9 +83,10 @@ def layer_facts(layer: nn.Module) -> dict[str, Any]:
     return {**_facts(layer.attention), **_facts(layer.ffn)}
 
 
-def _per_kind(values: dict[str, Any]) -> Any:
-    """One value when every layer kind agrees, else the value of each kind."""
-    return next(iter(values.values())) if len(set(map(repr, values.values()))) == 1 else values
+def _per_kind(values: dict[str, Any], kinds: int) -> Any:
+    """One value when all ``kinds`` layer kinds report the same, else the value of each kind that reports."""
+    same = len(values) == kinds and len(set(map(repr, values.values()))) == 1
+    return next(iter(values.values())) if same else values
 
 
 def _build(model_or_name: Any, overrides: Optional[dict[str, Any]]) -> nn.Module:
@@ -178,9 +179,9 @@ def account(
         },
         "shape": {
             "aspect_ratio": spec.d_model / spec.n_layers,
-            "d_ff": _per_kind(d_ffs),
-            "d_ff_over_d_model": _per_kind(ratios),
-            **{key: _per_kind(values) for key, values in facts.items()},
+            "d_ff": _per_kind(d_ffs, len(spec.layers)),
+            "d_ff_over_d_model": _per_kind(ratios, len(spec.layers)),
+            **{key: _per_kind(values, len(spec.layers)) for key, values in facts.items()},
         },
         "flops": {
             "context": context,

@@ -18,7 +18,7 @@ part reads its attributes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Protocol, runtime_checkable
 
 import torch
@@ -67,7 +67,6 @@ class PositionState:
 Rotary = PositionState
 
 
-@dataclass
 class ForwardContext:
     """What every layer needs to know about the current forward pass.
 
@@ -79,17 +78,18 @@ class ForwardContext:
     entry ``state.layers[index]`` and nothing else.
 
     Parts report training signals through :meth:`add_loss` and :meth:`add_metric`; the model's loss
-    output carries them.
+    output carries them. (A plain class, not a dataclass, on purpose: wrappers such as FSDP2 rebuild
+    dataclass arguments that hold tensors needing gradients, and the terms added by one block would
+    then be lost to the next.)
     """
 
-    position_ids: torch.Tensor
-    slots: torch.Tensor
-    key_mask: Optional[torch.Tensor] = None
-    state: Any = None
-    aux: dict[str, torch.Tensor] = field(default_factory=dict)
-    aux_weights: dict[str, float] = field(default_factory=dict)
-    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-    _metric_counts: dict[str, int] = field(default_factory=dict, repr=False)
+    def __init__(self, position_ids: torch.Tensor, slots: torch.Tensor, key_mask: Optional[torch.Tensor] = None,
+                 state: Any = None):
+        self.position_ids, self.slots, self.key_mask, self.state = position_ids, slots, key_mask, state
+        self.aux: dict[str, torch.Tensor] = {}
+        self.aux_weights: dict[str, float] = {}
+        self.metrics: dict[str, torch.Tensor] = {}
+        self._metric_counts: dict[str, int] = {}
 
     def add_loss(self, name: str, value: torch.Tensor, weight: float = 1.0) -> None:
         """Add an auxiliary loss term: the total loss gains ``weight * value``. Terms of one name

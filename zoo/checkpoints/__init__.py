@@ -142,9 +142,22 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
             state[zname] = t.to(device=device or "cpu", dtype=target_dtype)
         del hf_tensors, zoo_tensors
     model.load_state_dict(state, strict=True, assign=True)
+    _reset_transient_buffers(model, device or "cpu")
     left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if left:
         raise CheckpointError(f"after loading, {left[0]!r} is still on the meta device (not filled)")
+
+
+def _reset_transient_buffers(model: Decoder, device) -> None:
+    """Non-persistent buffers (running counts, caches) are in no checkpoint: after a load they are
+    zeros, then whatever the part's ``reset_buffers()`` makes them."""
+    for module in model.modules():
+        transient = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None
+                     and module._buffers[n].is_meta]
+        for name in transient:
+            module._buffers[name] = torch.zeros_like(module._buffers[name], device=device)
+        if transient and callable(getattr(module, "reset_buffers", None)):
+            module.reset_buffers()
 
 
 def from_pretrained(
