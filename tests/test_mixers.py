@@ -226,3 +226,20 @@ def test_an_attention_plugin_written_before_mixers_still_builds_and_trains(tmp_p
         zoo.generate(model, torch.randint(0, 64, (1, 4)), 2)
     with pytest.raises(AssertionError, match="cannot decode incrementally"):
         zt.check("attention", "old_style")
+
+
+def test_the_plugin_guides_mixer_example_passes_the_contract():
+    """docs/plugins.md's decayed linear attention is run as written, and decodes as it computes."""
+    from pathlib import Path
+
+    import torch.nn.functional as F
+
+    from zoo.interfaces import Cost
+
+    guide = (Path(__file__).parents[1] / "docs" / "plugins.md").read_text()
+    code = guide.split("## 5. A mixer with its own state")[1].split("```python")[1].split("```")[0]
+    scope = {"torch": torch, "nn": nn, "F": F, "dataclass": dataclass, "Cost": Cost}
+    exec(code, scope)
+    with zoo.manager().providing("guide_example"):
+        zoo.manager().add_mixer("decayed_linear", scope["DecayedLinear"], override=True)
+    zt.check("mixer", "decayed_linear")
