@@ -243,3 +243,34 @@ def test_the_plugin_guides_mixer_example_passes_the_contract():
     with zoo.manager().providing("guide_example"):
         zoo.manager().add_mixer("decayed_linear", scope["DecayedLinear"], override=True)
     zt.check("mixer", "decayed_linear")
+
+
+def test_a_loss_pooled_over_layers_is_computed_once_at_the_end(toy):
+    """Parts gather per-layer statistics in ``ctx.shared`` and register one ``at_end`` computation
+    (how a balance loss pooled over every layer, transformers' convention, is made)."""
+    class Pooled(nn.Module):
+        @dataclass(frozen=True)
+        class Config:
+            pass
+
+        def __init__(self, cfg, *, d_model):
+            super().__init__()
+            self.lin = nn.Linear(d_model, d_model)
+
+        def forward(self, x, ctx=None):
+            if ctx is not None:
+                ctx.shared.setdefault("pooled_means", []).append(x.mean())
+                ctx.at_end("pooled", lambda c: c.add_loss("pooled", torch.stack(c.shared["pooled_means"]).mean()))
+            return self.lin(x)
+
+    with zoo.manager().providing("pooled_test"):
+        zoo.manager().add_ffn("pooled_test_ffn", Pooled, override=True)
+    model = zoo.build(zt.TINY, overrides={"layers.default.ffn": "pooled_test_ffn", "n_layers": 3}, seed=0)
+    ids = torch.randint(0, 64, (2, 6))
+    means = []
+    hooks = [layer.ffn.register_forward_hook(lambda m, a, out: means.append(a[0].mean())) for layer in model.layers]
+    out = model.loss(ids)
+    for h in hooks:
+        h.remove()
+    assert set(out.aux) == {"pooled"}
+    torch.testing.assert_close(out.aux["pooled"], torch.stack(means).mean())

@@ -19,7 +19,7 @@ part reads its attributes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -90,6 +90,20 @@ class ForwardContext:
         self.aux_weights: dict[str, float] = {}
         self.metrics: dict[str, torch.Tensor] = {}
         self._metric_counts: dict[str, int] = {}
+        #: Room for parts to gather what they share across layers in one forward (router statistics
+        #: pooled over every layer, say), keyed by a name the parts agree on.
+        self.shared: dict[str, Any] = {}
+        self._at_end: dict[str, Callable[["ForwardContext"], None]] = {}
+
+    def at_end(self, key: str, fn: Callable[["ForwardContext"], None]) -> None:
+        """Run ``fn(ctx)`` once after the last layer (registered once per ``key``, however many layers
+        ask): where a loss pooled over layers is computed from what ``shared`` gathered."""
+        self._at_end.setdefault(key, fn)
+
+    def finish(self) -> None:
+        """Called by the model after its last layer."""
+        for fn in self._at_end.values():
+            fn(self)
 
     def add_loss(self, name: str, value: torch.Tensor, weight: float = 1.0) -> None:
         """Add an auxiliary loss term: the total loss gains ``weight * value``. Terms of one name

@@ -189,6 +189,7 @@ class Decoder(nn.Module):
             x = layer(x, ctx, states[self._pos_key[i]])
             if hidden is not None:
                 hidden.append(x)
+        ctx.finish()
         if self.final_norm is not None:
             x = self.final_norm(x)
         return (x, hidden) if output_hidden_states else x
