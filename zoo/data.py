@@ -43,7 +43,7 @@ class FileTokenizer:
     """A ``tokenizer.json`` (as shipped with Hugging Face checkpoints), read by ``tokenizers``."""
 
     def __init__(self, path: str | Path):
-        from tokenizers import Tokenizer
+        from zoo.tokenizer import read_tokenizer_file
 
         path = Path(path)
         if path.is_dir():
@@ -53,7 +53,7 @@ class FileTokenizer:
                 f"tokenizer file {path} does not exist; pass a tokenizer.json or a checkpoint directory holding one"
             )
         self.path = path
-        self._tok = Tokenizer.from_file(str(path))
+        self._tok = read_tokenizer_file(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:

@@ -15,6 +15,14 @@ from typing import Iterator, Optional
 from tokenizers import Tokenizer as _HFTokenizer
 
 
+def read_tokenizer_file(path: Path) -> _HFTokenizer:
+    """A ``tokenizer.json`` read by ``tokenizers``; a file it cannot read is a ValueError naming it."""
+    try:
+        return _HFTokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception
+        raise ValueError(f"{path} is not a tokenizer.json that the tokenizers library can read ({exc})") from None
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
@@ -31,7 +39,7 @@ class Tokenizer:
                 f"no tokenizer.json in {directory}; pass a checkpoint directory that has one "
                 f"(or give token ids directly to zoo.generate)"
             )
-        self.tok = _HFTokenizer.from_file(str(path))
+        self.tok = read_tokenizer_file(path)
         folder = path.parent
         config = _read_json(folder / "tokenizer_config.json")
         gen = {**_read_json(folder / "config.json"), **_read_json(folder / "generation_config.json")}

@@ -452,6 +452,15 @@ def _mixed_precision(config: TrainConfig) -> Optional[str]:
     return "bf16" if torch.cuda.is_bf16_supported() else "no"
 
 
+def _check_fsdp_launch(use_fsdp: bool) -> None:
+    """FSDP2 needs a process group: say so before any compute, not after building the model."""
+    import torch.distributed as dist
+
+    if use_fsdp and not dist.is_initialized():
+        raise ValueError("fsdp: FSDP2 needs a process group; launch with `accelerate launch` (an FSDP config) or "
+                         "`torchrun`, or leave fsdp off for one process")
+
+
 def _shard(model: nn.Module, accelerator) -> None:
     """FSDP2, one unit per block and one for the root (embeddings, final norm, head)."""
     import torch.distributed as dist
@@ -529,6 +538,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     out_dir = Path(config.out_dir)
     resume_from = resume_point(config, out_dir)
     use_fsdp = config.fsdp if config.fsdp is not None else acc.distributed_type == DistributedType.FSDP
+    _check_fsdp_launch(use_fsdp)
     ckpt_state = read_checkpoint_state(resume_from, spec, acc.num_processes) if resume_from else None
     if ckpt_state is not None:
         check_resumed_config(resume_from, ckpt_state, config, acc.print)

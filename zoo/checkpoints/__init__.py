@@ -147,6 +147,17 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
         raise CheckpointError(f"after loading, {left[0]!r} is still on the meta device (not filled)")
 
 
+def _float_dtype(dtype: Optional[torch.dtype | str]) -> Optional[torch.dtype]:
+    """A floating-point torch dtype from its name (``"bfloat16"``) or itself; anything else is a ValueError."""
+    if dtype is None:
+        return None
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype {dtype!r} is not a floating-point dtype to load weights in; "
+                         "use float32, bfloat16 or float16")
+    return resolved
+
+
 def from_pretrained(
     path_or_repo_id: str | Path,
     *,
@@ -169,8 +180,7 @@ def from_pretrained(
     config = read_config(directory)
     fmt, inner, renames = _format_and_config(config)
     spec = fmt.config_to_spec(inner, strict=strict)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    dtype = _float_dtype(dtype)
     check_sizes(directory)
     model = build_model(spec, device="meta")
     with WeightFiles(directory) as files:
