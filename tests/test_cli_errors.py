@@ -9,6 +9,8 @@ import pytest
 
 from zoo.cli import main
 
+from test_cli_generate import checkpoint  # noqa: F401,E402  (a tiny llama with a byte tokenizer.json)
+
 V = importlib.import_module("zoo.verify")  # the module; `zoo.verify` is the function
 
 tiny = pytest.importorskip("zoo.checkpoints.tiny")
@@ -17,16 +19,6 @@ pytest.importorskip("transformers")
 TRAIN = ["train", "llama3-8b", "--set", "n_layers=1", "--set", "d_model=32", "--set", "vocab_size=256",
          "--set", "layers.*.attention.n_heads=4", "--set", "layers.*.attention.n_kv_heads=2", "--cpu",
          "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from test_cli_generate import byte_tokenizer
-
-    d = tmp_path_factory.mktemp("cli-errors")
-    tiny.make_tiny("llama", d, overrides={"vocab_size": 256})
-    byte_tokenizer().save(str(d / "tokenizer.json"))
-    return d
 
 
 @pytest.fixture
