@@ -23,6 +23,20 @@ def _stop_ids(stop: Union[None, int, Iterable[int]]) -> list[int]:
     return ids
 
 
+def _length_limit(spec) -> tuple[int, str]:
+    """The longest sequence the model can generate, and what sets it: a position encoding with a
+    hard limit (a learned table: max_seq_len), else zoo's bound on any context (RoPE extrapolates)."""
+    from zoo.spec import MAX_SIZES
+
+    if spec is not None:
+        for i in range(spec.n_layers):
+            part = spec.position_for(i)
+            hard = getattr(part.cls, "max_positions", lambda config, spec: None)(part.config, spec)
+            if hard is not None:
+                return hard, f"the {part.name} position encoding's limit (max_seq_len)"
+    return MAX_SIZES["max_seq_len"], "zoo's limit on a context"
+
+
 def _check_generate_inputs(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_mask, stops: list[int],
                            pad_token_id: Optional[int], temperature, top_k, top_p) -> None:
     """Refuse, naming the argument, every input that would fail (or silently misbehave) midway."""
@@ -44,12 +58,12 @@ def _check_generate_inputs(model, input_ids: torch.Tensor, max_new_tokens: int, 
         raise ValueError(f"stop holds token id {bad_stops[0]}, outside the model's vocabulary [0, {vocab})")
     if pad_token_id is not None and pad_token_id < 0:
         raise ValueError(f"pad_token_id must be >= 0, got {pad_token_id}")
-    limit = getattr(spec, "max_seq_len", None)
-    if limit is not None and input_ids.shape[1] + max_new_tokens > limit:
+    limit, what = _length_limit(spec)
+    if input_ids.shape[1] + max_new_tokens > limit:
         raise ValueError(
             f"max_new_tokens {max_new_tokens} after a prompt of {input_ids.shape[1]} tokens reaches "
-            f"{input_ids.shape[1] + max_new_tokens}, beyond the model's max_seq_len {limit}; generate at most "
-            f"{max(0, limit - input_ids.shape[1])} tokens (or build the model with a larger max_seq_len)"
+            f"{input_ids.shape[1] + max_new_tokens}, beyond {what} {limit}; generate at most "
+            f"{max(0, limit - input_ids.shape[1])} tokens"
         )
     if attention_mask is not None and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
         raise ValueError("attention_mask must hold only 0 (padding) and 1 (a real token); "
