@@ -48,8 +48,8 @@ def test_generate_with_a_dtype_weights_cannot_load_in(checkpoint, capsys, dtype)
 
 
 def test_generate_validates_before_printing_the_prompt(checkpoint, capsys):
-    out = one_line_error(capsys, ["generate", str(checkpoint), "--prompt", "Hello", "-n", "100000"],
-                         "beyond the model's max_seq_len 64")
+    out = one_line_error(capsys, ["generate", str(checkpoint), "--prompt", "Hello", "-n", "100000000"],
+                         "beyond zoo's limit on a context")
     assert out.out == ""
 
 
