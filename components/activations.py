@@ -14,6 +14,8 @@ from zoo.registry import register
 
 @register("activation", "relu")
 class ReLU(nn.Module):
+    """``max(x, 0)`` (the original Transformer's FFN)."""
+
     @dataclass(frozen=True)
     class Config:
         pass

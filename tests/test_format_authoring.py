@@ -115,6 +115,14 @@ def test_zoo_list_kind_name_shows_a_parts_settings_types_and_defaults(capsys):
     assert "d_ff_rule" not in capsys.readouterr().out
 
 
+def test_every_part_with_settings_describes_itself():
+    from zoo.commands.list import describe
+
+    undocumented = [(kind, name) for kind, names in zoo.list_components().items() for name in names
+                    if hasattr(zoo.get(kind, name), "Config") and not describe(zoo.get(kind, name))]
+    assert not undocumented, f"parts without a docstring of their own (zoo list KIND NAME shows it): {undocumented}"
+
+
 def test_zoo_testing_examples_run():
     pytest.importorskip("zoo_alibi_dyt")
     calls = re.findall(r"zoo\.testing\.(check\(.*?\))  #", zt.__doc__)

@@ -423,7 +423,7 @@ class PluginManager:
         info = PluginInfo(name=name, module=module, distribution=distribution, version=version, builtin=builtin)
         self.plugins[name] = info
         plugin = None
-        slow = _slow_notice(name, distribution or module)
+        slow = _slow_notice(name, distribution or module, quiet=builtin)
         try:
             with self.providing(name):
                 plugin = loader()
@@ -474,8 +474,9 @@ class PluginManager:
 SLOW_PLUGIN_S = 1.0  # a plugin loading longer than this is named on stderr while it loads
 
 
-def _slow_notice(name: str, where: str) -> Any:
-    """A started timer that names the plugin on stderr if it is still loading after SLOW_PLUGIN_S."""
+def _slow_notice(name: str, where: str, quiet: bool = False) -> Any:
+    """A started timer that names the plugin on stderr if it is still loading after SLOW_PLUGIN_S
+    (``quiet``: a built-in, whose import is zoo's own start-up, gets a timer that never fires)."""
     import sys
     import threading
 
@@ -484,7 +485,8 @@ def _slow_notice(name: str, where: str) -> Any:
 
     timer = threading.Timer(SLOW_PLUGIN_S, notice)
     timer.daemon = True
-    timer.start()
+    if not quiet:
+        timer.start()
     return timer
 
 
