@@ -32,7 +32,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -40,6 +40,7 @@ from torch import nn
 from zoo.data import TokenData, builtin_corpus, get_tokenizer, read_texts, tokenize
 from zoo.model import build_model
 from zoo.recipes import get_spec
+from zoo.resume import check_resumed_config, fsync_dir, fsync_tree, metrics_up_to, resume_point, step_of
 from zoo.spec import ModelSpec
 
 
@@ -177,19 +178,13 @@ def _spec_diff(a: dict, b: dict, path: str = "") -> list[str]:
     return out
 
 
-def _step_of(path: Path) -> int:
-    """The step of a ``step-NNNNNNN`` directory; -1 for any other name."""
-    digits = path.name[len("step-"):]
-    return int(digits) if path.name.startswith("step-") and digits.isdigit() else -1
-
-
 def checkpoints(out_dir: str | Path) -> list[Path]:
     """Complete checkpoints under ``out_dir/checkpoints``, oldest (lowest step) first."""
     root = Path(out_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and _step_of(p) >= 0 and (p / "state.json").is_file()]
-    return sorted(found, key=_step_of)
+    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) >= 0 and (p / "state.json").is_file()]
+    return sorted(found, key=step_of)
 
 
 def read_checkpoint_state(path: Path, spec: ModelSpec, processes: int) -> dict[str, Any]:
@@ -210,134 +205,6 @@ def read_checkpoint_state(path: Path, spec: ModelSpec, processes: int) -> dict[s
             "resume with the same number of processes"
         )
     return state
-
-
-# Settings a resumed run cannot change: the optimizer's restored state would silently override
-# them (lr, weight decay, betas, eps) or the data position would point elsewhere (the rest).
-RESUME_FIXED = ("data", "tokenizer", "seq_len", "global_batch", "seed", "lr", "weight_decay", "beta1", "beta2", "eps")
-# Settings a resumed run applies on purpose: the schedule and clipping read the new values.
-RESUME_APPLIED = ("steps", "warmup_steps", "min_lr_ratio", "grad_clip")
-
-
-def checkpoint_problem(path: Path) -> Optional[str]:
-    """Why the checkpoint at ``path`` cannot be resumed from (unreadable state.json, a missing or
-    truncated tensor file), or None when it is complete."""
-    from safetensors import safe_open
-
-    try:
-        state = json.loads((Path(path) / "state.json").read_text())
-        sharded, processes = bool(state["sharded"]), int(state["processes"])
-        missing = [k for k in ("step", "data_position", "spec", "scheduler", "optimizer") if k not in state]
-        if missing:
-            return f"state.json lacks {', '.join(missing)}"
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"state.json is unreadable ({type(exc).__name__}: {exc})"
-    names = [f"rng-rank{r:05d}.safetensors" for r in range(processes)]
-    for kind in ("model", "optimizer"):
-        names += ([f"{kind}-rank{r:05d}-of-{processes:05d}.safetensors" for r in range(processes)] if sharded
-                  else [f"{kind}.safetensors"])
-    for name in names:
-        try:
-            with safe_open(str(Path(path) / name), "pt"):  # validates the header against the file's size
-                pass
-        except Exception as exc:  # missing (OSError) or torn (SafetensorError)
-            return f"{name}: {exc}"
-    return None
-
-
-def resume_point(config: TrainConfig, out_dir: Path) -> Optional[Path]:
-    """The checkpoint a run continues from (None: a fresh run), after checking that the run will
-    not mix with another one in ``out_dir``. ``resume="auto"`` skips a corrupt latest checkpoint
-    (warning with its name) for the last complete one."""
-    import warnings
-
-    found = checkpoints(out_dir)
-    if config.resume is None:
-        if found:
-            raise ValueError(
-                f"{out_dir} already holds a run (checkpoints {', '.join(p.name for p in found)}); a fresh run "
-                "(resume=None) there would mix with it. Resume it (resume='auto'), choose another out_dir, "
-                f"or delete {out_dir / 'checkpoints'} to start over"
-            )
-        return None
-    if config.resume != "auto":
-        path = Path(config.resume)
-        problem = checkpoint_problem(path) if (path / "state.json").is_file() else None
-        if problem:
-            raise ValueError(f"checkpoint {path} is incomplete or corrupt: {problem}; resume from another one")
-        later = [p.name for p in found if _step_of(p) > _step_of(path)] if _step_of(path) >= 0 else []
-        if later:
-            raise ValueError(
-                f"{out_dir} holds checkpoints after {path.name} ({', '.join(later)}), from a run this one would "
-                "mix with; delete them to continue from the earlier step, or choose another out_dir"
-            )
-        return path
-    for path in reversed(found):
-        problem = checkpoint_problem(path)
-        if problem is None:
-            return path
-        warnings.warn(f"checkpoint {path} is incomplete or corrupt ({problem}); skipping it for an earlier one",
-                      stacklevel=3)
-    if found:
-        raise ValueError(f"no complete checkpoint in {out_dir / 'checkpoints'}: every one is corrupt (see the "
-                         "warnings); delete them to start afresh")
-    return None
-
-
-def check_resumed_config(path: Path, state: dict[str, Any], config: TrainConfig, log: Callable[[str], None]) -> None:
-    """Refuse a resume that changes a setting in :data:`RESUME_FIXED`, naming each difference; log
-    the changes of :data:`RESUME_APPLIED`, which the resumed run follows."""
-    saved = state.get("config")
-    if not saved:
-        return
-    now = json.loads(json.dumps(dataclasses.asdict(config)))  # tuples as lists, like the saved JSON
-
-    def changed(names):
-        return [f"{n}: {saved[n]!r} in the checkpoint, {now[n]!r} now" for n in names if n in saved and saved[n] != now[n]]
-
-    refused = changed(RESUME_FIXED)
-    if refused:
-        raise ValueError(
-            f"checkpoint {path} was written with other training settings ({'; '.join(refused)}); a resumed run keeps "
-            "them. Resume with the same settings, or start a new run in another out_dir"
-        )
-    applied = changed(RESUME_APPLIED)
-    if applied:
-        log(f"resuming {path} with changed settings, which apply from here: {'; '.join(applied)}")
-
-
-def _metrics_up_to(metrics_file: Path, step: int) -> list[str]:
-    """The lines of ``metrics.jsonl`` up to ``step``; a torn line (a write cut short) is dropped with a warning."""
-    import warnings
-
-    kept = []
-    lines = metrics_file.read_text().splitlines() if metrics_file.is_file() else []
-    for n, line in enumerate(lines, 1):
-        try:
-            row_step = json.loads(line)["step"]
-        except (ValueError, KeyError, TypeError):
-            warnings.warn(f"{metrics_file}, line {n}: not a complete record ({line[:40]!r}); dropped", stacklevel=3)
-            continue
-        if row_step <= step:
-            kept.append(line)
-    return kept
-
-
-def _fsync_tree(directory: Path) -> None:
-    """Flush every file of ``directory`` and the directory itself to the disk."""
-    for p in directory.iterdir():
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Checkpointer:
@@ -381,15 +248,15 @@ class Checkpointer:
                                              for i, s in opt_state["state"].items()}},
             }
             (tmp / "state.json").write_text(json.dumps(state, indent=1))
-        _fsync_tree(tmp)  # each process its own files: the rename below must not outrun the data
+        fsync_tree(tmp)  # each process its own files: the rename below must not outrun the data
         acc.wait_for_everyone()
         if acc.is_main_process:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)  # the checkpoint appears whole or not at all
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             # Pruned by step among this run's (a corrupt later checkpoint that was skipped stays beside them).
-            for old in [c for c in checkpoints(self.root.parent) if _step_of(c) <= step][: -self.keep_last]:
+            for old in [c for c in checkpoints(self.root.parent) if step_of(c) <= step][: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         acc.wait_for_everyone()
         return final
@@ -536,7 +403,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
             f"set vocab_size={tokenizer.vocab_size} (or more) in the overrides"
         )
     out_dir = Path(config.out_dir)
-    resume_from = resume_point(config, out_dir)
+    resume_from = resume_point(config, out_dir, checkpoints(out_dir))
     use_fsdp = config.fsdp if config.fsdp is not None else acc.distributed_type == DistributedType.FSDP
     _check_fsdp_launch(use_fsdp)
     ckpt_state = read_checkpoint_state(resume_from, spec, acc.num_processes) if resume_from else None
@@ -585,7 +452,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
         out_dir.mkdir(parents=True, exist_ok=True)
         for stale in (out_dir / "checkpoints").glob(".tmp-step-*"):  # left by a save that was cut short
             shutil.rmtree(stale, ignore_errors=True)
-        kept = _metrics_up_to(metrics_file, step) if step else []
+        kept = metrics_up_to(metrics_file, step) if step else []
         metrics_file.write_text("".join(line + "\n" for line in kept))
 
     last = config.steps if config.stop_after is None else min(config.steps, step + config.stop_after)
