@@ -127,3 +127,10 @@ def test_training_checkpoints_are_fsynced_before_they_are_renamed_into_place(tmp
     tmp = tmp_path / "checkpoints" / ".tmp-step-0000001"
     assert set(files) <= {os.path.basename(s) for s in synced if s.startswith(str(tmp) + "/")}
     assert str(tmp) in synced and str(tmp_path / "checkpoints") in synced
+
+
+@pytest.mark.parametrize("field", ["lr", "weight_decay", "grad_clip", "min_lr_ratio", "eps", "z_loss"])
+def test_non_finite_training_settings_are_refused_by_name(tmp_path, no_compute, field):
+    with pytest.raises(ValueError, match=rf"TrainConfig.{field} must be a finite number, got nan"):
+        T.train("llama3-8b", out_dir=str(tmp_path), **{**KW, field: float("nan")})
+

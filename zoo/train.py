@@ -87,6 +87,10 @@ class TrainConfig:
     export_format: Optional[str] = None  # HF model_type to export as; None: the first that fits the spec
 
     def check(self) -> None:
+        for f in dataclasses.fields(self):  # NaN passes every comparison below: refuse it first
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"TrainConfig.{f.name} must be a finite number, got {value}")
         for name in ("seq_len", "global_batch", "micro_batch", "steps", "keep_last", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be at least 1, got {getattr(self, name)}")
