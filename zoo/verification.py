@@ -114,6 +114,58 @@ def run_reference(directory: Path, ids: torch.Tensor, dtype: str):
     return logits, hidden, f"transformers {transformers.__version__}"
 
 
+# Logits and hidden states of both models beyond this are a mistake in --seq-len or --batch-size.
+VERIFY_MAX_BYTES = 8 << 30
+
+
+def _check_verify_inputs(spec, *, dtype: str, batch_size: int, seq_len: int, reference, save_reference) -> None:
+    """Refuse, naming the argument, what would fail midway (or allocate without bound)."""
+    _dtype(dtype)
+    if reference is None:
+        for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if seq_len > spec.max_seq_len:
+            raise ValueError(f"seq_len {seq_len} is beyond the checkpoint's max_seq_len {spec.max_seq_len}")
+        per_token = 4 * 2 * (spec.vocab_size + spec.d_model * (spec.n_layers + 1))  # float32, both models
+        need = batch_size * seq_len * per_token
+        if need > VERIFY_MAX_BYTES:
+            raise ValueError(f"seq_len {seq_len} x batch_size {batch_size} would hold about {need / 1e9:.0f} GB of "
+                             f"logits and hidden states (limit {VERIFY_MAX_BYTES / 1e9:.0f} GB); choose smaller ones")
+    if save_reference is not None and not Path(save_reference).resolve().parent.is_dir():
+        raise FileNotFoundError(f"save_reference: the directory of {save_reference} does not exist; create it first")
+
+
+def _read_reference(path: Path, vocab: int):
+    """The stored inputs, logits, hidden states and metadata of a reference file, checked."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise FileNotFoundError(f"reference file {path} does not exist")
+    try:
+        stored = load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as exc:  # safetensors' errors for a torn or foreign file
+        raise ValueError(f"reference file {path} is not a safetensors file ({exc})") from None
+    missing = [k for k in ("input_ids", "logits") if k not in stored]
+    if missing:
+        raise ValueError(f"reference file {path} lacks {', '.join(missing)}; write it with save_reference")
+    ids, logits = stored["input_ids"], stored["logits"]
+    if ids.dim() != 2 or ids.dtype.is_floating_point or not ids.numel():
+        raise ValueError(f"reference file {path}: input_ids must be a non-empty (batch, seq) tensor of token ids")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise ValueError(f"reference file {path}: input_ids hold ids outside this checkpoint's vocabulary [0, {vocab})")
+    if logits.dim() != 3 or logits.shape[:2] != ids.shape:
+        raise ValueError(f"reference file {path}: logits have shape {tuple(logits.shape)}, "
+                         f"not (batch, seq, vocab) for input_ids of shape {tuple(ids.shape)}")
+    hidden = [stored[f"hidden.{i}"] for i in range(sum(k.startswith("hidden.") for k in stored))]
+    if meta.get("dtype", "float32") not in TOLERANCES:
+        raise ValueError(f"reference file {path}: unknown dtype {meta['dtype']!r} in its metadata")
+    return ids, logits, hidden, meta
+
+
 def verify(
     path_or_repo_id: str | Path,
     *,
@@ -131,25 +183,24 @@ def verify(
     ``reference=FILE`` compares against a stored reference (no transformers needed);
     ``save_reference=FILE`` stores this run's reference for later.
     """
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from zoo.checkpoints import config_to_spec, from_pretrained, read_config
     from zoo.checkpoints.hub import resolve
 
     directory = resolve(path_or_repo_id, revision=revision)
     config = read_config(directory)
-    vocab = config_to_spec(config).vocab_size
+    spec = config_to_spec(config)
+    _check_verify_inputs(spec, dtype=dtype, batch_size=batch_size, seq_len=seq_len, reference=reference,
+                         save_reference=save_reference)
+    vocab = spec.vocab_size
     if reference is not None:
-        stored = load_file(str(reference))
-        from safetensors import safe_open
-
-        with safe_open(str(reference), framework="pt") as f:
-            meta = f.metadata() or {}
-        ids, ref_logits = stored["input_ids"], stored["logits"]
-        ref_hidden = [stored[f"hidden.{i}"] for i in range(sum(k.startswith("hidden.") for k in stored))]
+        ids, ref_logits, ref_hidden, meta = _read_reference(Path(reference), vocab)
         dtype = meta.get("dtype", dtype)
         ref_name = f"stored reference {Path(reference).name} ({meta.get('reference', 'unknown')})"
-    else:
+    # zoo's own checks (config, weight names and shapes) come before the reference runs.
+    model = from_pretrained(directory, dtype=_dtype(dtype))
+    if reference is None:
         gen = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)
         ref_logits, ref_hidden, ref_name = run_reference(directory, ids, dtype)
@@ -159,7 +210,6 @@ def verify(
         save_file(tensors, str(save_reference), metadata={"dtype": dtype, "reference": ref_name,
                                                           "source": str(path_or_repo_id)})
 
-    model = from_pretrained(directory, dtype=_dtype(dtype))
     with torch.no_grad():
         final, hidden = model.hidden_states(ids, output_hidden_states=True)
         logits = model.logits_from_hidden(final).float()

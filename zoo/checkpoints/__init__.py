@@ -160,6 +160,17 @@ def _reset_transient_buffers(model: Decoder, device) -> None:
             module.reset_buffers()
 
 
+def _float_dtype(dtype: Optional[torch.dtype | str]) -> Optional[torch.dtype]:
+    """A floating-point torch dtype from its name (``"bfloat16"``) or itself; anything else is a ValueError."""
+    if dtype is None:
+        return None
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype {dtype!r} is not a floating-point dtype to load weights in; "
+                         "use float32, bfloat16 or float16")
+    return resolved
+
+
 def from_pretrained(
     path_or_repo_id: str | Path,
     *,
@@ -182,8 +193,7 @@ def from_pretrained(
     config = read_config(directory)
     fmt, inner, renames = _format_and_config(config)
     spec = fmt.config_to_spec(inner, strict=strict)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    dtype = _float_dtype(dtype)
     check_sizes(directory)
     model = build_model(spec, device="meta")
     with WeightFiles(directory) as files:
@@ -192,6 +202,16 @@ def from_pretrained(
     model.checkpoint_format = fmt.model_type
     model.hf_config = {k: inner[k] for k in CARRIED if k in inner}
     return model
+
+
+def _differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Each field where plain data ``a`` (the model) and ``b`` (what its config reads back as) differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b), key=str)
+                for d in _differences(a.get(k), b.get(k), f"{path}.{k}" if path else str(k))]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path}: {json.dumps(a)} in the model, {json.dumps(b)} as the config reads back"]
 
 
 def _architecture(spec: ModelSpec) -> dict[str, Any]:
@@ -241,9 +261,10 @@ def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Option
     # Before any tensor is converted or written: the config must describe exactly this model.
     back = fmt.config_to_spec(config)
     if _architecture(back) != _architecture(spec):
+        diff = _differences(_architecture(spec), _architecture(back))
         raise CheckpointError(
             f"this model cannot be written as {fmt.model_type}: its config would describe a different model "
-            f"(spec {json.dumps(_architecture(spec))[:400]} vs {json.dumps(_architecture(back))[:400]})"
+            f"({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''})"
         )
     state = model.state_dict()
     config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")

@@ -19,16 +19,38 @@ ACTIVATIONS = {
 }
 
 
-def activation(f: Fields, key: str, default: str) -> dict[str, Any]:
+def hf_activations(extra: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, dict[str, Any]]:
+    """HF activation name -> zoo activation part: the built-in table, then each registered
+    activation's own ``hf_names`` (``{"relu2": {}}``: HF name -> that part's config), then ``extra``
+    (a format's own names). A plugin's activation is nameable in configs by declaring ``hf_names``."""
+    from zoo import registry
+
+    table = dict(ACTIVATIONS)
+    for entry in registry.registry("activation").entries():
+        for hf_name, config in getattr(entry.obj, "hf_names", {}).items():
+            table.setdefault(hf_name, {"name": entry.name, **config})
+    table.update(extra or {})
+    return table
+
+
+def activation(f: Fields, key: str, default: str, extra: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
+    """Read the HF activation name in field ``key`` (``default`` when absent) as a zoo activation
+    part; a name no table knows is an error naming the field. ``extra`` adds a format's own names."""
     name = f.get(key, default)
-    if name not in ACTIVATIONS:
-        raise f.error(key, f"activation {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
-    return dict(ACTIVATIONS[name])
+    table = hf_activations(extra)
+    if name not in table:
+        raise f.error(key, f"activation {name!r} is not supported; supported: {', '.join(table)}")
+    return dict(table[name])
 
 
-def activation_name(part: Part) -> str:
-    if part.name == "gelu":
-        return "gelu_pytorch_tanh" if part.approximate == "tanh" else "gelu"
+def activation_name(part: Part, extra: Optional[dict[str, dict[str, Any]]] = None) -> str:
+    """The HF name of a zoo activation part (inverse of :func:`activation`): the first name whose
+    part is exactly this one; the part's own name when no table has it."""
+    from zoo.spec import parse_part
+
+    for hf_name, entry in hf_activations(extra).items():
+        if entry["name"] == part.name and parse_part("activation", entry, hf_name) == part:
+            return hf_name
     return part.name
 
 

@@ -46,6 +46,10 @@ _attn_implementation
 """.split())
 
 
+def _is_dropout(key: str) -> bool:
+    return "dropout" in key or key.endswith("_pdrop")
+
+
 class Fields:
     """Strict reading of an HF config: every field is either used, generic, or an error."""
 
@@ -55,14 +59,17 @@ class Fields:
         self.used: set[str] = set()
 
     def __contains__(self, key: str) -> bool:
+        """Whether the config sets ``key`` (to anything but null); does not mark it read."""
         return self.config.get(key) is not None
 
     def get(self, key: str, default: Any = None) -> Any:
+        """Mark ``key`` read and return its value (``default`` when absent or null)."""
         self.used.add(key)
         value = self.config.get(key)
         return default if value is None else value
 
     def require(self, key: str) -> Any:
+        """Mark ``key`` read and return its value; absent or null is a :class:`ConfigError` naming it."""
         self.used.add(key)
         if self.config.get(key) is None:
             raise self.error(key, "is required and missing")
@@ -77,10 +84,15 @@ class Fields:
         return value
 
     def error(self, key: str, message: str) -> ConfigError:
+        """A :class:`ConfigError` naming ``key`` and this model_type, for the format to raise."""
         return ConfigError(key, message, self.model_type)
 
     def finish(self, strict: bool = True) -> None:
-        unknown = sorted(k for k in self.config if k not in self.used and k not in GENERIC_FIELDS)
+        """Refuse (when ``strict``) every field nobody read with :meth:`get` / :meth:`require` /
+        :meth:`expect` and that is neither generic nor a dropout rate (off at inference, so it never
+        changes the function: any field named ``*dropout*`` or ``*_pdrop`` is accepted)."""
+        unknown = sorted(k for k in self.config if k not in self.used and k not in GENERIC_FIELDS
+                         and not _is_dropout(k))
         if unknown and strict:
             raise self.error(
                 unknown[0],
@@ -101,9 +113,14 @@ class CheckpointFormat:
     base_prefix: str = "model."
 
     def config_to_spec(self, config: dict[str, Any], *, strict: bool = True) -> ModelSpec:
+        """The spec ``config`` (an HF config.json as a dict) describes. Read every field through
+        :class:`Fields` and end with ``fields.finish(strict)``, which refuses the fields nobody read."""
         raise NotImplementedError
 
     def spec_to_config(self, spec: ModelSpec) -> dict[str, Any]:
+        """The HF config fields of ``spec`` (zoo adds ``model_type`` and ``architectures``). Raise
+        ValueError for a spec the format cannot express; save_pretrained also reads the result
+        back with :meth:`config_to_spec` and refuses any difference."""
         raise NotImplementedError
 
     def rules(self, spec: ModelSpec) -> list[Rule]:

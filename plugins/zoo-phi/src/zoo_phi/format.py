@@ -39,7 +39,6 @@ class Phi(CheckpointFormat):
     def config_to_spec(self, config, *, strict=True):
         f = Fields(config, self.model_type)
         d, n_heads = f.require("hidden_size"), f.require("num_attention_heads")
-        f.expect("attention_dropout", (0.0, 0), "zoo loads for inference without attention dropout")
         norm = {"name": "layernorm", "eps": float(f.get("layer_norm_eps", 1e-5))}
         params = rope_parameters(f)
         params.setdefault("partial_rotary_factor", 0.5)  # PhiConfig's default
