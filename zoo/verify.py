@@ -38,6 +38,7 @@ class Report:
     top1: float
     hidden: list[float] = field(default_factory=list)  # max |Δ| after embeddings, layer 1, ... (last: + final norm)
     tolerances: dict[str, float] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)  # config fields neither transformers nor zoo reads
 
     @property
     def passed(self) -> bool:
@@ -72,6 +73,8 @@ class Report:
             names = ["embeddings"] + [f"layer {i}" for i in range(1, len(self.hidden))]
             names[-1] += " + final norm"
             lines.append("  hidden-state max |Δ|: " + ", ".join(f"{n} {d:.2e}" for n, d in zip(names, self.hidden)))
+        if self.ignored:
+            lines.append("  config fields transformers and zoo ignore (kept): " + ", ".join(self.ignored))
         verdict = "PASS" if self.passed else "FAIL"
         if not self.passed and self.worst_layer is not None:
             verdict += f" (first departs at {'embeddings' if self.worst_layer == 0 else f'layer {self.worst_layer}'})"
@@ -172,4 +175,5 @@ def verify(
         source=str(path_or_repo_id), model_type=model.checkpoint_format, reference=ref_name, dtype=dtype,
         shape=tuple(ids.shape), params=model.num_parameters(), max_abs=max_abs, mean_kl=kl, top1=top1,
         hidden=deltas, tolerances={**TOLERANCES[dtype], **(tolerances or {})},
+        ignored=zoo.checkpoints.ignored_fields(config),
     )

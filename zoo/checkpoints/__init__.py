@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from zoo.checkpoints.format import CheckpointError, CheckpointFormat, ConfigError, get_format
+from zoo.checkpoints.format import CheckpointError, CheckpointFormat, ConfigError, collect_ignored, get_format
 from zoo.checkpoints.hub import resolve
 from zoo.checkpoints.io import WeightFiles, atomic_directory, check_sizes, write_shards
 from zoo.checkpoints.maps import bind
@@ -27,7 +27,7 @@ from zoo.spec import ModelSpec
 
 __all__ = [
     "CheckpointError", "CheckpointFormat", "ConfigError", "config_to_spec", "from_pretrained",
-    "get_format", "load_weights", "read_config", "save_pretrained", "spec_to_config",
+    "get_format", "ignored_fields", "load_weights", "read_config", "save_pretrained", "spec_to_config",
 ]
 
 # Non-architectural fields carried from the loaded config into a saved one.
@@ -39,12 +39,17 @@ def read_config(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{directory} has no config.json")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, not a {type(config).__name__}")
+    return config
 
 
 def _format_and_config(config: dict[str, Any]) -> tuple[CheckpointFormat, dict[str, Any], dict[str, str]]:
+    if not isinstance(config, dict):
+        raise ConfigError("config", f"must be a JSON object, got {type(config).__name__}")
     fmt = get_format(config.get("model_type"))
     inner, renames = fmt.unwrap(config)
     if inner is not config:
@@ -52,10 +57,20 @@ def _format_and_config(config: dict[str, Any]) -> tuple[CheckpointFormat, dict[s
     return fmt, inner, renames
 
 
-def config_to_spec(config: dict[str, Any], *, strict: bool = True) -> ModelSpec:
-    """The zoo spec an HF config describes (strict: a field zoo cannot express is an error)."""
+def config_to_spec(config: dict[str, Any], *, strict: bool = False) -> ModelSpec:
+    """The zoo spec an HF config describes, read as transformers reads it: a field zoo cannot express
+    is an error naming it; a field transformers ignores is accepted (``strict=True`` refuses it too)."""
     fmt, inner, _ = _format_and_config(config)
     return fmt.config_to_spec(inner, strict=strict)
+
+
+def ignored_fields(config: dict[str, Any]) -> list[str]:
+    """The fields of ``config`` that neither transformers' modelling code nor zoo reads (vendor extras
+    such as Qwen's ``use_mrope``): they change nothing in the model and are kept on saving."""
+    fmt, inner, _ = _format_and_config(config)
+    with collect_ignored() as ignored:
+        fmt.config_to_spec(inner, strict=False)
+    return sorted(set(ignored))
 
 
 def spec_to_config(spec: ModelSpec, model_type: str) -> dict[str, Any]:
@@ -153,7 +168,7 @@ def from_pretrained(
     revision: Optional[str] = None,
     dtype: Optional[torch.dtype | str] = None,
     device: Optional[torch.device | str] = None,
-    strict: bool = True,
+    strict: bool = False,
     token: Any = None,
     cache_dir: Optional[str] = None,
     progress: bool = True,
@@ -162,13 +177,15 @@ def from_pretrained(
 
     ``dtype`` converts floating-point weights on load (default: as stored). The model is built on
     the meta device and filled by assignment, tensor by tensor, from safetensors, so loading needs about
-    one copy of the weights. ``strict=False`` lets unknown config fields through; ``progress=False``
+    one copy of the weights. Config fields transformers ignores are accepted and kept (in
+    ``model.hf_config``, written back on saving); ``strict=True`` refuses them. ``progress=False``
     hides the progress bar that long loads show.
     """
     directory = resolve(path_or_repo_id, revision=revision, token=token, cache_dir=cache_dir)
     config = read_config(directory)
     fmt, inner, renames = _format_and_config(config)
-    spec = fmt.config_to_spec(inner, strict=strict)
+    with collect_ignored() as ignored:
+        spec = fmt.config_to_spec(inner, strict=strict)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     check_sizes(directory)
@@ -177,7 +194,7 @@ def from_pretrained(
         load_weights(model, fmt, files, dtype=dtype, device=device, renames=renames, progress=progress)
     model.eval()
     model.checkpoint_format = fmt.model_type
-    model.hf_config = {k: inner[k] for k in CARRIED if k in inner}
+    model.hf_config = {k: inner[k] for k in (*CARRIED, *ignored) if k in inner}
     return model
 
 

@@ -34,7 +34,7 @@ class GPTJ(CheckpointFormat):
             rule("lm_head.bias", "head_bias"),  # a tied head keeps its own bias
         ]
 
-    def config_to_spec(self, config, *, strict=True):
+    def config_to_spec(self, config, *, strict=False):
         f = Fields(config, self.model_type)
         d, n_heads = f.require("n_embd"), f.require("n_head")
         head_dim = d // n_heads
@@ -52,7 +52,7 @@ class GPTJ(CheckpointFormat):
                         "activation": activation(f, "activation_function", "gelu_new")},
                 "norm": norm, "block": {"name": "parallel", "shared_norm": True},
             }},
-            "final_norm": norm, "head": {"tied": bool(f.get("tie_word_embeddings", False)), "bias": True},
+            "final_norm": norm, "head": {"tied": f.get("tie_word_embeddings", False), "bias": True},
         }
         f.finish(strict)
         return ModelSpec.from_dict(spec)
