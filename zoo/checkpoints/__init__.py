@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,7 +21,7 @@ import torch
 
 from zoo.checkpoints.format import CheckpointError, CheckpointFormat, ConfigError, collect_ignored, get_format
 from zoo.checkpoints.hub import resolve
-from zoo.checkpoints.io import WeightFiles, atomic_directory, check_sizes, write_shards
+from zoo.checkpoints.io import WeightFiles, reading, regular_file, replace_checkpoint, write_shards
 from zoo.checkpoints.maps import bind
 from zoo.checkpoints.sizes import ffn_size
 from zoo.model import Decoder, build_model
@@ -36,10 +38,10 @@ CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 def read_config(directory: Path) -> dict[str, Any]:
     path = Path(directory) / "config.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CheckpointError(f"{directory} has no config.json")
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(regular_file(path, "config").read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(config, dict):
@@ -93,19 +95,46 @@ def _rename(name: str, renames: dict[str, str]) -> str:
     return name
 
 
+def _names(fmt: CheckpointFormat, files: WeightFiles, renames: Optional[dict[str, str]]) -> dict[str, str]:
+    """The file's tensor names as the format's map spells them -> as stored."""
+    renames = dict(renames or {})
+    if fmt.base_prefix and not any(_rename(n, renames).startswith(fmt.base_prefix) for n in files.names()):
+        renames[""] = fmt.base_prefix  # a base-model checkpoint: names lack the prefix
+    return {_rename(n, renames): n for n in files.names()}
+
+
+def check_layers(spec: ModelSpec, fmt: CheckpointFormat, files: WeightFiles,
+                 renames: Optional[dict[str, str]] = None) -> None:
+    """Compare the config's layer count with the layers the weights hold, before anything is built
+    (a config claiming 20,000 layers over a small file would otherwise allocate them all first)."""
+    patterns = {re.escape(h).replace(re.escape("{i}"), r"(\d+)") for r in fmt.rules(spec) for h in r.hf if "{i}" in h}
+    if not patterns:
+        return
+    layered = re.compile("|".join(f"(?:{p})" for p in sorted(patterns)))
+    found = set()
+    for name in _names(fmt, files, renames):
+        m = layered.fullmatch(name)
+        if m:
+            found.add(int(next(g for g in m.groups() if g is not None)))
+    if found != set(range(spec.n_layers)):
+        held = f"layers {min(found)}..{max(found)} ({len(found)} in all)" if found else "no layers"
+        raise CheckpointError(
+            f"{files.directory}: config.json describes {spec.n_layers} layers, but the weights hold {held}; "
+            "the config does not describe these weights"
+        )
+
+
 def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, dtype=None, device=None,
                  renames: Optional[dict[str, str]] = None, ignore: tuple[str, ...] = (),
                  progress: bool = True) -> None:
     """Fill ``model`` (built on the meta device) from ``files`` through ``fmt``'s name map, by assignment.
 
     Every zoo parameter must come from the file and every tensor in the file must be used (or be
-    one the format ignores): anything else is an error naming the tensor, raised before the model
-    is touched.
+    one the format ignores), floating-point parameters need floating-point tensors, and tensors kept
+    as stored must share one dtype: anything else is an error naming the tensor, raised before the
+    model is touched.
     """
-    renames = dict(renames or {})
-    if fmt.base_prefix and not any(_rename(n, renames).startswith(fmt.base_prefix) for n in files.names()):
-        renames[""] = fmt.base_prefix  # a base-model checkpoint: names lack the prefix
-    names = {_rename(n, renames): n for n in files.names()}
+    names = _names(fmt, files, renames)
     bound = list(bind(fmt.rules(model.spec), model))
     meta = dict(model.state_dict(keep_vars=True))
     needed = {h for b in bound for h in b.hf}
@@ -128,6 +157,24 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
     uncovered = sorted(set(meta) - covered)
     if uncovered:
         raise CheckpointError(f"the {fmt.model_type} name map leaves zoo parameter {uncovered[0]!r} unfilled")
+    stored: dict[torch.dtype, str] = {}
+    for b in bound:
+        floating = [meta[z].is_floating_point() for z in b.zoo]
+        for h in b.hf:
+            t_dtype = files.dtype(names[h])
+            where = f"{files.where[names[h]]}: tensor {names[h]!r}"
+            if any(floating) and not t_dtype.is_floating_point:
+                raise CheckpointError(f"{where} is {t_dtype}, where zoo's {', '.join(b.zoo)} needs floating-point "
+                                      "weights; the file is corrupt or is not this model")
+            if dtype is None and t_dtype.is_floating_point:
+                stored.setdefault(t_dtype, where)
+    if len(stored) > 1:
+        (a, first), (b_, other) = list(stored.items())[:2]
+        raise CheckpointError(
+            f"{other} is {b_}, but {first.split(': tensor')[1].strip()} and others are {a}: a checkpoint of mixed "
+            "dtypes would build a model that fails at its first forward. Pass dtype= to convert every weight "
+            "to one dtype on load."
+        )
     state: dict[str, torch.Tensor] = {}
     from tqdm.auto import tqdm
 
@@ -182,16 +229,17 @@ def from_pretrained(
     hides the progress bar that long loads show.
     """
     directory = resolve(path_or_repo_id, revision=revision, token=token, cache_dir=cache_dir)
-    config = read_config(directory)
-    fmt, inner, renames = _format_and_config(config)
-    with collect_ignored() as ignored:
-        spec = fmt.config_to_spec(inner, strict=strict)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    check_sizes(directory)
-    model = build_model(spec, device="meta")
-    with WeightFiles(directory) as files:
-        load_weights(model, fmt, files, dtype=dtype, device=device, renames=renames, progress=progress)
+    with reading(directory):  # no save replaces the files while they are read
+        config = read_config(directory)
+        fmt, inner, renames = _format_and_config(config)
+        with collect_ignored() as ignored:
+            spec = fmt.config_to_spec(inner, strict=strict)
+        with WeightFiles(directory) as files:
+            check_layers(spec, fmt, files, renames)
+            model = build_model(spec, device="meta")
+            load_weights(model, fmt, files, dtype=dtype, device=device, renames=renames, progress=progress)
     model.eval()
     model.checkpoint_format = fmt.model_type
     model.hf_config = {k: inner[k] for k in (*CARRIED, *ignored) if k in inner}
@@ -223,14 +271,14 @@ def _architecture(spec: ModelSpec) -> dict[str, Any]:
     return data
 
 
-def _keep_on_save(name: str) -> bool:
-    return not (name.endswith(".safetensors") or name in ("config.json", "model.safetensors.index.json"))
-
-
 def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Optional[str] = None,
                     max_shard_size: int | str = "2GB") -> Path:
-    """Write ``model`` in the Hugging Face layout (config.json + safetensors shards + index), atomically:
-    an interrupted save leaves an earlier checkpoint in ``directory`` intact.
+    """Write ``model`` in the Hugging Face layout (config.json + safetensors shards + index).
+
+    Only the previous checkpoint's own files in ``directory`` are replaced; anything else there (a
+    tokenizer, an adapter, a repository) is kept. A save killed at any point leaves the previous
+    checkpoint or, once it has committed, the new one (finished by the next load or save); a second
+    save into the same directory at the same time is refused.
 
     The ``model_type`` comes from the checkpoint the model was loaded from, or must be given.
     """
@@ -257,7 +305,7 @@ def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Option
     for b in bind(fmt.rules(spec), model):
         for name, t in zip(b.hf, b.transform.to_hf([state[z].detach() for z in b.zoo], b.heads)):
             tensors[name] = t.contiguous().cpu()
-    with atomic_directory(Path(directory), keep=_keep_on_save) as tmp:
+    with replace_checkpoint(Path(directory)) as tmp:
         write_shards(tensors, tmp, max_shard_size)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return Path(directory)
