@@ -196,6 +196,27 @@ def test_the_loser_of_two_concurrent_saves_gets_a_clear_error_and_orphans_nothin
     assert same_weights(tiny(6), zoo.from_pretrained(ckpt)) and leftovers(ckpt) == []
 
 
+def test_a_save_waits_for_a_load_in_progress(ckpt):
+    import fcntl
+    import threading
+
+    fd = os.open(ckpt, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # what a load holds while it reads
+    threading.Timer(0.2, os.close, [fd]).start()
+    zoo.save_pretrained(tiny(8), ckpt, model_type="llama")
+    assert same_weights(tiny(8), zoo.from_pretrained(ckpt))
+
+
+def test_a_directory_in_the_way_of_a_checkpoint_file_is_not_replaced(ckpt):
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "model.safetensors").mkdir()
+    (ckpt / "model.safetensors" / "keep").write_text("mine")
+    before = snapshot(ckpt)
+    with pytest.raises(CheckpointError, match="model.safetensors is in the way"):
+        zoo.save_pretrained(tiny(), ckpt, model_type="llama")
+    assert snapshot(ckpt) == before
+
+
 # -- loading bad directories --------------------------------------------------------------------
 
 

@@ -257,16 +257,22 @@ def fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _locked(directory: Path, *, exclusive: bool, wait: bool) -> Iterator[None]:
+def _locked(directory: Path, *, exclusive: bool, saving: bool = False) -> Iterator[None]:
+    """Hold ``directory``'s lock. A save finding it held waits for loads, but is refused when another
+    save is writing there (its staging directory is present)."""
     fd = os.open(directory, os.O_RDONLY)
+    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
     try:
         try:
-            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            raise CheckpointError(
-                f"{directory}: another process is saving a checkpoint there; wait for it to finish and try "
-                "again (this save wrote nothing)"
-            ) from None
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if saving and any(n.startswith(STAGING) for n in os.listdir(directory)):
+                    raise CheckpointError(
+                        f"{directory}: another process is saving a checkpoint there; wait for it to finish and "
+                        "try again (this save wrote nothing)"
+                    ) from None
+                fcntl.flock(fd, mode)
         except OSError as exc:
             if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
                 raise  # else: a file system without locks; go on unlocked
@@ -338,13 +344,13 @@ def reading(directory: Path) -> Iterator[None]:
     directory = Path(directory)
     if interrupted(directory):
         try:
-            with _locked(directory, exclusive=True, wait=True):
+            with _locked(directory, exclusive=True):
                 recover(directory)
         except PermissionError as exc:
             raise CheckpointError(
                 f"{directory}: a save into it was interrupted, and finishing it needs write access ({exc})"
             ) from None
-    with _locked(directory, exclusive=False, wait=True):
+    with _locked(directory, exclusive=False):
         yield
 
 
@@ -363,13 +369,17 @@ def replace_checkpoint(target: Path) -> Iterator[Path]:
     created = not target.exists()
     target.mkdir(parents=True, exist_ok=True)
     try:
-        with _locked(target, exclusive=True, wait=False):
+        with _locked(target, exclusive=True, saving=True):
             recover(target)
             staging = target / f"{STAGING}{os.getpid()}-{secrets.token_hex(4)}"
             staging.mkdir()
             try:
                 yield staging
                 added = sorted(p.name for p in staging.iterdir())
+                for name in added:
+                    if os.path.lexists(target / name) and not (target / name).is_file():
+                        raise CheckpointError(f"{target / name} is in the way of the checkpoint file {name}: "
+                                              "it is not a file, so the save will not replace it")
                 for name in added:
                     with open(staging / name, "rb") as f:
                         os.fsync(f.fileno())
