@@ -37,20 +37,39 @@ def test_every_supported_model_type_has_a_released_config():
     assert all(f"`{p.name}`" in sources for p in CONFIGS)
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
-def test_released_config_builds_what_transformers_builds(path):
-    config = load(path)
-    needs_format(config)
-    model = zoo.build_model(config_to_spec(config), device="meta")
+def same_as_transformers(config: dict) -> None:
+    """zoo builds, on the meta device, what transformers builds from ``config``: the parameter count,
+    the context length, and which layers slide and how far."""
+    spec = config_to_spec(config)
+    model = zoo.build_model(spec, device="meta")
     hc = hf_text_config(config)
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(hc)
     assert model.num_parameters() == sum(p.numel() for p in hf.parameters())
-    # Which layers slide, and how far, as transformers decides it.
+    assert spec.max_seq_len == hc.max_position_embeddings
     window = getattr(hc, "sliding_window", None)
     types = getattr(hc, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * hc.num_hidden_layers
     want = [window if t == "sliding_attention" else None for t in types]
-    assert [model.spec.layer(i).attention.window for i in range(model.spec.n_layers)] == want
+    assert [spec.layer(i).attention.window for i in range(spec.n_layers)] == want
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_released_config_builds_what_transformers_builds(path):
+    config = load(path)
+    needs_format(config)
+    same_as_transformers(config)
+
+
+SIZES = ("vocab_size", "hidden_size", "n_embd", "intermediate_size", "num_hidden_layers", "n_layer",
+         "num_attention_heads", "n_head")
+
+
+@pytest.mark.parametrize("model_type", sorted({load(p)["model_type"] for p in CONFIGS} - {"gemma3"}))
+def test_absent_fields_take_transformers_defaults(model_type):
+    # Only the sizes given: heads, head_dim, windows, context and eps come from the config class.
+    needs_format({"model_type": model_type})
+    defaults = transformers.CONFIG_MAPPING[model_type]().to_dict()
+    same_as_transformers({"model_type": model_type, **{k: defaults[k] for k in SIZES if k in defaults}})
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)

@@ -186,7 +186,8 @@ class Mistral(LlamaStyle):
     model_type, architecture = "mistral", "MistralForCausalLM"
     mlp_bias_key = None
     window_rule = "all"
-    defaults = {"sliding_window": 4096}  # MistralConfig's: a config without the field slides (null: no window)
+    # MistralConfig's: a config without sliding_window slides 4096 (null: no window).
+    defaults = {"sliding_window": 4096, "num_key_value_heads": 8, "max_position_embeddings": 131072}
     tiny = {**TINY, "sliding_window": 8}
 
     def windows_to_config(self, cfg, types, window):
@@ -201,7 +202,8 @@ class Qwen2(LlamaStyle):
     qkv_bias = True
     window_rule = "layer_types"
     # Qwen2Config's: the window and where it starts apply only when use_sliding_window is true.
-    defaults = {"sliding_window": 4096, "max_window_layers": 28}
+    defaults = {"sliding_window": 4096, "max_window_layers": 28, "num_key_value_heads": 32,
+                "max_position_embeddings": 32768}
     tiny = {**TINY, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
             "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                 "original_max_position_embeddings": 16}}
@@ -230,6 +232,7 @@ class Qwen2(LlamaStyle):
 
 class Qwen3(Qwen2):
     model_type, architecture = "qwen3", "Qwen3ForCausalLM"
+    defaults = {**Qwen2.defaults, "head_dim": 128}
     qkv_bias = None
     qk_norm = "head"
     tiny = {**TINY, "attention_bias": True, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
@@ -241,6 +244,7 @@ GEMMA_NORM = {"unit_offset": True, "scale_in_fp32": True}
 
 class Gemma(LlamaStyle):
     model_type, architecture = "gemma", "GemmaForCausalLM"
+    defaults = {"num_key_value_heads": 16, "head_dim": 256, "max_position_embeddings": 8192}
     mlp_bias_key = None
     norm_extra = GEMMA_NORM
     act_default = "gelu_pytorch_tanh"
@@ -260,6 +264,8 @@ class Gemma(LlamaStyle):
 
 class Gemma2(LlamaStyle):
     model_type, architecture = "gemma2", "Gemma2ForCausalLM"
+    defaults = {"num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 8192,
+                "query_pre_attn_scalar": 256, "sliding_window": 4096}
     mlp_bias_key = None
     norm_extra = GEMMA_NORM
     norm_position = "sandwich"
@@ -334,6 +340,7 @@ class Gemma3(Gemma3Text):
 
 class Olmo2(LlamaStyle):
     model_type, architecture = "olmo2", "Olmo2ForCausalLM"
+    defaults = {"rms_norm_eps": 1e-5}
     mlp_bias_key = None
     norm_extra = {"scale_in_fp32": True}
     norm_position = "output"
