@@ -57,6 +57,9 @@ def test_fields_transformers_ignores_are_kept_through_load_and_save(ckpt, tmp_pa
     assert saved["is_llama_config"] is True and saved["rope_interleaved"] is False
     with pytest.raises(ConfigError, match="'is_llama_config'"):
         zoo.from_pretrained(d, strict=True)
+    # Saved as another model_type, they are not carried: that format may read a field of that name.
+    zoo.save_pretrained(loaded, tmp_path / "as-mistral", model_type="mistral")
+    assert "is_llama_config" not in json.loads((tmp_path / "as-mistral" / "config.json").read_text())
 
 
 def test_sharded_and_dtype(ckpt, tmp_path):

@@ -291,7 +291,10 @@ def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Option
         )
     fmt = get_format(model_type)
     spec = model.spec
-    config = {**getattr(model, "hf_config", {}), **spec_to_config(spec, fmt.model_type)}
+    carried = dict(getattr(model, "hf_config", {}))
+    if fmt.model_type != getattr(model, "checkpoint_format", None):  # kept fields belong to their own format
+        carried = {k: v for k, v in carried.items() if k in CARRIED}
+    config = {**carried, **spec_to_config(spec, fmt.model_type)}
     # Before any tensor is converted or written: the config must describe exactly this model.
     back = fmt.config_to_spec(config)
     if _architecture(back) != _architecture(spec):

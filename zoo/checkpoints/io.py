@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import mmap
 import os
@@ -20,6 +19,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from zoo.checkpoints.format import CheckpointError
+
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): saves and loads go unlocked
+    fcntl = None
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -260,6 +264,9 @@ def fsync_dir(path: Path) -> None:
 def _locked(directory: Path, *, exclusive: bool, saving: bool = False) -> Iterator[None]:
     """Hold ``directory``'s lock. A save finding it held waits for loads, but is refused when another
     save is writing there (its staging directory is present)."""
+    if fcntl is None:
+        yield
+        return
     fd = os.open(directory, os.O_RDONLY)
     mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
     try:
