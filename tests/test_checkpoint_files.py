@@ -177,6 +177,24 @@ def test_a_save_killed_after_its_commit_is_finished_by_the_next_load(ckpt):
     assert sorted(os.listdir(ckpt)) == ["config.json", "model.safetensors"]
 
 
+def test_a_save_failing_after_its_commit_is_finished_not_undone(ckpt, monkeypatch):
+    import zoo.checkpoints.io as io
+
+    real, calls = io.fsync_dir, []
+
+    def fsync_dir(path):
+        calls.append(path)
+        if len(calls) == 2:  # the first fsync of the directory after the commit
+            raise OSError("I/O error")
+        real(path)
+
+    monkeypatch.setattr(io, "fsync_dir", fsync_dir)
+    with pytest.raises(OSError, match="I/O error"):
+        zoo.save_pretrained(tiny(9), ckpt, model_type="llama", max_shard_size=SHARDED)
+    monkeypatch.undo()
+    assert same_weights(tiny(9), zoo.from_pretrained(ckpt)) and leftovers(ckpt) == []
+
+
 def test_the_loser_of_two_concurrent_saves_gets_a_clear_error_and_orphans_nothing(ckpt, tmp_path):
     release = tmp_path / "release"
     proc = saver("hold", ckpt, 6, release)

@@ -380,6 +380,7 @@ def replace_checkpoint(target: Path) -> Iterator[Path]:
             recover(target)
             staging = target / f"{STAGING}{os.getpid()}-{secrets.token_hex(4)}"
             staging.mkdir()
+            committed = False
             try:
                 yield staging
                 added = sorted(p.name for p in staging.iterdir())
@@ -398,12 +399,14 @@ def replace_checkpoint(target: Path) -> Iterator[Path]:
                     json.dump(plan, f)
                     f.flush()
                     os.fsync(f.fileno())
-                os.replace(tmp, target / JOURNAL)  # the commit
+                os.replace(tmp, target / JOURNAL)  # the commit: from here on, only finishing it
+                committed = True
                 fsync_dir(target)
             except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    (target / (JOURNAL + ".tmp")).unlink()
-                _remove_staging(staging)
+                if not committed:  # (a committed save is finished by the next load or save)
+                    with contextlib.suppress(FileNotFoundError):
+                        (target / (JOURNAL + ".tmp")).unlink()
+                    _remove_staging(staging)
                 raise
             _apply(target, plan)
     except BaseException:
