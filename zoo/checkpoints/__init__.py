@@ -157,23 +157,23 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
     uncovered = sorted(set(meta) - covered)
     if uncovered:
         raise CheckpointError(f"the {fmt.model_type} name map leaves zoo parameter {uncovered[0]!r} unfilled")
-    stored: dict[torch.dtype, str] = {}
+    first_of: dict[torch.dtype, str] = {}  # each stored floating dtype -> the first tensor that has it
     for b in bound:
-        floating = [meta[z].is_floating_point() for z in b.zoo]
+        floating = any(meta[z].is_floating_point() for z in b.zoo)
         for h in b.hf:
-            t_dtype = files.dtype(names[h])
-            where = f"{files.where[names[h]]}: tensor {names[h]!r}"
-            if any(floating) and not t_dtype.is_floating_point:
-                raise CheckpointError(f"{where} is {t_dtype}, where zoo's {', '.join(b.zoo)} needs floating-point "
-                                      "weights; the file is corrupt or is not this model")
-            if dtype is None and t_dtype.is_floating_point:
-                stored.setdefault(t_dtype, where)
-    if len(stored) > 1:
-        (a, first), (b_, other) = list(stored.items())[:2]
+            stored = files.dtype(names[h])
+            if floating and not stored.is_floating_point:
+                raise CheckpointError(
+                    f"{files.where[names[h]]}: tensor {names[h]!r} is {stored}, where zoo's {', '.join(b.zoo)} "
+                    "needs floating-point weights; the file is corrupt or is not this model")
+            if dtype is None and stored.is_floating_point:
+                first_of.setdefault(stored, names[h])
+    if len(first_of) > 1:
+        (common, first), (odd, name) = list(first_of.items())[:2]
         raise CheckpointError(
-            f"{other} is {b_}, but {first.split(': tensor')[1].strip()} and others are {a}: a checkpoint of mixed "
-            "dtypes would build a model that fails at its first forward. Pass dtype= to convert every weight "
-            "to one dtype on load."
+            f"{files.where[name]}: tensor {name!r} is {odd}, but {first!r} and the tensors before it are "
+            f"{common}: a checkpoint of mixed dtypes would build a model that fails at its first forward. Pass "
+            "dtype= to convert every weight to one dtype on load."
         )
     state: dict[str, torch.Tensor] = {}
     from tqdm.auto import tqdm
