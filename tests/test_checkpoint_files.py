@@ -220,8 +220,15 @@ def test_a_save_waits_for_a_load_in_progress(ckpt):
 
     fd = os.open(ckpt, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH)  # what a load holds while it reads
-    threading.Timer(0.2, os.close, [fd]).start()
+    before, untouched = (ckpt / "model.safetensors").read_bytes(), []
+
+    def load_done():
+        untouched.append((ckpt / "model.safetensors").read_bytes() == before)
+        os.close(fd)
+
+    threading.Timer(0.2, load_done).start()
     zoo.save_pretrained(tiny(8), ckpt, model_type="llama")
+    assert untouched == [True]  # nothing was replaced while the load held the directory
     assert same_weights(tiny(8), zoo.from_pretrained(ckpt))
 
 
