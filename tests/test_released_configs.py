@@ -37,9 +37,12 @@ def test_every_supported_model_type_has_a_released_config():
     assert all(f"`{p.name}`" in sources for p in CONFIGS)
 
 
+ROPE_TYPES = {"default": "default", "linear": "linear", "dynamic": "dynamic_ntk", "yarn": "yarn", "llama3": "llama3"}
+
+
 def same_as_transformers(config: dict) -> None:
     """zoo builds, on the meta device, what transformers builds from ``config``: the parameter count,
-    the context length, and which layers slide and how far."""
+    the context length, which layers slide and how far, each layer's RoPE, the score scale and soft-caps."""
     spec = config_to_spec(config)
     model = zoo.build_model(spec, device="meta")
     hc = hf_text_config(config)
@@ -51,6 +54,22 @@ def same_as_transformers(config: dict) -> None:
     types = getattr(hc, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * hc.num_hidden_layers
     want = [window if t == "sliding_attention" else None for t in types]
     assert [spec.layer(i).attention.window for i in range(spec.n_layers)] == want
+    params = getattr(hc, "rope_parameters", None)
+    for i, t in enumerate(types if params else []):  # each layer's RoPE as transformers sets it up
+        p = params[t] if isinstance(params.get(t), dict) else params
+        pos = spec.position_for(i)
+        assert pos.theta == p["rope_theta"]
+        assert (pos.scaling.name if pos.scaling else "default") == ROPE_TYPES[p.get("rope_type", "default")]
+        if pos.scaling is not None and p.get("factor") is not None:
+            assert pos.scaling.factor == p["factor"]
+        assert pos.rotary_fraction == p.get("partial_rotary_factor", 1.0)
+    if getattr(hc, "rotary_dim", None):  # GPT-J: a rotary width in channels
+        assert spec.position.rotary_dim == hc.rotary_dim
+    if hasattr(hc, "query_pre_attn_scalar"):  # Gemma 2/3 scale scores by this, not by head_dim
+        assert {spec.layer(i).attention.scale_dim for i in range(spec.n_layers)} == {hc.query_pre_attn_scalar}
+    if hasattr(hc, "final_logit_softcapping"):
+        assert spec.head.softcap == hc.final_logit_softcapping
+        assert {spec.layer(i).attention.softcap for i in range(spec.n_layers)} == {hc.attn_logit_softcapping}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -91,6 +110,7 @@ def test_vendor_extras_are_ignored_as_transformers_ignores_them():
     smol = load(CONFIGS[0].parent / "HuggingFaceTB--SmolLM2-135M.json")
     assert ignored_fields(qwen) == ["use_mrope"]
     assert ignored_fields(smol) == ["is_llama_config", "rope_interleaved"]
+    assert ignored_fields(load(CONFIGS[0].parent / "google--gemma-2-27b.json")) == ["sliding_window_size"]
 
 
 @pytest.mark.parametrize("use, start, window", [(False, 21, 4096), (True, 21, 4096), (True, 0, 512), (True, None, None)])

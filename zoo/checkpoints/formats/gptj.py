@@ -34,8 +34,10 @@ class GPTJ(CheckpointFormat):
             rule("lm_head.bias", "head_bias"),  # a tied head keeps its own bias
         ]
 
+    defaults = {"rotary_dim": 64}  # GPTJConfig's, for a config without the field (null: the whole head)
+
     def config_to_spec(self, config, *, strict=False):
-        f = Fields(config, self.model_type)
+        f = Fields(config, self.model_type, self.defaults)
         d, n_heads = f.require("n_embd"), f.require("n_head")
         head_dim = d // n_heads
         rotary_dim = f.get("rotary_dim", head_dim)

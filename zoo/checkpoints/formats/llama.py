@@ -265,7 +265,8 @@ class Gemma(LlamaStyle):
 class Gemma2(LlamaStyle):
     model_type, architecture = "gemma2", "Gemma2ForCausalLM"
     defaults = {"num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 8192,
-                "query_pre_attn_scalar": 256, "sliding_window": 4096}
+                "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+                "final_logit_softcapping": 30.0}
     mlp_bias_key = None
     norm_extra = GEMMA_NORM
     norm_position = "sandwich"
