@@ -27,8 +27,10 @@ def test_every_dropout_field_is_accepted_whatever_its_value():
     spec = config_to_spec({**LLAMA, "embedding_dropout": 0.1, "residual_dropout": 0.2, "attention_dropout": 0.1,
                            "mlp_dropout": 0.3, "resid_pdrop": 0.1})
     assert spec == config_to_spec(LLAMA)
-    with pytest.raises(ConfigError, match="'embedding_scale'"):  # not a dropout: still refused
-        config_to_spec({**LLAMA, "embedding_scale": 2.0})
+    with pytest.raises(ConfigError, match="'embedding_scale'"):  # not a dropout: refused when strict
+        config_to_spec({**LLAMA, "embedding_scale": 2.0}, strict=True)
+    assert "embedding_scale" in zoo.checkpoints.ignored_fields({**LLAMA, "embedding_scale": 2.0})
+    assert "mlp_dropout" not in zoo.checkpoints.ignored_fields({**LLAMA, "mlp_dropout": 0.3})
 
 
 def test_relu2_is_an_hf_activation_name_both_ways():

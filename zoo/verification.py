@@ -38,11 +38,14 @@ class Report:
     top1: float
     hidden: list[float] = field(default_factory=list)  # max |Δ| after embeddings, layer 1, ... (last: + final norm)
     tolerances: dict[str, float] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)  # config fields neither transformers nor zoo reads
+    nonfinite: list[str] = field(default_factory=list)  # "name: n NaN, m Inf" for each weight that has any
 
     @property
     def passed(self) -> bool:
         t = self.tolerances
-        return self.max_abs <= t["max_abs"] and self.mean_kl <= t["mean_kl"] and self.top1 >= t["top1"]
+        return (not self.nonfinite and self.max_abs <= t["max_abs"] and self.mean_kl <= t["mean_kl"]
+                and self.top1 >= t["top1"])
 
     @property
     def worst_layer(self) -> Optional[int]:
@@ -50,10 +53,9 @@ class Report:
         if not self.hidden:
             return None
         bound = self.tolerances["max_abs"] if math.isfinite(self.tolerances["max_abs"]) else None
-        if bound is not None:
-            for i, d in enumerate(self.hidden):
-                if d > bound:
-                    return i
+        for i, d in enumerate(self.hidden):
+            if not math.isfinite(d) or (bound is not None and d > bound):  # NaN compares false with anything
+                return i
         return max(range(len(self.hidden)), key=self.hidden.__getitem__)
 
     def to_dict(self) -> dict:
@@ -72,6 +74,10 @@ class Report:
             names = ["embeddings"] + [f"layer {i}" for i in range(1, len(self.hidden))]
             names[-1] += " + final norm"
             lines.append("  hidden-state max |Δ|: " + ", ".join(f"{n} {d:.2e}" for n, d in zip(names, self.hidden)))
+        if self.nonfinite:
+            lines.append("  non-finite weights: " + "; ".join(self.nonfinite))
+        if self.ignored:
+            lines.append("  config fields transformers and zoo ignore (kept): " + ", ".join(self.ignored))
         verdict = "PASS" if self.passed else "FAIL"
         if not self.passed and self.worst_layer is not None:
             verdict += f" (first departs at {'embeddings' if self.worst_layer == 0 else f'layer {self.worst_layer}'})"
@@ -185,8 +191,9 @@ def verify(
     """
     from safetensors.torch import save_file
 
-    from zoo.checkpoints import config_to_spec, from_pretrained, read_config
+    from zoo.checkpoints import config_to_spec, from_pretrained, ignored_fields, read_config
     from zoo.checkpoints.hub import resolve
+    from zoo.checkpoints.io import WeightFiles, reading
 
     directory = resolve(path_or_repo_id, revision=revision)
     config = read_config(directory)
@@ -194,6 +201,10 @@ def verify(
     _check_verify_inputs(spec, dtype=dtype, batch_size=batch_size, seq_len=seq_len, reference=reference,
                          save_reference=save_reference)
     vocab = spec.vocab_size
+    # zoo's own checks (safetensors only, never a pickle; shards inside the directory) come before
+    # any reference code reads the directory.
+    with reading(directory):
+        WeightFiles(directory).close()
     if reference is not None:
         ids, ref_logits, ref_hidden, meta = _read_reference(Path(reference), vocab)
         dtype = meta.get("dtype", dtype)
@@ -221,4 +232,18 @@ def verify(
         source=str(path_or_repo_id), model_type=model.checkpoint_format, reference=ref_name, dtype=dtype,
         shape=tuple(ids.shape), params=model.num_parameters(), max_abs=max_abs, mean_kl=kl, top1=top1,
         hidden=deltas, tolerances={**TOLERANCES[dtype], **(tolerances or {})},
+        ignored=ignored_fields(config), nonfinite=nonfinite_weights(model),
     )
+
+
+def nonfinite_weights(model: torch.nn.Module) -> list[str]:
+    """Each parameter or buffer holding NaN or Inf, with how many of each and the first position."""
+    found = []
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if not t.is_floating_point():
+            continue
+        nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        if nan or inf:
+            first = tuple(int(i) for i in (~torch.isfinite(t)).nonzero()[0])
+            found.append(f"{name}: {nan} NaN, {inf} Inf (first at {first})")
+    return found
