@@ -14,7 +14,7 @@ BACKENDS = (
     Backend("rope", "triton", "zoo.components.kernels.rope:rope_module"),
     Backend("glu", "triton", "zoo.components.kernels.glu:glu_module"),
     Backend("loss", "triton", "zoo.components.kernels.cross_entropy:decoder_loss"),
-    Backend("attention", "flex", "zoo.components.kernels.attention:flex_attend", needs="flex"),
+    Backend("attention", "flex", "zoo.components.kernels.attention:flex_attend", needs="flex", traced=True),
 )
 
 manager().add_kind(KIND)
