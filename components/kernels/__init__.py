@@ -5,8 +5,18 @@ Importing this package imports neither Triton nor any kernel: it registers each 
 registry kind ``kernel`` by import path, and :mod:`zoo.kernels` loads one when it is chosen.
 """
 
+import contextlib
+
+import torch
+
 from zoo.kernels import KIND, Backend
 from zoo.registry import manager
+
+
+def on_device(t: torch.Tensor):
+    """Launch kernels on ``t``'s GPU rather than the current one (a model on ``cuda:1`` while
+    ``cuda:0`` is current would otherwise read foreign memory); nothing to do off CUDA."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 BACKENDS = (
     Backend("rmsnorm", "triton", "zoo.components.kernels.norms:rms_norm_module"),
