@@ -163,6 +163,8 @@ def components() -> dict[str, dict[str, Backend]]:
         for name in reg.names() if reg is not None else []:
             b = reg.get(name)
             out.setdefault(b.component, {})[b.name] = b
+            if b.traced:  # imported now (no Triton in them), so torch.compile never traces an import
+                _cache[("impl", b.component, b.name)] = b.load()
         _cache["components"] = out
     return _cache["components"]
 
