@@ -310,3 +310,21 @@ def test_cli_text_output(capsys):
     assert "family: " in lines["zoo.families"] and "llama3" in lines["zoo.families"]
     assert main(["list", "nrom"]) == 2
     assert "unknown registry kind 'nrom'. Did you mean 'norm'?" in capsys.readouterr().err
+
+
+def test_importing_a_builtin_part_module_first_loads_every_plugin():
+    """`from zoo.components.attention import ...` as a script's first line registers the part to its
+    plugin without running the plugins half-way through that import (a plugin family naming the
+    attention mixer would otherwise be checked before the mixer exists)."""
+    code = ("import warnings; warnings.simplefilter('error')\n"
+            "from zoo.components.attention import causal_mask\n"
+            "import zoo\n"
+            "m = zoo.manager()\n"
+            "assert m.provider_of('mixer', 'attention') == 'zoo.components'\n"
+            "assert ('mixer', 'attention') in m.plugins['zoo.components'].registered\n"
+            "assert all(info.error is None for info in m.plugins.values()), "
+            "[(n, i.error) for n, i in m.plugins.items() if i.error]\n"
+            "print(len(zoo.list_models()))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.split()[-1]) > 20

@@ -276,7 +276,15 @@ class PluginManager:
         """Register ``obj`` as the ``kind`` called ``name``. The interface of the kind is checked
         now; a taken name is an error naming both providers unless ``override=True``."""
         if not self._loading and not self._loaded:
-            self.ensure_loaded()  # so a name clash with a built-in or a plugin is seen now
+            owner = self._builtin_owner(obj) if provider is None else None
+            if owner is None:
+                self.ensure_loaded()  # so a name clash with a built-in or a plugin is seen now
+            else:
+                # A built-in module imported before the registry loaded (`from zoo.components.attention
+                # import causal_mask` first thing): loading now would run the plugins while that module
+                # is half-imported, before its own parts exist. It is credited to its plugin, which
+                # lists it when it loads.
+                provider = owner
         kind = canonical_kind(kind)
         provider = provider or self._provider_for(obj)
         self.registry(kind).add(name, obj, provider=provider, override=override)
@@ -284,6 +292,11 @@ class PluginManager:
         if info is not None and (kind, name) not in info.registered:
             info.registered.append((kind, name))
         return obj
+
+    def _builtin_owner(self, obj: Any) -> Optional[str]:
+        """The built-in plugin whose package holds ``obj``'s module, if any."""
+        module = getattr(obj, "__module__", None) or ""
+        return next((p for p in self.builtin_plugins if module == p or module.startswith(p + ".")), None)
 
     # Typed helpers, one per kind: the interface of the kind is checked at registration.
     def add_norm(self, name: str, cls: type, *, override: bool = False) -> type:
@@ -446,6 +459,9 @@ class PluginManager:
                 self.pm.register(plugin, name=name)
                 others = [p for p in self.pm.get_plugins() if p is not plugin]
                 self.pm.subset_hook_caller("zoo_register", remove_plugins=others)(registry=self)
+            for kind, reg in self.registries.items():  # parts of its modules registered before it loaded
+                info.registered += [(kind, e.name) for e in reg._entries.values()
+                                    if e.provider == name and (kind, e.name) not in info.registered]
             if not self._loading:  # loaded on its own, after every other part: its families can be checked now
                 self._check_families(info)
         except (Exception, SystemExit) as exc:  # a plugin must not take zoo down unless asked to
