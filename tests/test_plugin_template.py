@@ -47,7 +47,9 @@ def template() -> str:
     dependencies (it is installed here already)."""
     blocks = re.findall(r"```toml\n(.*?)```", DOCS.read_text(), re.S)
     text = next(b for b in blocks if "[build-system]" in b)
-    return text.replace('dependencies = ["zoo-lm", "torch>=2.5"]', "dependencies = []")
+    deps = 'dependencies = ["zoo-lm", "torch>=2.6"]'
+    assert deps in text, "the template's dependencies line changed: update this test"
+    return text.replace(deps, "dependencies = []")
 
 
 def install(tmp_path: Path, pyproject: str) -> Path:
