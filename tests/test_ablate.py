@@ -223,6 +223,18 @@ def test_built_in_ablation_files_check_in_both_settings(path):
             assert ab.train["steps"] > small.train["steps"] and len(ab.seeds) >= len(small.seeds)
 
 
+def test_variants_may_change_training_settings_and_larger_replaces_the_grid():
+    path = next(p for p in EXAMPLES if p.stem == "prenorm-vs-postnorm")
+    small, large = ablate.load(path), ablate.load(path, larger=True)
+    assert small.train_for("post-norm")["warmup_steps"] == 0
+    assert small.train_for("post-norm-warmup")["warmup_steps"] == 20
+    assert large.train_for("post-norm-warmup")["warmup_steps"] == 200
+    assert large.train_for("post-norm")["steps"] == large.train["steps"] > small.train["steps"]
+    assert large.shared["n_layers"] > small.shared["n_layers"] and large.lrs != small.lrs
+    runs = {tuple(row[:3]): row[4] for row in ablate.plan(small, ablate.check(small), "/nonexistent")}
+    assert set(runs.values()) == {"todo"} and len(runs) == len(small.variants) * len(small.lrs) * len(small.seeds)
+
+
 def test_the_attention_logit_probe_matches_the_scores_the_softmax_sees(monkeypatch):
     """Against the eager path's own scores (captured at its softmax), with GQA and a soft-cap."""
     for softcap in (None, 2.0):

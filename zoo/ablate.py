@@ -321,6 +321,11 @@ def _scalars(row: dict[str, Any]) -> dict[str, float]:
 
 # -- the sweep ------------------------------------------------------------------------------------
 
+def _main_process() -> bool:
+    """Decided before zoo.train sets up the processes: the launcher's RANK (0 when not launched)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def run_dir(out_dir: Path, variant: str, lr: float, seed: int) -> Path:
     return Path(out_dir) / "runs" / variant / f"lr={lr:g}" / f"seed={seed}"
 
@@ -343,7 +348,7 @@ def plan(ablation: Ablation, specs: dict[str, ModelSpec], out_dir: str | Path) -
     for variant, lr, seed in ablation.runs():
         out = run_dir(Path(out_dir), variant, lr, seed)
         stored = read_result(out)
-        same = json.loads(json.dumps(run_settings(ablation, variant, specs[variant], lr, seed), default=_json_float))
+        same = json.loads(json.dumps(run_settings(ablation, variant, specs[variant], lr, seed)))
         state = "todo" if stored is None else "done" if stored.get("settings") == same else "stale"
         rows.append((variant, lr, seed, out, state, stored))
     return rows
@@ -357,7 +362,7 @@ def train_one(ablation: Ablation, spec: ModelSpec, variant: str, lr: float, seed
 
     settings = run_settings(ablation, variant, spec, lr, seed)
     history: list[dict[str, Any]] = []
-    main = int(os.environ.get("RANK", "0")) == 0
+    main = _main_process()
     trackers = open_trackers(log_with, logging_dir or out / "logs", f"{variant}/lr={lr:g}/seed={seed}",
                              {"variant": variant, "lr": lr, "seed": seed}) if log_with and main else []
     probe = AttentionLogits()
@@ -394,17 +399,17 @@ def train_one(ablation: Ablation, spec: ModelSpec, variant: str, lr: float, seed
     }
     if main:
         tmp = out / "result.json.tmp"
-        tmp.write_text(json.dumps(result, default=_json_float))
+        tmp.write_text(json.dumps(result))
         os.replace(tmp, out / "result.json")  # present means complete
     return result
 
 
-def _json_float(x):
-    return float(x)
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def sweep(ablation: Ablation, out_dir: str | Path, *, log_with: Sequence[str] = (), report: bool = True,
-          echo=print) -> dict[str, Any]:
+          echo=_say) -> dict[str, Any]:
     """Run what is not done yet (after checking everything), then write the summary and plots.
     Returns the summary."""
     from zoo.accounting import account
@@ -434,7 +439,7 @@ def sweep(ablation: Ablation, out_dir: str | Path, *, log_with: Sequence[str] = 
         echo(f"  [{i}/{len(todo)}] {variant} lr={lr:g} seed={seed}: {state}")
         results.append(r)
     summary = summarise(ablation, results)
-    if report and int(os.environ.get("RANK", "0")) == 0:
+    if report and _main_process():
         write_report(ablation, summary, results, out_dir, echo=echo)
     return summary
 
@@ -540,10 +545,10 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def write_report(ablation: Ablation, summary: dict[str, Any], results: list[dict[str, Any]], out_dir: Path,
-                 echo=print) -> list[Path]:
+                 echo=_say) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / "summary.json", out_dir / "summary.md"]
-    written[0].write_text(json.dumps(summary, indent=1, default=_json_float))
+    written[0].write_text(json.dumps(summary, indent=1))
     written[1].write_text(markdown(summary))
     try:
         import matplotlib  # noqa: F401
