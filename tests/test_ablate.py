@@ -3,6 +3,8 @@
 import importlib
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -379,3 +381,37 @@ def test_without_matplotlib_the_tables_are_still_written(swept, tmp_path, monkey
     written = ablate.write_report(ab, summary, results(out), tmp_path, echo=lines.append)
     assert sorted(p.name for p in written) == ["summary.json", "summary.md"]
     assert not list(tmp_path.glob("*.png")) and "matplotlib is not installed" in lines[0]
+
+
+def test_tensorboard_gets_the_scalars_of_every_step(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    path = tiny(tmp_path, TINY_FILE.replace("lrs = [1e-3, 1e-2]", "lrs = [1e-3]").replace("seeds = [0, 1]",
+                                                                                        "seeds = [0]"))
+    ablate.sweep(ablate.load(path), tmp_path / "out", log_with=["tensorboard"], echo=lambda s: None, report=False)
+    gqa = next(r for r in results(tmp_path / "out") if r["variant"] == "gqa")
+    events = EventAccumulator(str(tmp_path / "out" / "logs" / "gqa" / "lr=0.001" / "seed=0"))
+    events.Reload()
+    assert {"loss", "grad_norm", "param_norm", "log_z_rms", "attn_logit_max/layer1"} <= set(events.Tags()["scalars"])
+    got = [e.value for e in events.Scalars("loss")]
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
+    assert got == pytest.approx([h["loss"] for h in gqa["history"]])
+
+
+def test_under_torchrun_each_run_is_ddp_over_the_processes_and_matches_one_process(tmp_path):
+    # 2 processes x micro_batch 2 read the same 4 sequences per step as one process does
+    path = tiny(tmp_path, TINY_FILE.replace("lrs = [1e-3, 1e-2]", "lrs = [1e-2]").replace(
+        "seeds = [0, 1]", "seeds = [0]").replace("micro_batch = 4", "micro_batch = 2"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "zoo.cli", "ablate", str(path), "--out-dir", str(tmp_path / "two")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("2 runs, 0 already done") == 1  # the main process reports
+    ablate.sweep(ablate.load(path), tmp_path / "one", echo=lambda s: None, report=False)
+    two, one = results(tmp_path / "two"), results(tmp_path / "one")
+    assert [r["variant"] for r in two] == ["gqa", "mha"]
+    for a, b in zip(two, one):
+        assert [h["loss"] for h in a["history"]] == pytest.approx([h["loss"] for h in b["history"]], abs=1e-5)
+        assert a["history"][-1]["attn_logit_max"] == pytest.approx(b["history"][-1]["attn_logit_max"], abs=1e-4)

@@ -185,6 +185,7 @@ def check(ablation: Ablation) -> dict[str, ModelSpec]:
         config = TrainConfig(**ablation.train_for(variant), lr=max(ablation.lrs))
         try:
             config.check()
+            config.accumulation(int(os.environ.get("WORLD_SIZE", "1")))  # the batch divides over the processes
         except ValueError as exc:
             raise AblationError(f"{where}variant {variant!r}: {exc}") from None
         try:
@@ -264,9 +265,15 @@ class AttentionLogits:
         top = float(scores.masked_fill(~seen, float("-inf")).amax())
         self.values[index] = max(top, self.values.get(index, float("-inf")))
 
-    def take(self) -> list[Optional[float]]:
+    def take(self, device: Any = "cpu") -> list[Optional[float]]:
+        """Per layer, the largest logit since the last call, over every process of a distributed run
+        (``device``: where the process group's collectives run, the model's device)."""
         out = [self.values.get(i) for i in range(self._n_layers)]
         self.values = {}
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and out:
+            t = torch.tensor([float("-inf") if v is None else v for v in out], device=device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            out = [None if math.isinf(v) else v for v in t.tolist()]
         return out
 
 
@@ -321,7 +328,7 @@ def _scalars(row: dict[str, Any]) -> dict[str, float]:
 
 # -- the sweep ------------------------------------------------------------------------------------
 
-def _main_process() -> bool:
+def is_main_process() -> bool:
     """Decided before zoo.train sets up the processes: the launcher's RANK (0 when not launched)."""
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -362,13 +369,13 @@ def train_one(ablation: Ablation, spec: ModelSpec, variant: str, lr: float, seed
 
     settings = run_settings(ablation, variant, spec, lr, seed)
     history: list[dict[str, Any]] = []
-    main = _main_process()
+    main = is_main_process()
     trackers = open_trackers(log_with, logging_dir or out / "logs", f"{variant}/lr={lr:g}/seed={seed}",
                              {"variant": variant, "lr": lr, "seed": seed}) if log_with and main else []
     probe = AttentionLogits()
 
     def on_step(row: dict[str, Any], model: nn.Module) -> None:
-        row["attn_logit_max"] = probe.take()
+        row["attn_logit_max"] = probe.take(device=next(model.parameters()).device)
         row["log_z_rms"] = math.sqrt(row["z"]) if row["z"] >= 0 else float("nan")
         row["param_norm"] = param_norm(model)
         history.append(dict(row))
@@ -408,6 +415,10 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
+def _quiet(line: str) -> None:
+    pass
+
+
 def sweep(ablation: Ablation, out_dir: str | Path, *, log_with: Sequence[str] = (), report: bool = True,
           echo=_say) -> dict[str, Any]:
     """Run what is not done yet (after checking everything), then write the summary and plots.
@@ -417,6 +428,8 @@ def sweep(ablation: Ablation, out_dir: str | Path, *, log_with: Sequence[str] = 
     specs = check(ablation)
     check_trackers(log_with)
     out_dir = Path(out_dir)
+    if not is_main_process():
+        echo = _quiet
     facts = {}
     for variant, spec in specs.items():  # the model's own accounting (KV cache in bf16, as served)
         figures = account(spec, dtype="bf16")
@@ -439,7 +452,7 @@ def sweep(ablation: Ablation, out_dir: str | Path, *, log_with: Sequence[str] = 
         echo(f"  [{i}/{len(todo)}] {variant} lr={lr:g} seed={seed}: {state}")
         results.append(r)
     summary = summarise(ablation, results)
-    if report and _main_process():
+    if report and is_main_process():
         write_report(ablation, summary, results, out_dir, echo=echo)
     return summary
 

@@ -36,6 +36,8 @@ def run(args):
         print(f"{len(ablation.runs())} runs of {len(specs)} variants; output in {out_dir}")
         return 0
     summary = ablate.sweep(ablation, out_dir, log_with=args.log_with)
+    if not ablate.is_main_process():
+        return 0
     for name, v in summary["variants"].items():
         best = "-" if v["best_lr"] is None else f"{v['best_lr']:g}"
         loss = "-" if v["best_loss"] is None else f"{v['best_loss']:.4f}"
