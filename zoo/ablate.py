@@ -474,6 +474,8 @@ def summarise(ablation: Ablation, results: list[dict[str, Any]]) -> dict[str, An
     variant: best learning rate, and LR sensitivity as Wortsman et al. (2023) define it: the mean over
     the grid of ``min(loss(lr), loss at init) - min over the grid``, a diverged run counting as the
     loss at initialisation."""
+    from zoo.train import TrainConfig
+
     variants = {}
     for variant in ablation.variants:
         runs = [r for r in results if r["variant"] == variant]
@@ -512,7 +514,7 @@ def summarise(ablation: Ablation, results: list[dict[str, Any]]) -> dict[str, An
         }
     return {"name": ablation.name, "claim": ablation.claim, "source": ablation.source, "base": ablation.base,
             "lrs": list(ablation.lrs), "seeds": list(ablation.seeds), "diverge_loss": ablation.diverge_loss,
-            "steps": {v: ablation.train_for(v).get("steps", 1000) for v in ablation.variants}, "variants": variants}
+            "steps": {v: TrainConfig(**ablation.train_for(v)).steps for v in ablation.variants}, "variants": variants}
 
 
 def _top(values):
