@@ -7,7 +7,6 @@ projection (OLMo 2); tanh soft-capping of scores (Gemma 2). Runs on
 the eager path (the reference) when they do not (soft-capping) or when asked.
 """
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Optional
 
@@ -16,8 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo import kernels
+from zoo.interfaces import Cost
 from zoo.registry import register
 from zoo.spec import SpecError, positive
+from zoo.state import KVState
+
+from .stability import softcap
 
 
 def causal_mask(q_idx, k_idx, window: Optional[int], key_mask=None):
@@ -32,17 +35,22 @@ def causal_mask(q_idx, k_idx, window: Optional[int], key_mask=None):
     return allowed | ~allowed.any(-1, keepdim=True)
 
 
-@register("attention", "attention")
-class Attention(nn.Module):
-    """Multi-head causal attention with ``n_kv_heads`` key/value heads shared by groups of queries."""
+def attention_kind(n_heads: int, n_kv_heads: int) -> str:
+    """MHA, MQA or GQA-<kv heads>."""
+    if n_kv_heads == n_heads:
+        return "MHA"
+    if n_kv_heads == 1:
+        return "MQA"
+    return f"GQA-{n_kv_heads}"
 
-    supports: ClassVar[dict] = {
-        "kv_cache": True,
-        "sliding_window": True,
-        "softcap": True,
-        "qk_norm": ("none", "head", "proj"),
-        "score_bias": True,
-    }
+
+@register("mixer", "attention")
+class Attention(nn.Module):
+    """Multi-head causal attention with ``n_kv_heads`` key/value heads shared by groups of queries.
+
+    Its decode state is a :class:`~zoo.state.KVState` (a ring buffer of ``window`` slots when it
+    has a window)."""
+
     kernel: ClassVar[str] = "attention"
     # flex (FlexAttention) is chosen on CUDA for what SDPA cannot fuse: soft-capping, a window.
     backends: ClassVar[tuple] = ("flex", "sdpa", "eager")
@@ -77,6 +85,34 @@ class Attention(nn.Module):
         return cfg.head_dim if cfg.head_dim is not None else d_model // cfg.n_heads
 
     @classmethod
+    def rotary_dim(cls, cfg, d_model: int) -> int:
+        """A rotary position encoding rotates each head's queries and keys."""
+        return cls.head_dim_for(cfg, d_model)
+
+    @classmethod
+    def resolved(cls, cfg, d_model: int) -> dict:
+        """The settings with defaults made explicit, so two spellings of one attention compare equal."""
+        from zoo.spec import to_dict
+
+        out = to_dict(cfg)
+        out["head_dim"] = cls.head_dim_for(cfg, d_model)
+        out["n_kv_heads"] = cfg.n_kv_heads or cfg.n_heads
+        out["scale_dim"] = cfg.scale_dim or out["head_dim"]
+        return out
+
+    @staticmethod
+    def shrink(cfg, *, head_dim: int = 8, window: int = 4, **_) -> dict:
+        """Settings for a tiny test copy: 4 query heads of ``head_dim``, MHA/GQA/MQA kept, short window."""
+        out = {"n_heads": 4, "head_dim": head_dim}
+        if cfg.n_kv_heads is not None:
+            out["n_kv_heads"] = 4 if cfg.n_kv_heads == cfg.n_heads else (1 if cfg.n_kv_heads == 1 else 2)
+        if cfg.window is not None:
+            out["window"] = window
+        if cfg.scale_dim is not None:
+            out["scale_dim"] = float(head_dim)
+        return out
+
+    @classmethod
     def check_in_model(cls, cfg, *, spec, layer):
         if cfg.head_dim is None and spec.d_model % cfg.n_heads:
             raise SpecError(
@@ -103,7 +139,29 @@ class Attention(nn.Module):
             self.k_norm = layer.norm.build(dim=self.n_kv_heads * D)
         self.backend = "auto"  # "sdpa", "eager" or any registered fast path; "auto" picks
 
-    def forward(self, x, ctx, rotary):
+    # -- what this part states about itself ---------------------------------------------------------
+    def new_state(self, batch, max_len, *, dtype=None, device=None) -> KVState:
+        return KVState(window=self.window, max_len=max_len)
+
+    def heads(self) -> tuple[int, int, int]:
+        """(n_heads, n_kv_heads, head_dim), for checkpoint transforms that split fused projections."""
+        return self.n_heads, self.n_kv_heads, self.head_dim
+
+    def cost(self, context: int) -> Cost:
+        """Scores and the weighted sum: ``4 * n_heads * head_dim`` FLOPs per key seen (a window caps
+        the keys); keys and values of ``n_kv_heads * head_dim`` each per token held."""
+        per_key = 4 * self.n_heads * self.head_dim
+        w = min(self.window or context, context)
+        keys = w * (w + 1) // 2 + (context - w) * w  # sum over t = 1..context of min(t, w)
+        kv = 2 * self.n_kv_heads * self.head_dim
+        return Cost(flops=per_key * w, flops_mean=per_key * keys / context, state_per_token=kv, state_at_context=kv * w)
+
+    def facts(self) -> dict:
+        return {"attention": attention_kind(self.n_heads, self.n_kv_heads), "n_heads": self.n_heads,
+                "n_kv_heads": self.n_kv_heads, "head_dim": self.head_dim, "window": self.window}
+
+    # -- forward -------------------------------------------------------------------------------------
+    def forward(self, x, ctx, pos):
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.cfg.qk_norm == "proj":
@@ -113,13 +171,13 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.cfg.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        if rotary is not None:
-            q, k = rotary.rotate(q, k)
-        q_idx = k_idx = ctx.q_idx
-        if ctx.cache is not None:
-            k, v, k_idx = ctx.cache.update(self.index, k, v, q_idx)
+        if pos is not None:
+            q, k = pos.rotate(q, k)
+        q_idx = k_idx = ctx.slots
+        if ctx.state is not None:
+            k, v, k_idx = ctx.state.layers[self.index].update(k, v, q_idx)
         key_mask = ctx.key_mask[:, k_idx] if ctx.key_mask is not None else None
-        bias = rotary.score_bias(q_idx, k_idx, self.n_heads) if rotary is not None else None
+        bias = pos.score_bias(q_idx, k_idx, self.n_heads) if pos is not None else None
         out = self.attend(q, k, v, q_idx, k_idx, key_mask, bias)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
@@ -178,7 +236,7 @@ class Attention(nn.Module):
         scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * self.scale  # (B, Hkv, G, Tq, Tk)
         scores = scores.view(B, H, Tq, -1)
         if self.cfg.softcap is not None:
-            scores = self.cfg.softcap * torch.tanh(scores / self.cfg.softcap)
+            scores = softcap(scores, self.cfg.softcap)
         if bias is not None:
             scores = scores + bias
         mask = causal_mask(q_idx, k_idx, self.window, key_mask)

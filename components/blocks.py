@@ -1,11 +1,20 @@
-"""Transformer blocks: where the norms sit and how attention and FFN meet the residual stream.
+"""Transformer blocks: where the norms sit and how the token mixer and the FFN meet the residual stream.
 
+``Attn`` below is the layer's token mixer (attention, or a recurrent or latent mixer).
 ``serial`` with ``norm_position``:
   - ``pre``      (GPT-2/3, Llama):  h = x + Attn(N(x));            y = h + FFN(N(h))
   - ``post``     (2017):            h = N(x + Attn(x));            y = N(h + FFN(h))
   - ``sandwich`` (Gemma 2/3):       h = x + N(Attn(N(x)));         y = h + N(FFN(N(h)))
   - ``output``   (OLMo 2):          h = x + N(Attn(x));            y = h + N(FFN(h))
 ``parallel`` (GPT-J, PaLM, GPT-NeoX, Falcon): y = x + Attn(N1(x)) + FFN(N2(x)), N2 = N1 when shared.
+
+    x ──┬──────────────────────────────┐           (serial, pre-norm)
+        └─ N ─ mixer(·, ctx, pos) ──── + ── h ──┬──────────────────────┐
+                                                └─ N ─ FFN(·, ctx) ──── + ── y
+
+The mixer is stored as ``attention`` (its parameters are ``layers.{i}.attention.*`` whatever kind it
+is, so checkpoints and weight maps keep their names). The FFN gets the forward context too, to add
+auxiliary losses (a mixture of experts' balance); one written to take ``x`` alone is called so.
 """
 
 from dataclasses import dataclass
@@ -13,6 +22,7 @@ from typing import Literal
 
 from torch import nn
 
+from zoo.interfaces import takes_ctx
 from zoo.registry import register
 
 
@@ -20,13 +30,21 @@ class _Block(nn.Module):
     def __init__(self, *, spec, layer, index):
         super().__init__()
         d = spec.d_model
-        self.attention = layer.attention.build(d_model=d, layer=layer, spec=spec, index=index)
+        self.attention = layer.mixer.build(d_model=d, layer=layer, spec=spec, index=index)
         self.ffn = layer.ffn.build(d_model=d)
+        self._ffn_ctx = takes_ctx(self.ffn)
         self.drop = nn.Dropout(spec.dropout)
         self._norm_part, self._d = layer.norm, d
 
+    @property
+    def mixer(self) -> nn.Module:
+        return self.attention
+
     def _norm(self):
         return self._norm_part.build(dim=self._d)
+
+    def _ffn(self, x, ctx):
+        return self.ffn(x, ctx) if self._ffn_ctx else self.ffn(x)
 
 
 @register("block", "serial")
@@ -45,19 +63,19 @@ class Serial(_Block):
         if self.where in ("sandwich", "output"):
             self.attn_out_norm, self.ffn_out_norm = self._norm(), self._norm()
 
-    def forward(self, x, ctx, rotary):
+    def forward(self, x, ctx, pos):
         w = self.where
         if w == "pre":
-            h = x + self.drop(self.attention(self.attn_norm(x), ctx, rotary))
-            return h + self.drop(self.ffn(self.ffn_norm(h)))
+            h = x + self.drop(self.attention(self.attn_norm(x), ctx, pos))
+            return h + self.drop(self._ffn(self.ffn_norm(h), ctx))
         if w == "post":
-            h = self.attn_norm(x + self.drop(self.attention(x, ctx, rotary)))
-            return self.ffn_norm(h + self.drop(self.ffn(h)))
+            h = self.attn_norm(x + self.drop(self.attention(x, ctx, pos)))
+            return self.ffn_norm(h + self.drop(self._ffn(h, ctx)))
         if w == "sandwich":
-            h = x + self.drop(self.attn_out_norm(self.attention(self.attn_norm(x), ctx, rotary)))
-            return h + self.drop(self.ffn_out_norm(self.ffn(self.ffn_norm(h))))
-        h = x + self.drop(self.attn_out_norm(self.attention(x, ctx, rotary)))
-        return h + self.drop(self.ffn_out_norm(self.ffn(h)))
+            h = x + self.drop(self.attn_out_norm(self.attention(self.attn_norm(x), ctx, pos)))
+            return h + self.drop(self.ffn_out_norm(self._ffn(self.ffn_norm(h), ctx)))
+        h = x + self.drop(self.attn_out_norm(self.attention(x, ctx, pos)))
+        return h + self.drop(self.ffn_out_norm(self._ffn(h, ctx)))
 
 
 @register("block", "parallel")
@@ -73,7 +91,7 @@ class Parallel(_Block):
         self.attn_norm = self._norm()
         self.ffn_norm = None if cfg.shared_norm else self._norm()
 
-    def forward(self, x, ctx, rotary):
+    def forward(self, x, ctx, pos):
         a = self.attn_norm(x)
         f = a if self.ffn_norm is None else self.ffn_norm(x)
-        return x + self.drop(self.attention(a, ctx, rotary)) + self.drop(self.ffn(f))
+        return x + self.drop(self.attention(a, ctx, pos)) + self.drop(self._ffn(f, ctx))

@@ -7,7 +7,7 @@ from typing import ClassVar, Literal, Optional
 from torch import nn
 
 from zoo import kernels
-from zoo.parts import build_part
+from zoo.interfaces import build_part
 from zoo.registry import register
 from zoo.spec import Part, SpecError, part_field
 
@@ -69,7 +69,24 @@ class MLP(nn.Module):
             return f"activation {type(self.act).__name__} has no fused gated product"
         return None
 
-    def forward(self, x):
+    def facts(self) -> dict:
+        return {"d_ff": self.d_ff}
+
+    @classmethod
+    def resolved(cls, cfg, d_model: int) -> dict:
+        """The settings with the width computed (rule, multiple and multiplier folded into ``d_ff``)."""
+        from zoo.spec import to_dict
+
+        out = {k: v for k, v in to_dict(cfg).items() if k not in ("d_ff_rule", "multiple_of", "ffn_dim_multiplier")}
+        out["d_ff"] = cfg.d_ff or derive_d_ff(d_model, cfg.d_ff_rule, cfg.multiple_of, cfg.ffn_dim_multiplier)
+        return out
+
+    @staticmethod
+    def shrink(cfg, *, d_ff: int = 64, **_) -> dict:
+        """A tiny test copy keeps its rule, or gets width ``d_ff`` when the width is set."""
+        return {"d_ff": d_ff} if cfg.d_ff is not None else {}
+
+    def forward(self, x, ctx=None):
         fast = kernels.fast(self, x)
         if fast is not None:
             return fast(self, x)

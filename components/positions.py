@@ -1,7 +1,6 @@
 """Position encodings: sinusoidal and learned absolute, RoPE (half-split or interleaved pairs,
 partial rotary, any registered frequency scaling), and NoPE."""
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Optional
 
@@ -9,7 +8,7 @@ import torch
 from torch import nn
 
 from zoo import kernels
-from zoo.parts import PositionEncoding
+from zoo.interfaces import PositionEncoding, rotary_dim_of
 from zoo.registry import register
 from zoo.spec import Part, SpecError, part_field, positive
 
@@ -69,11 +68,6 @@ class Learned(PositionEncoding):
         return self.table(position_ids).to(dtype)
 
 
-def head_dim_of(spec, layer) -> int:
-    att = layer.attention
-    return att.cls.head_dim_for(att.config, spec.d_model)
-
-
 @register("position", "rope")
 class RoPE(PositionEncoding):
     """Rotary embeddings: rotate each (query, key) pair of dimensions by ``position * freq``, so
@@ -108,7 +102,9 @@ class RoPE(PositionEncoding):
 
     @classmethod
     def check_in_model(cls, cfg, *, spec, layer):
-        hd = head_dim_of(spec, layer)
+        hd = rotary_dim_of(layer, spec.d_model)
+        if hd is None:  # this layer's mixer takes no rotation
+            return
         rd = cls.rotary_dim_for(cfg, hd)
         if rd % 2 or rd <= 0:
             raise SpecError("rotary_fraction", f"gives an odd or empty rotary dimension {rd} of head_dim {hd}")
@@ -118,7 +114,9 @@ class RoPE(PositionEncoding):
     def __init__(self, cfg, *, spec, layer):
         super().__init__()
         self.cfg = cfg
-        self.head_dim = head_dim_of(spec, layer)
+        self.head_dim = rotary_dim_of(layer, spec.d_model)  # the width of the vectors it rotates
+        if self.head_dim is None:
+            raise ValueError(f"RoPE was built for a layer whose mixer ({layer.mixer.name!r}) takes no rotation")
         self.dim = self.rotary_dim_for(cfg, self.head_dim)
         self.scaling = cfg.scaling.build(dim=self.dim, theta=cfg.theta) if cfg.scaling is not None else None
         # Frequencies that depend on the sequence length (dynamic NTK) are recomputed per forward.

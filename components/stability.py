@@ -1,6 +1,8 @@
-"""Stability tricks that are functions of a tensor: soft-capping (Gemma 2) and z-loss (PaLM).
+"""Stability tricks that are functions of a tensor: soft-capping (Gemma 2), the one soft-cap that
+the head, attention's scores and the flex-attention kernel all use.
 
-QK-norm lives in the attention part, embedding scaling in the spec's ``embedding.scale``.
+QK-norm lives in the attention part, embedding scaling in the spec's ``embedding.scale``, and
+z-loss (PaLM) in the model's loss (``zoo.lm_loss``, and the fused loss kernel beside it).
 """
 
 import torch
@@ -13,8 +15,3 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """``cap * tanh(x / cap)``: smooth, odd, identity near 0, bounded by ``cap``."""
     return cap * torch.tanh(x / cap)
 
-
-@register("stability", "z_loss")
-def z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """Mean of ``log(Z)^2`` over positions, with ``Z`` the softmax normaliser (PaLM's auxiliary loss)."""
-    return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()

@@ -16,7 +16,7 @@ from zoo.accounting import account
 from zoo import ablate
 from zoo.cli import main as cli
 
-T = importlib.import_module("zoo.train")  # the module; `zoo.train` is the function
+T = importlib.import_module("zoo.training")
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples" / "ablations").glob("*.toml"))
 
 TINY_FILE = """
@@ -31,8 +31,8 @@ n_layers = 2
 d_model = 32
 vocab_size = 256
 max_seq_len = 32
-"layers.*.attention.n_heads" = 4
-"layers.*.attention.n_kv_heads" = 4
+"layers.*.mixer.n_heads" = 4
+"layers.*.mixer.n_kv_heads" = 4
 "layers.*.ffn.d_ff" = 64
 
 [train]
@@ -46,7 +46,7 @@ cpu = true
 [variants.mha]
 
 [variants.gqa]
-"layers.*.attention.n_kv_heads" = 2
+"layers.*.mixer.n_kv_heads" = 2
 """
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -181,11 +181,11 @@ def test_divergence_is_recorded_with_its_step_and_the_sweep_goes_on(tmp_path):
 
 
 @pytest.mark.parametrize("change, words", [
-    (('"layers.*.attention.n_kv_heads" = 2', '"layers.*.attention.n_kv_head" = 2'),
-     ["variant 'gqa'", "layers.default.attention.n_kv_head", "unknown key"]),
-    (('"layers.*.attention.n_kv_heads" = 2', '"layers.*.attention.n_kv_heads" = 3'),
+    (('"layers.*.mixer.n_kv_heads" = 2', '"layers.*.mixer.n_kv_head" = 2'),
+     ["variant 'gqa'", "layers.default.mixer.n_kv_head", "unknown key"]),
+    (('"layers.*.mixer.n_kv_heads" = 2', '"layers.*.mixer.n_kv_heads" = 3'),
      ["variant 'gqa'", "n_kv_heads", "not divisible"]),
-    (('"layers.*.attention.n_kv_heads" = 2', '"layers.*.ffn" = { name = "no-such-ffn" }'),
+    (('"layers.*.mixer.n_kv_heads" = 2', '"layers.*.ffn" = { name = "no-such-ffn" }'),
      ["variant 'gqa'", "no-such-ffn"]),
     (("lrs = [1e-3, 1e-2]", "lrs = []"), ["lrs", "empty"]),
     (("seeds = [0, 1]", "seeds = []"), ["seeds"]),
@@ -240,9 +240,9 @@ def test_variants_may_change_training_settings_and_larger_replaces_the_grid():
 def test_the_attention_logit_probe_matches_the_scores_the_softmax_sees(monkeypatch):
     """Against the eager path's own scores (captured at its softmax), with GQA and a soft-cap."""
     for softcap in (None, 2.0):
-        over = {"n_layers": 2, "d_model": 32, "vocab_size": 64, "max_seq_len": 32, "layers.*.attention.n_heads": 4,
-                "layers.*.attention.n_kv_heads": 2, "layers.*.ffn.d_ff": 64, "init_std": 0.2,
-                "layers.*.attention.softcap": softcap}
+        over = {"n_layers": 2, "d_model": 32, "vocab_size": 64, "max_seq_len": 32, "layers.*.mixer.n_heads": 4,
+                "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.d_ff": 64, "init_std": 0.2,
+                "layers.*.mixer.softcap": softcap}
         model = zoo.build("llama3-8b", overrides=over, seed=0)
         for layer in model.layers:
             layer.attention.backend = "eager"

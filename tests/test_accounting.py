@@ -6,7 +6,6 @@ import torch
 
 import zoo
 from zoo.accounting import account
-from zoo.cache import KVCache
 
 
 def test_llama2_70b_kv_cache_worked_example():
@@ -33,7 +32,7 @@ def test_parameters_flops_and_shape_of_llama2_7b():
     assert a["params"]["total"] == 6_738_415_616 == a["params"]["published"]
     n = non_embedding + V * d  # every weight a token is multiplied by: the head, not the lookup
     assert a["flops"]["forward_per_token_2n"] == 2 * n
-    assert a["flops"]["attention_per_token_at_context"] == L * 4 * 32 * 128 * 4096  # 4 h t d_h per layer
+    assert a["flops"]["mixing_per_token_at_context"] == L * 4 * 32 * 128 * 4096  # 4 h t d_h per layer
     assert a["flops"]["training_per_token_6n"] == 6 * n
     # Training ~ 3x the forward, averaged over a causal sequence (a token sees (T+1)/2 keys on average).
     mean_attention = L * 4 * 32 * 128 * (4096 + 1) / 2
@@ -56,7 +55,7 @@ def test_sliding_windows_bound_the_cache():
     # Gemma 2 2B at 8192: 13 local layers hold 4096 tokens, 13 global layers all 8192.
     g = account("gemma2-2b", context=8192, batch=2, dtype="fp32")
     assert g["kv_cache"]["bytes"] == 2 * 4 * 256 * 4 * (13 * 4096 + 13 * 8192) * 2
-    assert g["shape"]["windows"] == {"local": 4096, "global": None}
+    assert g["shape"]["window"] == {"local": 4096, "global": None}
 
 
 def test_largest_preset_on_the_meta_device():
@@ -71,9 +70,9 @@ def test_account_matches_what_the_cache_holds(name, extra):
     tiny = {"n_layers": 2, "d_model": 64, "vocab_size": 128, "layers.*.ffn.d_ff": 96,
             "layers.*.attention.n_heads": 4, "layers.*.attention.n_kv_heads": 2, "layers.*.attention.head_dim": 16}
     model = zoo.build(name, overrides={**tiny, **extra}, seed=0).eval()
-    cache = KVCache(KVCache.for_model(model).windows, max_len=10)
-    model(torch.randint(0, 128, (3, 10)), cache=cache)
-    assert cache.nbytes() == account(model, context=10, batch=3, dtype=torch.float32)["kv_cache"]["bytes"]
+    state = model.new_state(3, 10)
+    model(torch.randint(0, 128, (3, 10)), state=state)
+    assert state.nbytes() == account(model, context=10, batch=3, dtype=torch.float32)["kv_cache"]["bytes"]
 
 
 def test_unknown_dtype_is_named():

@@ -14,7 +14,7 @@ def test_original_transformer_against_llama2(capsys):
     assert "relu" in rows["ffn"]["a"] and rows["ffn"]["b"].startswith("swiglu")
     assert (rows["linear biases"]["a"], rows["linear biases"]["b"]) == ("yes", "no")
     assert all(rows[k]["differs"] for k in ("block", "norm", "position", "ffn", "linear biases"))
-    assert rows["attention kv"] == {"row": "attention kv", "a": "MHA", "b": "MHA", "differs": False}
+    assert rows["attention"] == {"row": "attention", "a": "MHA", "b": "MHA", "differs": False}
 
 
 def test_diff_marks_only_differences(capsys):

@@ -78,8 +78,8 @@ def test_every_builtin_part_is_covered():
 
 
 def test_an_uncovered_kind_fails_the_contract_check():
-    with pytest.raises(AssertionError, match="no conformance contract for kind 'mixer'"):
-        zt.check("mixer", "anything")
+    with pytest.raises(AssertionError, match="no conformance contract for kind 'widget'"):
+        zt.check("widget", "anything")
 
 
 # --------------------------------------------------------------------------------------- norms
@@ -329,7 +329,7 @@ def _attention(**cfg):
     return attn, spec
 
 
-@covers(("attention", "attention"))
+@covers(("mixer", "attention"))
 @pytest.mark.parametrize("heads,kv,head_dim", [(4, 4, 8), (4, 2, 8), (4, 1, 8), (4, 2, 24)])
 def test_mha_gqa_mqa_shapes(heads, kv, head_dim):
     attn, spec = _attention(n_heads=heads, n_kv_heads=kv, head_dim=head_dim)
@@ -496,12 +496,9 @@ def test_softcap_bounded_odd_identity_near_zero():
     assert (y[1:] >= y[:-1]).all()  # monotone: order of logits kept
 
 
-@covers(("stability", "z_loss"))
 def test_z_loss_is_mean_squared_logsumexp():
-    z_loss = zoo.get("stability", "z_loss")
     logits = torch.randn(3, 5, 17) * 4
     expected = torch.stack([torch.log(torch.exp(row.double()).sum()) ** 2 for row in logits.reshape(-1, 17)]).mean()
-    torch.testing.assert_close(z_loss(logits).double(), expected, rtol=1e-5, atol=1e-6)
     out = zoo.lm_loss(logits, torch.randint(0, 17, (3, 5)), z_loss=1e-2)
     torch.testing.assert_close(out.loss, out.ce + 1e-2 * out.z)
     torch.testing.assert_close(out.z.double(), expected, rtol=1e-5, atol=1e-6)

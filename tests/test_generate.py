@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import zoo
-from zoo.cache import KVCache
-from zoo.generate import sample_next
+from zoo.state import DecodeState, KVState
+from zoo.generation import sample_next
 
 TINY = {
     "n_layers": 2, "d_model": 64, "vocab_size": 128, "layers.*.ffn.d_ff": 96,
@@ -43,8 +43,8 @@ def test_cached_decode_matches_full_forward(name):
     out = model.generate(ids, 12)
     assert torch.equal(out, greedy_without_cache(model, ids, 12))
     # Logits of prefill + one-token steps equal the full forward's, position by position.
-    cache = KVCache.for_model(model)
-    steps = [model(out[:, :9], cache=cache)] + [model(out[:, i : i + 1], cache=cache) for i in range(9, out.shape[1])]
+    state = model.new_state(1)
+    steps = [model(out[:, :9], state=state)] + [model(out[:, i : i + 1], state=state) for i in range(9, out.shape[1])]
     torch.testing.assert_close(torch.cat(steps, 1), model(out), atol=1e-5, rtol=1e-5)
 
 
@@ -52,12 +52,13 @@ def test_cached_decode_matches_full_forward(name):
 def test_ring_buffer_is_bounded_and_equals_a_full_cache():
     model = tiny("mistral-7b", **{"layers.*.attention.window": 4})
     ids = torch.randint(0, 128, (2, 6))
-    ring, full = KVCache.for_model(model), KVCache([None] * 2)  # a full cache: the mask alone applies the window
-    a, b = model(ids, cache=ring), model(ids, cache=full)
+    # A full cache: the mask alone applies the window.
+    ring, full = model.new_state(2), DecodeState([KVState(window=None) for _ in range(2)])
+    a, b = model(ids, state=ring), model(ids, state=full)
     sizes = []
     for t in range(20):
         nxt = a[:, -1:].argmax(-1)
-        a, b = model(nxt, cache=ring), model(nxt, cache=full)
+        a, b = model(nxt, state=ring), model(nxt, state=full)
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         sizes.append(ring.nbytes())
     assert len(set(sizes)) == 1  # bounded: the ring never grows
@@ -71,8 +72,8 @@ def test_cache_is_sized_by_kv_heads():
     nbytes = {}
     for kv in (4, 2, 1):  # MHA, GQA, MQA
         model = tiny("llama2-7b", **{"layers.*.attention.n_kv_heads": kv})
-        cache = KVCache.for_model(model)
-        model(torch.randint(0, 128, (1, 10)), cache=cache)
+        cache = model.new_state(1)
+        model(torch.randint(0, 128, (1, 10)), state=cache)
         nbytes[kv] = cache.nbytes()
     assert nbytes[4] == 2 * 2 * 4 * 10 * 16 * 4  # k and v, 2 layers, 4 heads, 10 slots, head_dim 16, fp32
     assert nbytes[4] == 2 * nbytes[2] == 4 * nbytes[1]

@@ -34,7 +34,7 @@ def test_compiled_greedy_equals_eager(name, one_thread):
             assert torch.equal(compiled, eager)
 
 
-def test_compile_refuses_a_given_cache():
+def test_compile_refuses_a_given_state():
     model = zoo.build("llama2-7b", overrides=TINY, seed=0)
-    with pytest.raises(ValueError, match="cache"):
-        zoo.generate(model, torch.zeros(1, 3, dtype=torch.long), 2, compile=True, cache=zoo.cache.KVCache([None] * 2))
+    with pytest.raises(ValueError, match="state"):
+        zoo.generate(model, torch.zeros(1, 3, dtype=torch.long), 2, compile=True, state=model.new_state(1))

@@ -277,3 +277,23 @@ def test_fused_loss_and_rope_follow_autocast_like_the_reference():
     assert rotated.dtype == rope._rotate(q, *state).dtype == torch.float32
     close(fast, ref, rtol=1e-3)  # both from the same bf16 logits; only the summation order differs
     close(torch.autograd.grad(fast, w)[0], torch.autograd.grad(ref, w)[0], rtol=1e-2, scale=1e-2)
+
+
+def test_fused_loss_adds_the_auxiliary_losses_as_the_reference_does(monkeypatch):
+    """A part's auxiliary loss (the toy MoE's balance term) is in the total on the fused path too."""
+    assert zoo.load_plugin("toy_plugin").error is None
+    import toy_plugin
+
+    model = zoo.build(toy_plugin.SPEC, seed=0)
+    ids = torch.randint(0, 64, (2, 9))
+    with kernels.using("off"):
+        ref = model.loss(ids)
+    ran = spy_on_fast_paths(monkeypatch)
+    with kernels.using("loss:triton"):
+        out = model.loss(ids)
+    assert "loss" in ran and set(out.aux) == {"moe_balance"}
+    close(out.aux["moe_balance"], ref.aux["moe_balance"])
+    close(out.loss, ref.loss)
+    close(out.loss, out.ce + 0.01 * out.aux["moe_balance"])
+    router = model.layers[1].ffn.router.weight
+    close(torch.autograd.grad(out.loss, router)[0], torch.autograd.grad(ref.loss, router)[0])

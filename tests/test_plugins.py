@@ -223,9 +223,9 @@ class Scale(torch.nn.Module):
 @pytest.mark.parametrize("kind,obj,needs", [
     ("norm", object, "torch.nn.Module subclass"),
     ("norm", type("NoCfg", (torch.nn.Module,), {"forward": lambda self, x: x}), "`Config` dataclass"),
-    ("attention", Scale, "constructor accepting `(config, d_model=..., layer=..., spec=..., index=...)`"),
-    ("attention", Scale, "`forward(self, x, ctx, rotary)`"),
-    ("attention", Scale, "a `head_dim_for` method"),
+    ("mixer", Scale, "constructor accepting `(config, d_model=..., layer=..., spec=..., index=...)`"),
+    ("mixer", Scale, "`forward(self, x, ctx, pos)`"),
+    ("attention", Scale, "`forward(self, x, ctx, pos)`"),  # the old helper registers a mixer
     ("position", Scale, "`applies_to` set to one of"),
     ("rope_scaling", Scale, "a `frequencies` method"),
     ("stability", 3.0, "callable"),
@@ -233,7 +233,8 @@ class Scale(torch.nn.Module):
 ])
 def test_typed_helpers_say_what_is_missing(fresh, kind, obj, needs):
     add = getattr(fresh, f"add_{kind}")
-    with pytest.raises(InterfaceError, match="does not meet the " + kind + " interface") as err:
+    kind_name = {"attention": "mixer"}.get(kind, kind)
+    with pytest.raises(InterfaceError, match="does not meet the " + kind_name + " interface") as err:
         add(obj) if kind == "family" else add("x", obj)
     assert needs in str(err.value)
     assert not fresh.registry(kind).names()

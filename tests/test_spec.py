@@ -34,15 +34,15 @@ def test_defaults_fill_a_minimal_spec():
 @pytest.mark.parametrize(
     "override, path, words",
     [
-        ({"layers.default.attention.windw": 8}, "layers.default.attention.windw", "did you mean 'window'"),
-        ({"layers.default.attention.window": 0}, "layers.default.attention.window", "must be positive"),
-        ({"layers.default.attention.window": -4}, "layers.default.attention.window", "-4"),
-        ({"layers.default.attention.n_kv_heads": 3}, "layers.default.attention.n_kv_heads", "not divisible"),
-        ({"layers.default.attention.n_heads": "4"}, "layers.default.attention.n_heads", "expected an integer"),
-        ({"layers.default.attention.n_heads": True}, "layers.default.attention.n_heads", "expected an integer"),
+        ({"layers.default.attention.windw": 8}, "layers.default.mixer.windw", "did you mean 'window'"),
+        ({"layers.default.attention.window": 0}, "layers.default.mixer.window", "must be positive"),
+        ({"layers.default.attention.window": -4}, "layers.default.mixer.window", "-4"),
+        ({"layers.default.attention.n_kv_heads": 3}, "layers.default.mixer.n_kv_heads", "not divisible"),
+        ({"layers.default.attention.n_heads": "4"}, "layers.default.mixer.n_heads", "expected an integer"),
+        ({"layers.default.attention.n_heads": True}, "layers.default.mixer.n_heads", "expected an integer"),
         ({"layers.default.norm.name": "rmsnrom"}, "layers.default.norm.name", "rmsnorm"),
         ({"layers.default.ffn.activation": "swish"}, "layers.default.ffn.activation", "unknown activation"),
-        ({"d_model": 30}, "layers.default.attention.n_heads", "not divisible"),
+        ({"d_model": 30}, "layers.default.mixer.n_heads", "not divisible"),
         ({"position.rotary_fraction": 0.375}, "position.rotary_fraction", "odd"),
         ({"position.rotary_dim": 7}, "position.rotary_dim", "even"),
         ({"layers.default.block.norm_position": "middle"}, "layers.default.block.norm_position", "'pre'"),
@@ -66,7 +66,7 @@ def test_missing_required_key_is_named():
     with pytest.raises(SpecError) as info:
         ModelSpec.from_dict(data)
     err = info.value
-    assert err.path == "layers.default.attention.n_heads" and "missing" in str(err)
+    assert err.path == "layers.default.mixer.n_heads" and "missing" in str(err)
 
 
 def test_specs_are_immutable():
@@ -104,7 +104,7 @@ def test_recipe_file_errors_name_the_file(tmp_path):
     path.write_text(ModelSpec.from_dict(tiny()).to_toml().replace("n_heads = 4", "n_heads = 5"))
     with pytest.raises(SpecError) as info:
         zoo.build(path)
-    assert str(path) in str(info.value) and info.value.path == "layers.default.attention.n_kv_heads"
+    assert str(path) in str(info.value) and info.value.path == "layers.default.mixer.n_kv_heads"
 
 
 def test_overrides_top_level_one_part_and_every_layer_kind():
@@ -131,7 +131,7 @@ def test_override_can_swap_a_part_and_unset_an_option():
 def test_override_errors_name_the_path():
     with pytest.raises(SpecError) as info:
         zoo.get_spec("llama2-7b", overrides={"layers.default.attention.head_dm": 8})
-    assert info.value.path == "layers.default.attention.head_dm"
+    assert info.value.path == "layers.default.mixer.head_dm"
     with pytest.raises(SpecError) as info:
         zoo.get_spec("llama2-7b", overrides={"layers.nothing*.attention.n_heads": 8})
     assert "matches nothing" in str(info.value)

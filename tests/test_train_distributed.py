@@ -98,3 +98,52 @@ def test_fsdp2_on_two_processes_trains_and_resumes_from_sharded_checkpoints(tmp_
         again = load_file(str(tmp_path / "c" / "checkpoints" / "step-0000001" / f"model-rank0000{r}-of-00002.safetensors"))
         for name, tensor in again.items():
             torch.testing.assert_close(tensor, halves[r][name], rtol=0, atol=0)
+
+
+HOOK_SCRIPT = """
+import json, sys
+import zoo
+assert zoo.load_plugin("toy_plugin").error is None
+import toy_plugin
+out = sys.argv[1]
+kw = dict(overrides={"vocab_size": 256}, steps=3, seq_len=16, global_batch=8, micro_batch=2, lr=3e-3, cpu=True,
+          progress=False, plot=False, export=False, seed=1)
+zoo.train(toy_plugin.SPEC, out_dir=out + "/ddp", **kw)
+zoo.train(toy_plugin.SPEC, out_dir=out + "/fsdp", fsdp=True, **kw)
+"""
+
+
+def test_post_step_hooks_see_every_process_and_update_identically_under_ddp_and_fsdp2(tmp_path):
+    """The toy MoE's selection bias moves by the expert counts summed over all processes: under DDP
+    two processes end with the bias a one-process run over the same global batch ends with; under
+    FSDP2, where nothing synchronises buffers, both processes end with the same bias. The auxiliary
+    loss of every layer reaches the logged loss under both (FSDP2 wraps each block)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    tests = str(Path(__file__).parent)
+    script = tmp_path / "hook_run.py"
+    script.write_text(HOOK_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": tests + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**env, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert zoo.load_plugin("toy_plugin").error is None
+    import toy_plugin
+
+    one = zoo.train(toy_plugin.SPEC, overrides={"vocab_size": 256}, steps=3, seq_len=16, global_batch=8, micro_batch=4,
+                    lr=3e-3, cpu=True, progress=False, plot=False, export=False, seed=1, out_dir=str(tmp_path / "one"))
+    ref = load_file(str(one.checkpoint / "model.safetensors"))
+    ddp = load_file(str(tmp_path / "ddp" / "checkpoints" / "step-0000003" / "model.safetensors"))
+    fsdp = [load_file(str(tmp_path / "fsdp" / "checkpoints" / "step-0000003" / f"model-rank0000{r}-of-00002.safetensors"))
+            for r in (0, 1)]
+    for i in range(4):
+        name = f"layers.{i}.ffn.expert_bias"
+        assert ref[name].abs().max() > 0 and fsdp[0][name].abs().max() > 0, "the hook never moved the bias"
+        torch.testing.assert_close(ddp[name], ref[name], rtol=0, atol=0)
+        torch.testing.assert_close(fsdp[1][name], fsdp[0][name], rtol=0, atol=0)
+    for run in ("ddp", "fsdp"):
+        for row in metrics(tmp_path / run):  # four MoE layers, each balance term near 1
+            assert row["moe_balance"] > 3.5 and row["loss"] == pytest.approx(row["ce"] + 0.01 * row["moe_balance"], rel=1e-5)

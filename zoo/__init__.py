@@ -7,11 +7,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
 from zoo.hookspecs import hookimpl
 from zoo.model import Decoder, LossOutput, build_model, lm_loss
-from zoo.recipes import Family, get_spec, list_models, published_params
+from zoo.recipes import Family, build, get_spec, list_models, published_params
 from zoo.registry import (
     DuplicateNameError,
     PluginError,
@@ -24,33 +22,13 @@ from zoo.registry import (
     register,
 )
 from zoo.spec import ModelSpec, Part, SpecError
-# Imported here so that `zoo.train` is the function (the module stays reachable as
-# `importlib.import_module("zoo.train")` and through `from zoo.train import ...`).
-from zoo.train import TrainConfig, TrainResult, train
-from zoo.verify import verify  # binds the function over the submodule of the same name
-from zoo.generate import generate  # likewise: zoo.generate is the function
+# zoo.train, zoo.generate and zoo.verify are functions; their modules are zoo.training,
+# zoo.generation and zoo.verification (so `zoo.training.TrainConfig` and `zoo.train(...)` both work).
+from zoo.training import TrainConfig, TrainResult, train
+from zoo.verification import verify
+from zoo.generation import generate
 
 __version__ = "0.1.0"
-
-
-def build(
-    name_or_spec: Any,
-    *,
-    device: Optional[Any] = None,
-    dtype: Optional[Any] = None,
-    seed: Optional[int] = None,
-    overrides: Optional[dict[str, Any]] = None,
-    **kw: Any,
-) -> Decoder:
-    """Build a model from a preset name (``"gemma2-2b"``), an HF repo id, a recipe file, a dict
-    or a :class:`ModelSpec`.
-
-    Keyword overrides set spec fields by dotted path: ``n_layers=2``, or
-    ``overrides={"layers.local.attention.window": 64}`` (``__`` may stand for ``.``; ``*``
-    matches every layer kind). ``device="meta"`` allocates nothing.
-    """
-    spec = get_spec(name_or_spec, {**(overrides or {}), **kw})
-    return build_model(spec, device=device, dtype=dtype, seed=seed)
 
 
 def from_pretrained(path_or_repo_id, **kw):

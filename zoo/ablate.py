@@ -18,7 +18,7 @@ seeds, and the training settings (``zoo.TrainConfig`` fields: steps, batch, data
 
     [variants.baseline]            # no overrides
     [variants.qk-norm]
-    "layers.*.attention.qk_norm" = "head"
+    "layers.*.mixer.qk_norm" = "head"
     [variants.qk-norm.train]       # optional: training settings of this variant only
     warmup_steps = 0
 
@@ -156,7 +156,7 @@ def from_dict(data: dict[str, Any], *, path: Optional[Path] = None) -> Ablation:
 
 
 def _train_table(table: Any, where: str, path: Optional[Path]) -> dict[str, Any]:
-    from zoo.train import TrainConfig
+    from zoo.training import TrainConfig
 
     if not isinstance(table, dict):
         raise AblationError(f"{where}: must be a table of zoo.TrainConfig fields, got {table!r}")
@@ -177,7 +177,7 @@ def check(ablation: Ablation) -> dict[str, ModelSpec]:
     the field) an unknown override path, a wrong value, a variant that fails to build, or training
     settings that cannot run. Nothing is trained."""
     import zoo
-    from zoo.train import TrainConfig
+    from zoo.training import TrainConfig
 
     where = _where(ablation.path)
     specs = {}
@@ -206,10 +206,10 @@ class AttentionLogits:
     """The largest attention logit (the score fed to the softmax, after scaling and any soft-cap) of
     each layer, over the forwards since the last :meth:`take`.
 
-    Until the model reports named metrics from its forward itself, this wraps each layer's
-    attention ``attend(q, k, v, q_idx, k_idx, ...)`` (queries and keys after QK-norm and rotation)
-    and recomputes the causal scores from q and k; the wrapper is removed on exit. Layers whose
-    attention has no ``attend`` report None.
+    Until attention reports this through the model's metrics channel itself, this wraps each
+    layer's mixer's ``attend(q, k, v, q_idx, k_idx, ...)`` (queries and keys after QK-norm and
+    rotation) and recomputes the causal scores from q and k; the wrapper is removed on exit. Layers
+    whose mixer has no ``attend`` (a recurrent mixer) report None.
     """
 
     def __init__(self) -> None:
@@ -227,7 +227,7 @@ class AttentionLogits:
                 self._models.add(id(module))
                 self._n_layers = len(module.layers)
                 for i, layer in enumerate(module.layers):
-                    att = getattr(layer, "attention", None)
+                    att = getattr(layer, "mixer", None)
                     if att is not None and hasattr(att, "attend"):
                         att.attend = self._wrap(att, i, att.attend)
                         self._wrapped.append(att)
@@ -365,7 +365,7 @@ def train_one(ablation: Ablation, spec: ModelSpec, variant: str, lr: float, seed
               facts: dict[str, Any], log_with: Sequence[str] = (), logging_dir: Optional[Path] = None
               ) -> dict[str, Any]:
     """One run through zoo.train; returns (and, on the main process, writes) its result."""
-    from zoo.train import train
+    from zoo.training import train
 
     settings = run_settings(ablation, variant, spec, lr, seed)
     history: list[dict[str, Any]] = []
@@ -474,7 +474,7 @@ def summarise(ablation: Ablation, results: list[dict[str, Any]]) -> dict[str, An
     variant: best learning rate, and LR sensitivity as Wortsman et al. (2023) define it: the mean over
     the grid of ``min(loss(lr), loss at init) - min over the grid``, a diverged run counting as the
     loss at initialisation."""
-    from zoo.train import TrainConfig
+    from zoo.training import TrainConfig
 
     variants = {}
     for variant in ablation.variants:

@@ -1,17 +1,20 @@
 """Resource accounting: what a model costs, computed from its spec on the meta device (no memory,
 about a second even for a 405B model).
 
-The formulas are the lecture notes' (see docs/accounting.md):
+The formulas are the lecture notes' (see docs/accounting.md); each part reports its own share
+(``cost(context)`` and ``facts()``, see zoo.interfaces), and this module only adds them up:
 
 - parameters, split into embedding (token embeddings, an untied output head, learned positions)
-  and non-embedding;
-- forward FLOPs per token ``2 N + attention``, where N counts every weight a token is multiplied by
+  and non-embedding, and the active ones (a part that uses fewer per token says how many);
+- forward FLOPs per token ``2 N + mixing``, where N counts every weight a token is multiplied by
   (the non-embedding parameters plus the output head's vocab x d_model matrix, tied or not; an
-  embedding lookup is not a multiply) and attention is ``4 * n_heads * head_dim * t`` per layer
-  for a token that sees t keys (QK^T and the weighted sum of V; t is capped by a sliding window);
-  training ~ 3x the forward (``6 N`` plus the attention term three times);
-- KV-cache bytes ``2 * n_layers * n_kv_heads * head_dim * bytes`` per token, and for a context x
-  batch (window layers hold at most ``window`` tokens);
+  embedding lookup is not a multiply; only active weights) and mixing is what each token mixer
+  reports: for attention ``4 * n_heads * head_dim * t`` per layer for a token that sees t keys
+  (QK^T and the weighted sum of V; t is capped by a sliding window); training ~ 3x the forward
+  (``6 N`` plus the mixing term three times);
+- decode-state bytes per token and for a context x batch, as each mixer reports them: attention's
+  KV cache is ``2 * n_kv_heads * head_dim * bytes`` per token and layer (window layers hold at most
+  ``window`` tokens); a recurrent mixer's state is fixed;
 - aspect ratio d_model / n_layers, d_ff / d_model;
 - memory to train with AdamW in mixed precision: 16 bytes per parameter (bf16 weights 2 and
   gradients 2, fp32 master weights 4, Adam moments 4 + 4), activations not included.
@@ -24,6 +27,8 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from zoo.interfaces import Cost
 
 DTYPE_BYTES = {
     "fp32": 4, "float32": 4, "float": 4, "tf32": 4,
@@ -41,14 +46,6 @@ def dtype_bytes(dtype: Any) -> float:
     if key not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}")
     return DTYPE_BYTES[key]
-
-
-def attention_kind(n_heads: int, n_kv_heads: int) -> str:
-    if n_kv_heads == n_heads:
-        return "MHA"
-    if n_kv_heads == 1:
-        return "MQA"
-    return f"GQA-{n_kv_heads}"
 
 
 def render(part) -> str:
@@ -71,19 +68,34 @@ def render(part) -> str:
     return f"{part.name}({', '.join(fields)})" if fields else part.name
 
 
-def _layer_facts(spec, layer_module, i: int) -> dict[str, Any]:
-    att = layer_module.attention
-    ffn = layer_module.ffn
-    linears = [m for m in layer_module.modules() if isinstance(m, nn.Linear)]
-    return {
-        "kind": spec.layer_kind(i),
-        "n_heads": att.n_heads,
-        "n_kv_heads": att.n_kv_heads,
-        "head_dim": att.head_dim,
-        "window": att.window,
-        "d_ff": getattr(ffn, "d_ff", None),
-        "bias": any(m.bias is not None for m in linears),
-    }
+def _part_cost(module: nn.Module, context: int) -> Cost:
+    fn = getattr(module, "cost", None)
+    return fn(context) if callable(fn) else Cost()
+
+
+def _facts(module: nn.Module) -> dict[str, Any]:
+    fn = getattr(module, "facts", None)
+    return dict(fn()) if callable(fn) else {}
+
+
+def layer_facts(layer: nn.Module) -> dict[str, Any]:
+    """What a layer's parts report about themselves (the mixer's heads and window, the FFN's width...)."""
+    return {**_facts(layer.attention), **_facts(layer.ffn)}
+
+
+def _per_kind(values: dict[str, Any], kinds: int) -> Any:
+    """One value when all ``kinds`` layer kinds report the same, else the value of each kind that reports."""
+    same = len(values) == kinds and len(set(map(repr, values.values()))) == 1
+    return next(iter(values.values())) if same else values
+
+
+def _build(model_or_name: Any, overrides: Optional[dict[str, Any]]) -> nn.Module:
+    if isinstance(model_or_name, nn.Module):
+        return model_or_name
+    from zoo.model import build_model
+    from zoo.recipes import get_spec
+
+    return build_model(get_spec(model_or_name, overrides), device="meta")
 
 
 def account(
@@ -96,57 +108,62 @@ def account(
 ) -> dict[str, Any]:
     """Every figure for one model (a preset name, spec or built Decoder) as plain data.
 
-    ``context`` (default: the spec's ``max_seq_len``) and ``batch`` size the KV cache and the
-    attention FLOPs; ``dtype`` is the storage type of weights and cache.
+    ``context`` (default: the spec's ``max_seq_len``) and ``batch`` size the decode state and the
+    token-mixing FLOPs; ``dtype`` is the storage type of weights and state. Each figure is the sum
+    of what each part reports about itself (``cost(context)``: active parameters, mixing FLOPs,
+    decode state); nothing here reads a part's attributes.
     """
-    import zoo
+    from zoo.recipes import published_params
+    from zoo.registry import RegistryError
 
-    model = model_or_name
-    if not isinstance(model, nn.Module):
-        model = zoo.build(model_or_name, device="meta", overrides=overrides)
+    model = _build(model_or_name, overrides)
     spec = model.spec
     context = spec.max_seq_len if context is None else int(context)
     if context <= 0 or batch <= 0:
         raise ValueError(f"--context and --batch must be positive, got context={context}, batch={batch}")
     nbytes = dtype_bytes(dtype)
-    layers = [_layer_facts(spec, layer, i) for i, layer in enumerate(model.layers)]
 
     total = model.num_parameters()
     non_embedding = model.num_parameters(exclude_embeddings=True)
+    # Parts that use only some of their parameters per token (a mixture of experts) say how many.
+    inactive = 0
+    for module in model.modules():
+        c = _part_cost(module, context) if module is not model else Cost()
+        if c.active_params is not None:
+            inactive += sum(p.numel() for p in module.parameters()) - c.active_params
     head_matrix = spec.vocab_size * spec.d_model
     matmul_params = non_embedding + head_matrix
+    active_matmul = matmul_params - inactive
 
-    def seen(L: int, t: int) -> int:  # keys a token at 1-based position t attends to
-        return min(t, L["window"]) if L["window"] else t
+    costs = [_part_cost(layer.attention, context) for layer in model.layers]
+    mixing_at_context = sum(c.flops for c in costs)
+    mixing_mean = sum(c.flops_mean for c in costs)
+    state_per_token = sum(c.state_per_token for c in costs) * nbytes
+    state_fixed = sum(c.state_fixed for c in costs) * nbytes
+    state_total = (sum(c.state_at_context for c in costs) * nbytes + state_fixed) * batch
 
-    def attn_flops(t: int) -> int:
-        return sum(4 * L["n_heads"] * L["head_dim"] * seen(L, t) for L in layers)
-
-    def attn_flops_mean(T: int) -> float:  # averaged over the T tokens of a causal sequence
-        total_keys = []
-        for L in layers:
-            w = L["window"] or T
-            w = min(w, T)
-            keys = w * (w + 1) // 2 + (T - w) * w  # sum over t of min(t, w)
-            total_keys.append(4 * L["n_heads"] * L["head_dim"] * keys)
-        return sum(total_keys) / T
-
-    kv_per_token = sum(2 * L["n_kv_heads"] * L["head_dim"] for L in layers) * nbytes
-    kv_tokens = sum(2 * L["n_kv_heads"] * L["head_dim"] * (min(context, L["window"]) if L["window"] else context)
-                    for L in layers)
-    kv_total = kv_tokens * nbytes * batch
-
-    d_ffs = {L["kind"]: L["d_ff"] for L in layers}
+    facts: dict[str, dict[str, Any]] = {}
+    for i, layer in enumerate(model.layers):
+        for key, value in layer_facts(layer).items():
+            facts.setdefault(key, {})[spec.layer_kind(i)] = value
+    d_ffs = facts.pop("d_ff", {spec.layer_kind(0): None})
     ratios = {k: (v / spec.d_model if v else None) for k, v in d_ffs.items()}
-    heads = {L["kind"]: attention_kind(L["n_heads"], L["n_kv_heads"]) for L in layers}
-    forward_at_context = 2 * matmul_params + attn_flops(context)
-    forward_mean = 2 * matmul_params + attn_flops_mean(context)
+    forward_at_context = 2 * active_matmul + mixing_at_context
+    forward_mean = 2 * active_matmul + mixing_mean
     published = None
     if isinstance(model_or_name, str):
         try:
-            published = zoo.published_params(model_or_name)
-        except zoo.RegistryError:
+            published = published_params(model_or_name)
+        except RegistryError:
             published = None
+    decode_state = {
+        "dtype": str(dtype),
+        "bytes_per_token": state_per_token,
+        "fixed_bytes": state_fixed * batch,
+        "context": context,
+        "batch": batch,
+        "bytes": state_total,
+    }
     return {
         "name": spec.label or (model_or_name if isinstance(model_or_name, str) else None),
         "d_model": spec.d_model,
@@ -157,53 +174,43 @@ def account(
             "total": total,
             "embedding": total - non_embedding,
             "non_embedding": non_embedding,
+            "active": total - inactive,
             "published": published,
         },
         "shape": {
             "aspect_ratio": spec.d_model / spec.n_layers,
-            "d_ff": d_ffs if len(set(d_ffs.values())) > 1 else next(iter(d_ffs.values())),
-            "d_ff_over_d_model": ratios if len(set(ratios.values())) > 1 else next(iter(ratios.values())),
-            "attention": heads if len(set(heads.values())) > 1 else next(iter(heads.values())),
-            "n_heads": layers[0]["n_heads"],
-            "n_kv_heads": layers[0]["n_kv_heads"],
-            "head_dim": layers[0]["head_dim"],
-            "windows": {L["kind"]: L["window"] for L in layers},
+            "d_ff": _per_kind(d_ffs, len(spec.layers)),
+            "d_ff_over_d_model": _per_kind(ratios, len(spec.layers)),
+            **{key: _per_kind(values, len(spec.layers)) for key, values in facts.items()},
         },
         "flops": {
             "context": context,
             "matmul_params": matmul_params,
-            "forward_per_token_2n": 2 * matmul_params,
-            "attention_per_token_at_context": attn_flops(context),
+            "active_matmul_params": active_matmul,
+            "forward_per_token_2n": 2 * active_matmul,
+            "mixing_per_token_at_context": mixing_at_context,
             "forward_per_token_at_context": forward_at_context,
             "forward_per_token_mean": forward_mean,
-            "training_per_token_6n": 6 * matmul_params,
+            "training_per_token_6n": 6 * active_matmul,
             "training_per_token": 3 * forward_mean,
         },
-        "kv_cache": {
-            "dtype": str(dtype),
-            "bytes_per_token": kv_per_token,
-            "context": context,
-            "batch": batch,
-            "bytes": kv_total,
-        },
+        # What decoding keeps: keys and values for attention, fixed states for recurrent mixers.
+        "decode_state": decode_state,
+        "kv_cache": decode_state,  # the name before mixers
         "memory": {
             "dtype": str(dtype),
             "weights_bytes": total * nbytes,
-            "decode_weight_bytes_per_token": (matmul_params + spec.d_model) * nbytes,
+            "decode_weight_bytes_per_token": (active_matmul + spec.d_model) * nbytes,
             "adamw_mixed_precision_bytes": total * ADAMW_MIXED_BYTES_PER_PARAM,
-            "inference_bytes": total * nbytes + kv_total,
+            "inference_bytes": total * nbytes + state_total,
         },
     }
 
 
 def components(model_or_name: Any, overrides: Optional[dict[str, Any]] = None) -> list[tuple[str, str]]:
     """The model's parts as (row, value) pairs, one row per fact, layer kinds in order: the rows
-    ``zoo describe`` prints and ``zoo diff`` lines up."""
-    import zoo
-
-    model = model_or_name
-    if not isinstance(model, nn.Module):
-        model = zoo.build(model_or_name, device="meta", overrides=overrides)
+    ``zoo describe`` prints and ``zoo diff`` lines up. Each layer's facts are what its parts report."""
+    model = _build(model_or_name, overrides)
     spec = model.spec
     rows: list[tuple[str, str]] = [
         ("d_model", str(spec.d_model)),
@@ -220,20 +227,21 @@ def components(model_or_name: Any, overrides: Optional[dict[str, Any]] = None) -
             continue
         done.add(kind)
         ls = spec.layer(i)
-        facts = _layer_facts(spec, layer, i)
         prefix = "" if len(spec.layers) == 1 else f"[{kind}] "
-        window = f", window {facts['window']}" if facts["window"] else ""
         rows += [
             (prefix + "block", render(ls.block)),
             (prefix + "norm", render(ls.norm)),
             (prefix + "position", render(spec.position_for(i))),
-            (prefix + "attention kv", attention_kind(facts["n_heads"], facts["n_kv_heads"])),
-            (prefix + "heads", f"{facts['n_heads']} x {facts['head_dim']}, {facts['n_kv_heads']} kv heads{window}"),
-            (prefix + "attention", render(ls.attention)),
-            (prefix + "ffn", render(ls.ffn)),
-            (prefix + "d_ff", f"{facts['d_ff']} ({facts['d_ff'] / spec.d_model:.3g} x d_model)" if facts["d_ff"] else "-"),
-            (prefix + "linear biases", "yes" if facts["bias"] else "no"),
+            (prefix + "mixer", render(ls.mixer)),
         ]
+        rows += [(prefix + key, str(value)) for key, value in _facts(layer.attention).items() if value is not None]
+        rows.append((prefix + "ffn", render(ls.ffn)))
+        for key, value in _facts(layer.ffn).items():
+            if key == "d_ff" and value:
+                value = f"{value} ({value / spec.d_model:.3g} x d_model)"
+            rows.append((prefix + key, str(value)))
+        linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
+        rows.append((prefix + "linear biases", "yes" if any(m.bias is not None for m in linears) else "no"))
     rows += [
         ("final norm", render(spec.final_norm)),
         ("head", f"{'tied' if spec.head.tied else 'untied'}"

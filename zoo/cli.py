@@ -9,6 +9,17 @@ import pkgutil
 import sys
 
 import zoo.commands
+from zoo.registry import PluginError, RegistryError
+from zoo.spec import SpecError
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("zoo-lm")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="zoo",
         description="A plugin-based model zoo for decoder-only language models.",
     )
-    parser.add_argument("--version", action="version", version=f"zoo {__import__('zoo').__version__}")
+    parser.add_argument("--version", action="version", version=f"zoo {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(zoo.commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"zoo.commands.{info.name}")
@@ -36,12 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
         return 0
-    except (zoo.SpecError, zoo.RegistryError, zoo.PluginError, FileNotFoundError, ValueError) as exc:
+    except (SpecError, RegistryError, PluginError, FileNotFoundError, ValueError) as exc:
         print(f"zoo {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
-
-import zoo  # noqa: E402  (after main is defined, for the error types)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,13 +18,14 @@ from typing import Optional, Sequence
 
 import torch
 
+from zoo.tokenizer import Tokenizer
+
 #: Standard-library modules whose source makes the built-in corpus (about 0.6 MB of text).
 STDLIB_MODULES = (
     "argparse", "bisect", "calendar", "contextlib", "dataclasses", "difflib", "enum", "fnmatch",
     "fractions", "functools", "glob", "heapq", "pprint", "random", "shlex", "statistics", "string",
     "textwrap",
 )
-BUILTIN_CORPUS = "python-stdlib"
 
 
 class ByteTokenizer:
@@ -32,42 +33,18 @@ class ByteTokenizer:
 
     vocab_size = 256
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
-class FileTokenizer:
-    """A ``tokenizer.json`` (as shipped with Hugging Face checkpoints), read by ``tokenizers``."""
-
-    def __init__(self, path: str | Path):
-        from tokenizers import Tokenizer
-
-        path = Path(path)
-        if path.is_dir():
-            path = path / "tokenizer.json"
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"tokenizer file {path} does not exist; pass a tokenizer.json or a checkpoint directory holding one"
-            )
-        self.path = path
-        self._tok = Tokenizer.from_file(str(path))
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids])
-
-
 def get_tokenizer(tokenizer: Optional[str | Path] = None):
     """``None`` or ``"bytes"``: :class:`ByteTokenizer`; otherwise a tokenizer.json or a directory holding one."""
     if tokenizer is None or str(tokenizer) == "bytes":
         return ByteTokenizer()
-    return FileTokenizer(tokenizer)
+    return Tokenizer(tokenizer)
 
 
 def builtin_corpus() -> str:
@@ -136,7 +113,7 @@ def tokenize(texts: Sequence[str], tokenizer) -> torch.Tensor:
         return torch.frombuffer(bytearray(blob), dtype=torch.uint8).long()
     ids: list[int] = []
     for text in texts:
-        ids += tokenizer.encode(text)
+        ids += tokenizer.encode(text, add_special_tokens=False)
     return torch.tensor(ids, dtype=torch.long)
 
 

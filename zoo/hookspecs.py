@@ -26,7 +26,7 @@ def zoo_register(registry):
     """Register parts of any kind: components, families, checkpoint formats.
 
     ``registry`` is the plugin manager. Use its typed helpers (``registry.add_norm(name, cls)``,
-    ``add_attention``, ``add_position``, ``add_family``, ``add_checkpoint_format``... one per
+    ``add_mixer``, ``add_position``, ``add_family``, ``add_checkpoint_format``... one per
     kind; ``override=True`` replaces a part someone else registered) or the generic
     ``registry.add(kind, name, obj)``. Registrations made while this hook runs are attributed to
     the plugin; if the hook raises, everything it registered is withdrawn.
@@ -45,26 +45,36 @@ CONSTRUCTOR_CONTEXT: dict[str, tuple[str, ...]] = {
     "ffn": ("d_model",),
     "position": ("spec", "layer"),
     "rope_scaling": ("dim", "theta"),
-    "attention": ("d_model", "layer", "spec", "index"),
+    "mixer": ("d_model", "layer", "spec", "index"),
     "block": ("spec", "layer", "index"),
 }
+#: The arguments of each kind's ``forward``. An FFN is called ``(x, ctx)`` when its forward takes the
+#: context (``ctx=None`` when it runs alone), else ``(x)``.
 FORWARD_ARGS: dict[str, tuple[str, ...]] = {
     "norm": ("x",),
     "activation": ("x",),
     "ffn": ("x",),
-    "attention": ("x", "ctx", "rotary"),
-    "block": ("x", "ctx", "rotary"),
+    "mixer": ("x", "ctx", "pos"),
+    "block": ("x", "ctx", "pos"),
 }
-#: Methods a kind must provide beyond its constructor and forward.
+#: Methods a kind must provide beyond its constructor and forward. A mixer's ``new_state``,
+#: ``rotary_dim``, ``cost`` and ``facts`` are optional (see zoo.interfaces.Mixer for the defaults).
 METHODS: dict[str, tuple[str, ...]] = {
     "position": ("embed", "prepare", "rotate", "score_bias"),
     "rope_scaling": ("frequencies",),
-    "attention": ("head_dim_for",),
     "family": ("recipe", "spec", "hf_ids"),
 }
 POSITION_APPLIES_TO = ("embedding", "qk", "bias", "none")
 
 INTERFACES: dict[str, Callable[[Any], list[str]]] = {}
+
+#: Old names of kinds, still accepted everywhere a kind is named: attention is one kind of token mixer.
+KIND_ALIASES = {"attention": "mixer"}
+
+
+def canonical_kind(kind: str) -> str:
+    """The kind's current name (``attention`` -> ``mixer``)."""
+    return KIND_ALIASES.get(kind, kind)
 
 
 def interface(kind: str):
@@ -112,7 +122,7 @@ def _module_part(kind: str) -> Callable[[Any], list[str]]:
                 missing.append(f"a `{name}` method")
         if kind == "position" and getattr(obj, "applies_to", None) not in POSITION_APPLIES_TO:
             missing.append(f"`applies_to` set to one of {', '.join(map(repr, POSITION_APPLIES_TO))} "
-                           "(subclass zoo.parts.PositionEncoding)")
+                           "(subclass zoo.interfaces.PositionEncoding)")
         return missing
 
     return check
@@ -142,5 +152,5 @@ def _family(obj: Any) -> list[str]:
 
 def check(kind: str, obj: Any) -> list[str]:
     """What ``obj`` lacks to be registered as a ``kind`` (empty when it conforms)."""
-    fn = INTERFACES.get(kind)
+    fn = INTERFACES.get(canonical_kind(kind))
     return fn(obj) if fn is not None else []

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -18,16 +19,26 @@ from torch import nn
 
 from zoo import kernels as _kernels
 from zoo import registry as _registry
-from zoo.parts import ForwardContext, PositionEncoding, Rotary
+from zoo.interfaces import ForwardContext, PositionEncoding, PositionState, rotary_dim_of
 from zoo.spec import ModelSpec
+from zoo.state import DecodeState, step_layout
 
 
 @dataclass
 class LossOutput:
-    loss: torch.Tensor  # cross-entropy + z_loss * z
+    loss: torch.Tensor  # cross-entropy + z_loss * z + the weighted auxiliary losses
     ce: torch.Tensor  # mean token cross-entropy
     z: torch.Tensor  # mean squared log-partition log(Z)^2 (what z-loss penalises)
     logits: Optional[torch.Tensor] = None
+    # Named auxiliary losses the parts added during the forward (unweighted; ``loss`` includes each
+    # times its weight, given in ``aux_weights``), and metrics they recorded.
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)
+    aux_weights: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def terms(self) -> dict[str, torch.Tensor]:
+        """Every scalar to log, by name: loss, ce, z, each auxiliary loss and each metric."""
+        return {"loss": self.loss, "ce": self.ce, "z": self.z, **self.aux, **self.metrics}
 
 
 def lm_loss(
@@ -56,6 +67,10 @@ class Decoder(nn.Module):
     # The loss (head + soft-cap + cross-entropy + z-loss) has a fused, chunked fast path.
     kernel = "loss"
     backends = ("triton", "torch")
+    # Where the weights came from, set by zoo.from_pretrained: the HF model_type, and the config
+    # fields a save carries over. None and empty for a model built from a recipe.
+    checkpoint_format: Optional[str] = None
+    hf_config: Mapping[str, Any] = MappingProxyType({})
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -63,16 +78,21 @@ class Decoder(nn.Module):
         d = spec.d_model
         rows = spec.embedding.padded_vocab_size or spec.vocab_size
         self.embed = nn.Embedding(rows, d)
-        # One position module per distinct position spec (Gemma 3 has a local and a global RoPE).
+        # One position module per distinct position spec and rotation width: Gemma 3 has a local and
+        # a global RoPE; two head widths get a RoPE each; a mixer that takes no rotation gets none.
         self.positions = nn.ModuleDict()
-        self._pos_key: list[str] = []
+        self._pos_key: list[Optional[str]] = []
         keys: dict[object, str] = {}
         for i in range(spec.n_layers):
-            part = spec.position_for(i)
-            key = repr(part)
+            part, layer = spec.position_for(i), spec.layer(i)
+            dim = rotary_dim_of(layer, d) if part.cls.applies_to == "qk" else None
+            if part.cls.applies_to == "qk" and dim is None:
+                self._pos_key.append(None)
+                continue
+            key = (repr(part), dim)
             if key not in keys:
                 keys[key] = str(len(keys))
-                self.positions[keys[key]] = part.build(spec=spec, layer=spec.layer(i))
+                self.positions[keys[key]] = part.build(spec=spec, layer=layer)
             self._pos_key.append(keys[key])
         self.layers = nn.ModuleList(
             spec.layer(i).block.build(spec=spec, layer=spec.layer(i), index=i) for i in range(spec.n_layers)
@@ -84,7 +104,7 @@ class Decoder(nn.Module):
         else:
             self.register_parameter("head_bias", None)
         self.drop = nn.Dropout(spec.dropout)
-        self._softcap = _registry.get("stability", "softcap")
+        self._softcap = _registry.get("stability", "softcap")  # the one soft-cap (components/stability.py)
 
     # -- initialisation --------------------------------------------------------------------------
     @torch.no_grad()
@@ -102,71 +122,89 @@ class Decoder(nn.Module):
         if self.head_bias is not None:
             self.head_bias.zero_()
 
+    # -- decoding ---------------------------------------------------------------------------------
+    def new_state(self, batch: Optional[int], max_len: Optional[int] = None, *, dtype=None, device=None) -> DecodeState:
+        """A decode state for ``batch`` rows of up to ``max_len`` tokens (None: unknown): each
+        layer's mixer makes its own state. A model with a mixer that cannot decode is refused."""
+        p = next(self.parameters())
+        dtype, device = dtype or p.dtype, device or p.device
+        layers = []
+        for i, layer in enumerate(self.layers):
+            mixer = layer.attention
+            make = getattr(mixer, "new_state", None)
+            state = make(batch, max_len, dtype=dtype, device=device) if callable(make) else None
+            if state is None:
+                raise ValueError(
+                    f"layer {i}'s mixer {type(mixer).__name__} ({self.spec.layer(i).mixer.name!r}) keeps no decode state "
+                    "(it has no new_state, or it returned None), so this model cannot decode incrementally; "
+                    "see docs/plugins.md, 'A mixer with its own state'")
+            layers.append(state)
+        return DecodeState(layers, batch=batch, max_len=max_len)
+
     # -- forward ----------------------------------------------------------------------------------
+    def context(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None, state: Optional[DecodeState] = None) -> ForwardContext:
+        """The forward context of ``input_ids`` (B, T): slots, padding mask and position ids, after
+        what ``state`` has seen (and moving ``state`` on)."""
+        B, T = input_ids.shape
+        if state is not None:
+            slots, key_mask, positions = state.advance(B, T, input_ids.device, attention_mask)
+        else:
+            slots, key_mask, positions = step_layout(B, T, input_ids.device, attention_mask)
+        return ForwardContext(position_ids=positions if position_ids is None else position_ids, slots=slots,
+                              key_mask=key_mask, state=state)
+
     def hidden_states(
         self,
         input_ids: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.Tensor] = None,
-        cache=None,
+        state: Optional[DecodeState] = None,
         output_hidden_states: bool = False,
+        *,
+        cache: Optional[DecodeState] = None,
     ):
-        """Final hidden states (before the head), and every layer's output if asked."""
-        B, T = input_ids.shape
-        past = cache.seen if cache is not None else 0
-        device = input_ids.device
-        q_idx = torch.arange(past, past + T, device=device)
-        key_mask = None
-        prev = cache.key_mask if cache is not None else None
-        if attention_mask is not None:
-            key_mask = attention_mask.to(device=device, dtype=torch.bool)
-            if key_mask.shape[-1] == T and past:
-                key_mask = torch.cat([prev if prev is not None else key_mask.new_ones(B, past), key_mask], dim=1)
-            if key_mask.shape != (B, past + T):
-                raise ValueError(
-                    f"attention_mask has shape {tuple(attention_mask.shape)}; expected (batch, past + new) = {(B, past + T)}"
-                )
-        elif prev is not None:
-            key_mask = torch.cat([prev, prev.new_ones(B, T)], dim=1)
-        if key_mask is not None and bool(key_mask.all()):
-            key_mask = None  # no padding: the fast unmasked paths apply
-        if cache is not None:
-            cache.key_mask, cache.seen = key_mask, past + T
-        if position_ids is None:
-            if key_mask is not None:
-                position_ids = (key_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
-            else:
-                position_ids = q_idx.unsqueeze(0).expand(B, T)
-        ctx = ForwardContext(position_ids=position_ids, q_idx=q_idx, key_mask=key_mask, cache=cache)
-        return self.hidden_states_in(input_ids, ctx, output_hidden_states)
+        """Final hidden states (before the head), and every layer's output if asked. ``cache`` is the
+        old name of ``state``."""
+        ctx = self.context(input_ids, attention_mask, position_ids, state if state is not None else cache)
+        return self.run_layers(input_ids, ctx, output_hidden_states)
 
-    def hidden_states_in(self, input_ids: torch.Tensor, ctx: ForwardContext, output_hidden_states: bool = False):
-        """The layers' pass for a context already built (slots, positions, masks, cache); free of
-        data-dependent Python branches, so a compiled decode step can trace it (zoo.compiled)."""
+    def run_layers(self, input_ids: torch.Tensor, ctx: ForwardContext, output_hidden_states: bool = False):
+        """The layers' pass for a context already built (slots, positions, masks, decode state);
+        free of data-dependent Python branches, so a compiled decode step can trace it (zoo.compiled)."""
         position_ids = ctx.position_ids
         x = self.embed(input_ids)
         if self.spec.embedding.scale == "sqrt_d_model":
             x = x * torch.tensor(math.sqrt(self.spec.d_model), dtype=x.dtype)
-        states: dict[str, Rotary] = {}
+        states: dict[Optional[str], Optional[PositionState]] = {None: None}
         for key, module in self.positions.items():
             pos: PositionEncoding = module
             absolute = pos.embed(position_ids, x.dtype)
             if absolute is not None:
                 x = x + absolute
-            states[key] = Rotary(pos, pos.prepare(position_ids, x.dtype))
+            states[key] = PositionState(pos, pos.prepare(position_ids, x.dtype))
         x = self.drop(x)
         hidden = [x] if output_hidden_states else None
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, states[self._pos_key[i]])
             if hidden is not None:
                 hidden.append(x)
+        ctx.finish()
         if self.final_norm is not None:
             x = self.final_norm(x)
         return (x, hidden) if output_hidden_states else x
 
+    hidden_states_in = run_layers  # the name before mixers
+
+    def head(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The output head's (weight, bias): the embedding matrix when tied. Rows beyond the
+        vocabulary (padding) are included."""
+        if self.lm_head is None:
+            return self.embed.weight, self.head_bias
+        return self.lm_head.weight, self.lm_head.bias
+
     def logits_from_hidden(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        bias = self.head_bias if self.lm_head is None else self.lm_head.bias
+        weight, bias = self.head()
         logits = F.linear(x, weight, bias)
         if self.spec.embedding.padded_vocab_size:
             logits = logits[..., : self.spec.vocab_size]
@@ -179,15 +217,18 @@ class Decoder(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.Tensor] = None,
-        cache=None,
+        state: Optional[DecodeState] = None,
         *,
         labels: Optional[torch.Tensor] = None,
+        cache: Optional[DecodeState] = None,
     ):
         """Logits of shape (batch, seq, vocab); with ``labels``, the :meth:`loss` instead (so a
-        wrapper that only sees ``forward`` — DDP, FSDP — still gets the fused loss path)."""
+        wrapper that only sees ``forward`` — DDP, FSDP — still gets the fused loss path).
+        ``state`` (``cache`` is its old name) continues a decode state."""
         if labels is not None:
             return self.loss(input_ids, labels, attention_mask)
-        return self.logits_from_hidden(self.hidden_states(input_ids, attention_mask, position_ids, cache))
+        return self.logits_from_hidden(self.hidden_states(input_ids, attention_mask, position_ids,
+                                                          state if state is not None else cache))
 
     def loss(
         self,
@@ -199,19 +240,26 @@ class Decoder(nn.Module):
         return_logits: bool = False,
     ) -> LossOutput:
         """The LM loss in one call: next-token cross-entropy, plus z-loss (coefficient from the spec
-        unless given). ``labels`` default to ``input_ids``; padding (mask 0) is ignored."""
-        hidden = self.hidden_states(input_ids, attention_mask)
+        unless given), plus each auxiliary loss a part added during the forward, times its weight.
+        ``labels`` default to ``input_ids``; padding (mask 0) is ignored."""
+        ctx = self.context(input_ids, attention_mask)
+        hidden = self.run_layers(input_ids, ctx)
         labels = input_ids if labels is None else labels
         if attention_mask is not None:
             labels = labels.masked_fill(~attention_mask.bool(), -100)
         z_loss = self.spec.z_loss if z_loss is None else z_loss
         fused = None if return_logits else _kernels.fast(self, hidden)
         if fused is not None:  # never materialises the logits
-            return LossOutput(*fused(self, hidden[:, :-1], labels[:, 1:], z_loss=z_loss))
-        logits = self.logits_from_hidden(hidden)
-        out = lm_loss(logits[:, :-1], labels[:, 1:], z_loss=z_loss)
-        if return_logits:
-            out.logits = logits
+            out = LossOutput(*fused(self, hidden[:, :-1], labels[:, 1:], z_loss=z_loss))
+        else:
+            logits = self.logits_from_hidden(hidden)
+            out = lm_loss(logits[:, :-1], labels[:, 1:], z_loss=z_loss)
+            if return_logits:
+                out.logits = logits
+        aux = ctx.aux_total()
+        if aux is not None:
+            out.loss = out.loss + aux
+        out.aux, out.aux_weights, out.metrics = ctx.aux, ctx.aux_weights, ctx.metrics
         return out
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
@@ -229,7 +277,7 @@ class Decoder(nn.Module):
         return total
 
     def generate(self, input_ids, max_new_tokens: int = 32, **kwargs):
-        from zoo.generate import generate
+        from zoo.generation import generate
 
         return generate(self, input_ids, max_new_tokens, **kwargs)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -47,8 +47,8 @@ class Family:
         try:
             return ModelSpec.from_dict(self.recipe(preset))
         except SpecError as exc:
-            raise SpecError(exc.path, f"{str(exc).split(': ', 1)[-1]} (preset {preset!r} of family {self.name!r}"
-                                      f"{', ' + self.source if self.source else ''})") from None
+            raise exc.under("", f" (preset {preset!r} of family {self.name!r}"
+                                f"{', ' + self.source if self.source else ''})") from None
 
     def hf_ids(self, preset: str) -> list[str]:
         hf = self.presets[preset].get("hf", [])
@@ -73,6 +73,9 @@ class Family:
             reference=meta.get("reference", ""),
             source=str(path),
         )
+
+
+_registry.FILE_READERS["family"] = Family.from_toml
 
 
 def _index() -> tuple[dict[str, tuple[Family, str]], dict[str, str]]:
@@ -145,7 +148,29 @@ def get_spec(name_or_spec: Any, overrides: Optional[dict[str, Any]] = None, **kw
     try:
         return _overridden(family.recipe(preset), overrides)
     except SpecError as exc:
-        raise SpecError(exc.path, f"{str(exc).split(': ', 1)[-1]} (building {preset!r} with overrides)") from None
+        raise exc.under("", f" (building {preset!r} with overrides)") from None
+
+
+def build(
+    name_or_spec: Any,
+    *,
+    device: Optional[Any] = None,
+    dtype: Optional[Any] = None,
+    seed: Optional[int] = None,
+    overrides: Optional[dict[str, Any]] = None,
+    **kw: Any,
+):
+    """Build a model from a preset name (``"gemma2-2b"``), an HF repo id, a recipe file, a dict
+    or a :class:`ModelSpec`.
+
+    Keyword overrides set spec fields by dotted path: ``n_layers=2``, or
+    ``overrides={"layers.local.mixer.window": 64}`` (``__`` may stand for ``.``; ``*``
+    matches every layer kind). ``device="meta"`` allocates nothing.
+    """
+    from zoo.model import build_model
+
+    spec = get_spec(name_or_spec, {**(overrides or {}), **kw})
+    return build_model(spec, device=device, dtype=dtype, seed=seed)
 
 
 def published_params(name: str) -> Optional[int]:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Optional
 import pluggy
 
 from zoo import hookspecs
+from zoo.hookspecs import KIND_ALIASES, canonical_kind  # noqa: F401
 from zoo.hookspecs import interface  # noqa: F401  (re-exported: kinds declare their interface here too)
 
 ENTRY_POINT_GROUP = "zoo.plugins"
@@ -38,12 +39,15 @@ KINDS = (
     "ffn",
     "position",
     "rope_scaling",
-    "attention",
+    "mixer",
     "block",
     "stability",
     "family",
     "checkpoint_format",
 )
+#: Readers that turn a file into a registrable object, by kind (``zoo.recipes`` adds the family reader),
+#: so that ``add_family(path)`` works without the registry importing the recipes.
+FILE_READERS: dict[str, Callable[[Any], Any]] = {}
 
 
 class RegistryError(LookupError):
@@ -243,6 +247,7 @@ class PluginManager:
         return self.registries[kind]
 
     def registry(self, kind: str) -> Registry:
+        kind = canonical_kind(kind)
         if kind not in self.registries:
             self.ensure_loaded()  # a plugin may add the kind
         try:
@@ -269,6 +274,7 @@ class PluginManager:
         now; a taken name is an error naming both providers unless ``override=True``."""
         if not self._loading and not self._loaded:
             self.ensure_loaded()  # so a name clash with a built-in or a plugin is seen now
+        kind = canonical_kind(kind)
         provider = provider or self._provider_for(obj)
         self.registry(kind).add(name, obj, provider=provider, override=override)
         info = self.plugins.get(provider)
@@ -297,9 +303,14 @@ class PluginManager:
         """A RoPE frequency scaling built as ``cls(config, dim=..., theta=...)`` with ``frequencies(seq_len)``."""
         return self.add("rope_scaling", name, cls, override=override)
 
+    def add_mixer(self, name: str, cls: type, *, override: bool = False) -> type:
+        """A token mixer (attention, recurrent, latent) built as ``cls(config, d_model=, layer=, spec=, index=)``,
+        called ``(x, ctx, pos)``; ``new_state(batch, max_len, dtype=, device=)`` makes its decode state."""
+        return self.add("mixer", name, cls, override=override)
+
     def add_attention(self, name: str, cls: type, *, override: bool = False) -> type:
-        """An attention built as ``cls(config, d_model=, layer=, spec=, index=)``, called ``(x, ctx, rotary)``."""
-        return self.add("attention", name, cls, override=override)
+        """The name :meth:`add_mixer` had before mixers: an attention is a token mixer."""
+        return self.add("mixer", name, cls, override=override)
 
     def add_block(self, name: str, cls: type, *, override: bool = False) -> type:
         """A block built as ``cls(config, spec=, layer=, index=)``, called ``(x, ctx, rotary)``."""
@@ -312,9 +323,10 @@ class PluginManager:
     def add_family(self, family: Any, *, override: bool = False) -> Any:
         """A family (a :class:`zoo.Family`, or a path to a family TOML file); its presets must be new names."""
         if isinstance(family, (str, os.PathLike)):
-            from zoo.recipes import Family
-
-            family = Family.from_toml(family)
+            reader = FILE_READERS.get("family")
+            if reader is None:
+                raise RegistryError(f"cannot read family file {family}: import zoo (which adds the family reader) first")
+            family = reader(family)
         return self.add("family", getattr(family, "name", None) or repr(family), family, override=override)
 
     def add_checkpoint_format(self, name: str, fmt: Any, *, override: bool = False) -> Any:
@@ -436,7 +448,8 @@ def load_plugin(name: str) -> PluginInfo:
 
 
 def list_components(kind: Optional[str] = None, pattern: str = "*") -> list[str] | dict[str, list[str]]:
-    """Names registered under ``kind`` (shell-style ``pattern``), or every kind's names."""
+    """Names registered under ``kind`` (shell-style ``pattern``), or every kind's names. ``attention``
+    is accepted for ``mixer``."""
     if kind is None:
         _manager.ensure_loaded()  # plugins may add kinds: load them before iterating
         return {k: r.names(pattern) for k, r in list(_manager.registries.items())}

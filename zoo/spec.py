@@ -27,8 +27,13 @@ class SpecError(ValueError):
     """An invalid spec. ``path`` is the dotted location of the fault."""
 
     def __init__(self, path: str, message: str):
-        self.path = path
+        self.path, self.message = path, message
         super().__init__(f"{path or '<spec>'}: {message}")
+
+    def under(self, prefix: str, note: str = "") -> "SpecError":
+        """The same error seen from ``prefix`` (its path joined under it), with ``note`` appended."""
+        path = f"{prefix}.{self.path}" if prefix and self.path else (prefix or self.path)
+        return SpecError(path, self.message + note)
 
 
 def part_field(kind: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
@@ -75,6 +80,7 @@ def _type_name(tp: Any) -> str:
 
 
 def parse_part(kind: str, data: Any, path: str) -> Part:
+    kind = _registry.canonical_kind(kind)
     if isinstance(data, Part):
         if data.kind != kind:
             raise SpecError(path, f"expected a {kind}, got a {data.kind} ({data.name!r})")
@@ -160,6 +166,11 @@ def parse(cls: type, data: Any, path: str = "") -> Any:
         data = to_dict(data)
     if not isinstance(data, dict):
         raise SpecError(path, f"expected a table for {cls.__name__}, got {data!r}")
+    for old, new in getattr(cls, "KEY_ALIASES", {}).items():
+        if old in data:
+            if new in data:
+                raise SpecError(_join(path, old), f"{old!r} is the old name of {new!r}; give only one of them")
+            data = {new if k == old else k: v for k, v in data.items()}
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in data if k not in fields]
@@ -181,14 +192,11 @@ def parse(cls: type, data: Any, path: str = "") -> Any:
             kwargs[name] = parse_part(f.metadata["kind"], f.default, fpath)
     try:
         obj = cls(**kwargs)
-    except SpecError as exc:
-        raise SpecError(_join(path, exc.path) if exc.path else path, str(exc).split(": ", 1)[-1]) from None
-    check = getattr(obj, "check", None)
-    if callable(check):
-        try:
+        check = getattr(obj, "check", None)
+        if callable(check):
             check()
-        except SpecError as exc:
-            raise SpecError(_join(path, exc.path) if exc.path else path, str(exc).split(": ", 1)[-1]) from None
+    except SpecError as exc:
+        raise exc.under(path) from None
     return obj
 
 
@@ -245,14 +253,22 @@ class HeadSpec:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One kind of layer: its block wiring and the parts it is made of."""
+    """One kind of layer: its block wiring and the parts it is made of. ``mixer`` is the token
+    mixer (attention is one kind; ``attention`` is accepted as the old name of the key)."""
 
-    attention: Part = part_field("attention", "attention")
+    KEY_ALIASES: typing.ClassVar[dict[str, str]] = {"attention": "mixer"}
+
+    mixer: Part = part_field("mixer", "attention")
     ffn: Part = part_field("ffn", "swiglu")
     norm: Part = part_field("norm", "rmsnorm")
     block: Part = part_field("block", "serial")
     # Overrides the model-level position encoding for this kind of layer (Gemma 3's RoPE bases).
     position: Optional[Part] = part_field("position", None)
+
+    @property
+    def attention(self) -> Part:
+        """The old name of :attr:`mixer`."""
+        return self.mixer
 
 
 @dataclass(frozen=True)
@@ -294,7 +310,7 @@ class ModelSpec:
             raise SpecError("embedding.padded_vocab_size", "must be at least vocab_size")
         # Cross-part checks: each part may declare `check_in(spec, layer_kind)` facts that need the model.
         for kind, layer in self.layers.items():
-            for fname in ("attention", "ffn", "norm", "block", "position"):
+            for fname in ("mixer", "ffn", "norm", "block", "position"):
                 part = getattr(layer, fname)
                 if part is None:
                     continue
@@ -303,7 +319,7 @@ class ModelSpec:
                     try:
                         hook(part.config, spec=self, layer=layer)
                     except SpecError as exc:
-                        raise SpecError(f"layers.{kind}.{fname}.{exc.path}".rstrip("."), str(exc).split(": ", 1)[-1]) from None
+                        raise exc.under(f"layers.{kind}.{fname}") from None
             pos = layer.position or self.position
             hook = getattr(pos.cls, "check_in_model", None)
             if hook is not None:
@@ -311,7 +327,7 @@ class ModelSpec:
                 try:
                     hook(pos.config, spec=self, layer=layer)
                 except SpecError as exc:
-                    raise SpecError(f"{where}.{exc.path}".rstrip("."), str(exc).split(": ", 1)[-1]) from None
+                    raise exc.under(where) from None
 
     # -- convenience ----------------------------------------------------------------------------
     def layer_kind(self, i: int) -> str:
@@ -357,7 +373,7 @@ class ModelSpec:
                 return cls.from_toml(text)
             return cls.from_json(text)
         except SpecError as exc:
-            raise SpecError(exc.path, f"{str(exc).split(': ', 1)[-1]} (in {path})") from None
+            raise exc.under("", f" (in {path})") from None
 
     def with_overrides(self, overrides: dict[str, Any] | None = None, **kw: Any) -> "ModelSpec":
         """A new spec with dotted-path overrides applied (see :func:`apply_overrides`)."""
@@ -367,6 +383,10 @@ class ModelSpec:
 # ---------------------------------------------------------------------------------------------
 # Overrides: dotted paths into the plain-data form, with '*' matching any key
 # ---------------------------------------------------------------------------------------------
+
+# A key and its old name reach the same table, whichever of the two the data spells.
+_PATH_ALIASES = {**LayerSpec.KEY_ALIASES, **{new: old for old, new in LayerSpec.KEY_ALIASES.items()}}
+
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """Return a copy of ``data`` with each ``"a.b.c": value`` override set.
@@ -391,6 +411,8 @@ def _set_path(node: Any, parts: list[str], value: Any, full: str, here: str) -> 
         keys = [k for k in node if fnmatch.fnmatchcase(k, head)]
         if not keys:
             raise SpecError(_join(here, head), f"override {full!r} matches nothing")
+    elif head not in node and _PATH_ALIASES.get(head) in node:
+        keys = [_PATH_ALIASES[head]]  # layers.*.attention reaches layers.*.mixer, and back
     else:
         keys = [head]
     for k in keys:

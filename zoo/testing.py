@@ -9,8 +9,11 @@ Each kind's contract checks shapes, dtypes (float32 and bfloat16), gradients, bu
 meta device, and what the kind must do: a norm bounds its output whatever the input's scale,
 an activation is pointwise, an FFN mixes no tokens, a relative position encoding makes
 scores depend only on the distance between positions, a RoPE scaling only slows rotations down,
-attention and blocks are causal and handle padding and the kv cache. Each part is also checked
-inside a tiny model (forward, backward, causality, left padding, incremental decoding).
+mixers and blocks are causal and handle padding. Each part is also checked inside a tiny model
+(forward, backward, causality, left padding, and incremental decoding against the full forward,
+always: prefill then single tokens, several tokens onto an existing state, a left-padded batch,
+past a window, and the static state of compiled decoding); a mixer is also checked beside
+standard attention in one hybrid model.
 Helpers such as :func:`tiny_model`, :func:`attention_inputs` and :func:`qk_scores` are public so
 plugin tests can state their part's own numeric properties.
 """
@@ -25,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from zoo import registry as _registry
-from zoo.parts import ForwardContext, Rotary
+from zoo.interfaces import ForwardContext, PositionState, rotary_dim_of
 from zoo.spec import ModelSpec, Part, apply_overrides, parse_part
 
 #: The tiny model every part is checked in: 2 layers, d_model 32, 4 query heads of 8, 2 kv heads.
@@ -36,7 +39,7 @@ TINY: dict[str, Any] = {
     "max_seq_len": 64,
     "position": {"name": "rope"},
     "final_norm": {"name": "rmsnorm"},
-    "layers": {"default": {"attention": {"name": "attention", "n_heads": 4, "n_kv_heads": 2}, "ffn": {"name": "glu"}}},
+    "layers": {"default": {"mixer": {"name": "attention", "n_heads": 4, "n_kv_heads": 2}, "ffn": {"name": "glu"}}},
 }
 #: Where a part of each kind goes in the tiny model.
 SLOTS: dict[str, tuple[str, ...]] = {
@@ -45,11 +48,11 @@ SLOTS: dict[str, tuple[str, ...]] = {
     "ffn": ("layers.default.ffn",),
     "position": ("position",),
     "rope_scaling": ("position.scaling",),
-    "attention": ("layers.default.attention",),
+    "mixer": ("layers.default.mixer",),
     "block": ("layers.default.block",),
 }
 #: Settings a kind's config usually requires, filled in when a check is given no config.
-KIND_DEFAULTS: dict[str, dict[str, Any]] = {"attention": {"n_heads": 4, "n_kv_heads": 2}}
+KIND_DEFAULTS: dict[str, dict[str, Any]] = {"mixer": {"n_heads": 4, "n_kv_heads": 2}}
 
 CONTRACTS: dict[str, Callable[..., None]] = {}
 
@@ -70,6 +73,7 @@ def contract(kind: str):
 
 def check(kind: str, name: str, config: Optional[dict[str, Any]] = None) -> None:
     """Run the contract of ``kind`` on the registered part ``name`` with ``config`` (plain data)."""
+    kind = _registry.canonical_kind(kind)
     fn = CONTRACTS.get(kind)
     assert fn is not None, (
         f"no conformance contract for kind {kind!r} (contracts: {', '.join(CONTRACTS)}); "
@@ -93,6 +97,7 @@ def check_plugin(plugin: str, configs: Optional[dict[tuple[str, str], list[dict[
 def default_config(kind: str, name: str) -> dict[str, Any]:
     """The config data a check uses when given none: the kind's usual required settings (only
     those the part's Config has and needs)."""
+    kind = _registry.canonical_kind(kind)
     if kind not in SLOTS:
         return {}
     cls = _registry.get(kind, name)
@@ -101,6 +106,8 @@ def default_config(kind: str, name: str) -> dict[str, Any]:
 
 
 def part(kind: str, name: str, config: Optional[dict[str, Any]] = None) -> Part:
+    """The registered part ``name`` of ``kind`` with ``config`` (plain data), validated: what a
+    spec holds (``part(...).build(dim=32)`` builds a norm)."""
     return parse_part(kind, {"name": name, **(config or {})}, kind)
 
 
@@ -112,10 +119,22 @@ def tiny_spec(overrides: Optional[dict[str, Any]] = None, **kw: Any) -> ModelSpe
 def tiny_spec_with(kind: str, name: str, config: Optional[dict[str, Any]] = None, **overrides: Any) -> ModelSpec:
     """The tiny spec with part ``name`` of ``kind`` in every slot of its kind."""
     data = {"name": name, **(config or {})}
-    return tiny_spec({**{slot: data for slot in SLOTS[kind]}, **overrides})
+    return tiny_spec({**{slot: data for slot in SLOTS[_registry.canonical_kind(kind)]}, **overrides})
+
+
+def hybrid_spec(name: str, config: Optional[dict[str, Any]] = None, **overrides: Any) -> ModelSpec:
+    """The tiny spec with two layer kinds: mixer ``name`` first, then standard attention (the
+    layout of a hybrid such as Jamba or Gemma 3's local/global mix)."""
+    data = copy.deepcopy(TINY)
+    data["layers"] = {"part": {**data["layers"]["default"], "mixer": {"name": name, **(config or {})}},
+                      "attention": data["layers"]["default"]}
+    data["layer_pattern"] = ["part", "attention"]
+    return ModelSpec.from_dict(apply_overrides(data, overrides))
 
 
 def tiny_model(spec: ModelSpec | dict[str, Any] | None = None, *, dtype: Optional[torch.dtype] = None, seed: int = 0):
+    """A tiny model of ``spec`` (default: the tiny spec; a dict is taken as overrides of it), in
+    eval mode, with seeded weights and the norms' weights moved off their identity values."""
     from zoo.model import build_model
 
     if spec is None or isinstance(spec, dict):
@@ -171,17 +190,19 @@ def assert_causal(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, t
 
 
 def attention_inputs(spec: ModelSpec, B: int = 2, T: int = 10, layer: int = 0, dtype=torch.float32, seed: int = 0):
-    """(x, ctx, rotary) to call layer ``layer``'s attention or block of ``spec`` directly."""
-    from zoo.model import Decoder
-
+    """(x, ctx, pos) to call layer ``layer``'s mixer or block of ``spec`` directly (``pos`` is None
+    when the mixer takes no rotation and the position encoding would rotate)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(B, T, spec.d_model, generator=gen).to(dtype)
     pos_ids = torch.arange(T).expand(B, T)
-    ctx = ForwardContext(position_ids=pos_ids, q_idx=torch.arange(T))
-    pos = spec.position_for(layer).build(spec=spec, layer=spec.layer(layer))
+    ctx = ForwardContext(position_ids=pos_ids, slots=torch.arange(T))
+    part = spec.position_for(layer)
+    if part.cls.applies_to == "qk" and rotary_dim_of(spec.layer(layer), spec.d_model) is None:
+        return x, ctx, None
+    pos = part.build(spec=spec, layer=spec.layer(layer))
     if isinstance(pos, torch.nn.Module):
         pos = pos.to(dtype)
-    return x, ctx, Rotary(pos, pos.prepare(pos_ids, dtype))
+    return x, ctx, PositionState(pos, pos.prepare(pos_ids, dtype))
 
 
 def qk_scores(pos, q: torch.Tensor, k: torch.Tensor, m: int, n: int) -> torch.Tensor:
@@ -227,17 +248,66 @@ def check_model(spec: ModelSpec, what: str) -> None:
         padded = torch.cat([torch.zeros(2, pad, dtype=ids.dtype), ids], 1)
         mask = torch.cat([torch.zeros(2, pad, dtype=torch.long), torch.ones(2, T, dtype=torch.long)], 1)
         _close(model(padded, attention_mask=mask)[:, pad:], logits, f"{what}: left padding changed the real tokens' logits", atol=1e-4)
-        if all(getattr(layer.attention, "supports", {}).get("kv_cache") for layer in model.layers):
-            from zoo.cache import KVCache
-
-            cache = KVCache.for_model(model)
-            steps = [model(ids[:, :5], cache=cache)] + [model(ids[:, t : t + 1], cache=cache) for t in range(5, T)]
-            _close(torch.cat(steps, 1), logits, f"{what}: incremental decoding with the kv cache", atol=1e-4)
+        check_decoding(model, ids, logits, what)
     bf16 = tiny_model(spec, dtype=torch.bfloat16)
     with torch.no_grad():
         out = bf16(ids)
     assert out.dtype == torch.bfloat16, f"{what}: a bfloat16 model gave {out.dtype} logits"
     _finite(out, f"{what} (bfloat16 model)")
+
+
+def check_decoding(model, ids: torch.Tensor, full: Optional[torch.Tensor] = None, what: str = "model",
+                   atol: float = 1e-4) -> None:
+    """Incremental decoding computes what the full forward computes, for every mixer, always:
+
+    - the prompt prefilled, then one token at a time (past any window the mixers have, when the
+      sequence is longer than it);
+    - several new tokens at once onto an existing state, with no length given up front;
+    - a left-padded batch whose rows have different padding;
+    - the static state that compiled decoding uses (``DecodeState.to_static``), one token a step.
+
+    A model with a mixer that keeps no decode state fails here, naming the mixer.
+    """
+    B, T = ids.shape
+    with torch.no_grad():
+        full = model(ids) if full is None else full
+        try:
+            state = model.new_state(B, T)
+        except ValueError as exc:
+            raise AssertionError(f"{what}: cannot decode incrementally: {exc}") from None
+        steps = [model(ids[:, :5], state=state)] + [model(ids[:, t : t + 1], state=state) for t in range(5, T)]
+        _close(torch.cat(steps, 1), full, f"{what}: prefill then one token at a time differs from the full forward",
+               atol=atol)
+
+        state = model.new_state(B, None)
+        cuts = [0, 3, 7, 9, T]
+        steps = [model(ids[:, a:b], state=state) for a, b in zip(cuts, cuts[1:])]
+        _close(torch.cat(steps, 1), full, f"{what}: several new tokens onto an existing state differ from the full "
+               "forward", atol=atol)
+
+        # Row 0 is left-padded by 3 slots; row 1 has 3 more real tokens in front instead.
+        V = model.spec.vocab_size
+        extra = torch.randint(0, V, (3,), generator=torch.Generator().manual_seed(1))
+        padded = torch.stack([torch.cat([torch.zeros(3, dtype=ids.dtype), ids[0]]), torch.cat([extra, ids[1]])])
+        mask = torch.ones_like(padded)
+        mask[0, :3] = 0
+        ref = [model(ids[:1]), model(padded[1:])[:, 3:]]
+        state = model.new_state(2, T + 3)
+        steps = [model(padded[:, :8], attention_mask=mask[:, :8], state=state)]
+        steps += [model(padded[:, t : t + 1], state=state) for t in range(8, T + 3)]
+        got = torch.cat(steps, 1)[:, 3:]
+        _close(got[:1], ref[0], f"{what}: decoding a left-padded row differs from the row alone", atol=atol)
+        _close(got[1:], ref[1], f"{what}: decoding beside a padded row differs from the row alone", atol=atol)
+
+        state = model.new_state(B, 5)
+        steps = [model(ids[:, :5], state=state)]
+        try:
+            static = state.to_static(T + 2)
+        except TypeError as exc:
+            raise AssertionError(f"{what}: no static state for compiled decoding: {exc}") from None
+        steps += [model(ids[:, t : t + 1], state=static) for t in range(5, T)]
+        _close(torch.cat(steps, 1), full, f"{what}: decoding with the static state (compiled decoding's) differs "
+               "from the full forward", atol=atol)
 
 
 @contract("norm")
@@ -319,7 +389,7 @@ def _position(kind: str, name: str, config: dict[str, Any]) -> None:
         assert not torch.allclose(emb[0, 1], emb[0, 2]), f"{what}: positions 1 and 2 get the same embedding"
     else:
         assert emb is None, f"{what}: applies_to={applies!r} but embed() returned a tensor"
-    D = spec.layer(0).attention.cls.head_dim_for(spec.layer(0).attention.config, spec.d_model)
+    D = rotary_dim_of(spec.layer(0), spec.d_model)
     q, k = torch.randn(1, H, 1, D), torch.randn(1, H, 1, D)
     qr, kr = pos.rotate(q, k, pos.prepare(torch.tensor([[3]]), torch.float32))
     assert qr.shape == q.shape and kr.shape == k.shape, f"{what}: rotate changed shapes"
@@ -358,14 +428,16 @@ def _rope_scaling(kind: str, name: str, config: dict[str, Any]) -> None:
     check_model(tiny_spec_with(kind, name, config), what)
 
 
-@contract("attention")
+@contract("mixer")
 @contract("block")
 def _sequence_mixer(kind: str, name: str, config: dict[str, Any]) -> None:
-    """Attention and blocks: called as ``(x, ctx, rotary)``, shape-preserving, causal."""
+    """Mixers and blocks: called as ``(x, ctx, pos)``, shape-preserving, causal; in a model they
+    decode incrementally as the full forward computes (see :func:`check_decoding`), and a mixer
+    does so beside standard attention too (a hybrid)."""
     what = f"{kind} {name!r} {config}"
     spec = tiny_spec_with(kind, name, config)
     layer = spec.layer(0)
-    context = {"spec": spec, "layer": layer, "index": 0, **({"d_model": spec.d_model} if kind == "attention" else {})}
+    context = {"spec": spec, "layer": layer, "index": 0, **({"d_model": spec.d_model} if kind == "mixer" else {})}
     build = lambda: getattr(layer, kind).build(**context)  # noqa: E731
     assert_builds_on_meta(build, what)
     module = build()
@@ -378,6 +450,8 @@ def _sequence_mixer(kind: str, name: str, config: dict[str, Any]) -> None:
         bump = lambda h: h + (torch.arange(h.shape[1]) == 6)[None, :, None]  # noqa: E731
         assert_causal(lambda h: module(h, ctx, rot), x.detach(), 6, bump, what)
     check_model(spec, what)
+    if kind == "mixer":
+        check_model(hybrid_spec(name, config), f"{what} beside standard attention")
 
 
 @contract("stability")
@@ -396,40 +470,42 @@ def _stability(kind: str, name: str, config: dict[str, Any]) -> None:
 def _family(kind: str, name: str, config: dict[str, Any]) -> None:
     """Every preset validates, builds on the meta device with its published parameter count (when
     given), and a shrunk copy of the first preset runs forward and backward."""
-    import zoo
+    from zoo.recipes import build, get_spec
 
     fam = _registry.get(kind, name)
     assert fam.presets, f"family {name!r} has no presets"
     for preset in fam.presets:
-        model = zoo.build(preset, device="meta")
+        model = build(preset, device="meta")
         published = fam.presets[preset].get("params")
         if published is not None:
             assert model.num_parameters() == published, (
                 f"family {name!r}: preset {preset!r} has {model.num_parameters():,} parameters, published {published:,}")
         for repo in fam.hf_ids(preset):
-            assert zoo.get_spec(repo) == model.spec, f"family {name!r}: {repo!r} does not resolve to {preset!r}"
+            assert get_spec(repo) == model.spec, f"family {name!r}: {repo!r} does not resolve to {preset!r}"
     check_model(shrink(fam.spec(next(iter(fam.presets)))), f"family {name!r}")
 
 
 def shrink(spec: ModelSpec, *, n_layers: int = 2, d_model: int = 32, vocab_size: int = 64, head_dim: int = 8,
            d_ff: int = 64, window: int = 4) -> ModelSpec:
-    """A tiny copy of ``spec`` with the same structure: few layers, narrow, short windows. Fields
-    that a part does not have are left alone."""
+    """A tiny copy of ``spec`` with the same structure: few layers, narrow, short windows.
+
+    Each part shrinks itself: a part class with ``shrink(config, head_dim=, d_ff=, window=,
+    d_model=)`` returns the settings to change (attention: 4 heads of ``head_dim``, MHA/GQA/MQA
+    kept, the window cut; an FFN: its width); parts without one are left as they are.
+    """
     data = spec.to_dict()
     data.update(n_layers=n_layers, d_model=d_model, vocab_size=vocab_size, max_seq_len=64)
     data.get("embedding", {}).pop("padded_vocab_size", None)
-    for layer in data["layers"].values():
-        att = layer["attention"]
-        heads, kv = att.get("n_heads"), att.get("n_kv_heads")
-        att.update(n_heads=4, head_dim=head_dim)
-        if kv is not None:  # keep MHA, GQA or MQA
-            att["n_kv_heads"] = 4 if kv == heads else (1 if kv == 1 else 2)
-        if att.get("window") is not None:
-            att["window"] = window
-        if att.get("scale_dim") is not None:
-            att["scale_dim"] = float(head_dim)
-        if isinstance(layer.get("ffn"), dict) and "d_ff" in layer["ffn"]:
-            layer["ffn"]["d_ff"] = d_ff
+    sizes = {"head_dim": head_dim, "d_ff": d_ff, "window": window, "d_model": d_model}
+    for kind, layer in spec.layers.items():
+        for slot in ("mixer", "ffn", "norm", "block", "position"):
+            part = getattr(layer, slot)
+            fn = getattr(part.cls, "shrink", None) if part is not None else None
+            if callable(fn):
+                table = data["layers"][kind][slot]
+                if isinstance(table, str):
+                    table = data["layers"][kind][slot] = {"name": table}
+                table.update(fn(part.config, **sizes))
     return ModelSpec.from_dict(data)
 
 

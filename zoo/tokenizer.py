@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -23,15 +23,20 @@ def _read_json(path: Path) -> dict:
 
 
 class Tokenizer:
+    """A ``tokenizer.json`` (a file, or a checkpoint directory holding one), read by ``tokenizers``:
+    the one tokenizer wrapper, for generation and for training data alike."""
+
     def __init__(self, directory: str | Path):
         directory = Path(directory)
         path = directory / "tokenizer.json" if directory.is_dir() else directory
         if not path.is_file():
             raise FileNotFoundError(
-                f"no tokenizer.json in {directory}; pass a checkpoint directory that has one "
+                f"tokenizer file {path} does not exist; pass a tokenizer.json or a checkpoint directory holding one "
                 f"(or give token ids directly to zoo.generate)"
             )
+        self.path = path
         self.tok = _HFTokenizer.from_file(str(path))
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         folder = path.parent
         config = _read_json(folder / "tokenizer_config.json")
         gen = {**_read_json(folder / "config.json"), **_read_json(folder / "generation_config.json")}
@@ -49,7 +54,11 @@ class Tokenizer:
             return entry.get("content")
         return entry
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens=False`` adds no BOS or other special token
+        (training text, concatenated into one stream)."""
+        if not add_special_tokens:
+            return self.tok.encode(text, add_special_tokens=False).ids
         ids = self.tok.encode(text).ids
         if self.add_bos:
             bos = self.tok.token_to_id(self.bos_token)

@@ -60,8 +60,10 @@ def flex_attend(module, q, k, v, q_idx, k_idx, key_mask=None, bias=None):
     cap = module.cfg.softcap
     score_mod = None
     if cap is not None:
+        from zoo.components.stability import softcap
+
         def score_mod(score, b, h, qi, ki):
-            return cap * torch.tanh(score / cap)
+            return softcap(score, cap)
     fn = _flex() if q.device.type == "cuda" else flex_attention
     return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=module.scale,
               enable_gqa=module.n_kv_heads != module.n_heads)

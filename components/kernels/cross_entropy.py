@@ -158,8 +158,7 @@ def fused_linear_cross_entropy(h, weight, labels, *, bias=None, softcap=None, z_
 
 def decoder_loss(model, hidden, labels, *, z_loss, ignore_index=-100):
     """The fused loss for a ``zoo.Decoder``: its head weight/bias, padded vocab and soft-cap."""
-    weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
-    bias = model.head_bias if model.lm_head is None else model.lm_head.bias
+    weight, bias = model.head()
     vocab = model.spec.vocab_size
     if weight.shape[0] != vocab:
         weight = weight[:vocab]

@@ -21,8 +21,8 @@ from zoo.checkpoints.format import CheckpointError, CheckpointFormat, ConfigErro
 from zoo.checkpoints.hub import resolve
 from zoo.checkpoints.io import WeightFiles, atomic_directory, check_sizes, write_shards
 from zoo.checkpoints.maps import bind
-from zoo.checkpoints.sizes import ffn_size
 from zoo.model import Decoder, build_model
+from zoo.registry import list_components
 from zoo.spec import ModelSpec
 
 __all__ = [
@@ -142,9 +142,22 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
             state[zname] = t.to(device=device or "cpu", dtype=target_dtype)
         del hf_tensors, zoo_tensors
     model.load_state_dict(state, strict=True, assign=True)
+    _reset_transient_buffers(model, device or "cpu")
     left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if left:
         raise CheckpointError(f"after loading, {left[0]!r} is still on the meta device (not filled)")
+
+
+def _reset_transient_buffers(model: Decoder, device) -> None:
+    """Non-persistent buffers (running counts, caches) are in no checkpoint: after a load they are
+    zeros, then whatever the part's ``reset_buffers()`` makes them."""
+    for module in model.modules():
+        transient = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None
+                     and module._buffers[n].is_meta]
+        for name in transient:
+            module._buffers[name] = torch.zeros_like(module._buffers[name], device=device)
+        if transient and callable(getattr(module, "reset_buffers", None)):
+            module.reset_buffers()
 
 
 def from_pretrained(
@@ -183,25 +196,23 @@ def from_pretrained(
 
 def _architecture(spec: ModelSpec) -> dict[str, Any]:
     """What decides the function a spec computes, layer by layer, with defaults resolved (not layer
-    kind names, labels or training-only settings), so that two spellings of one model compare equal."""
+    kind names, labels or training-only settings), so that two spellings of one model compare equal.
+    Each part resolves its own defaults (``resolved(config, d_model)``, when it has one)."""
     from zoo.spec import to_dict
+
+    def resolved(part):
+        fn = getattr(part.cls, "resolved", None)
+        return {"name": part.name, **fn(part.config, spec.d_model)} if callable(fn) else to_dict(part)
 
     data = {k: v for k, v in spec.to_dict().items()
             if k not in ("layers", "layer_pattern", "label", "dropout", "init_std", "z_loss", "position")}
     per_layer = []
     for i in range(spec.n_layers):
         layer = spec.layer(i)
-        att = to_dict(layer.attention)
-        att["head_dim"] = layer.attention.cls.head_dim_for(layer.attention.config, spec.d_model)
-        att["n_kv_heads"] = att.get("n_kv_heads") or att["n_heads"]
-        att["scale_dim"] = att.get("scale_dim") or att["head_dim"]
-        ffn = to_dict(layer.ffn)
-        for key in ("d_ff_rule", "multiple_of", "ffn_dim_multiplier"):
-            ffn.pop(key, None)
-        ffn["d_ff"] = ffn_size(spec, i)
+        ffn = resolved(layer.ffn)
         ffn["name"] = "glu" if getattr(layer.ffn.cls, "gated", False) else ffn["name"]
-        per_layer.append({"attention": att, "ffn": ffn, "norm": to_dict(layer.norm), "block": to_dict(layer.block),
-                          "position": to_dict(spec.position_for(i))})
+        per_layer.append({"mixer": resolved(layer.mixer), "ffn": ffn, "norm": to_dict(layer.norm),
+                          "block": to_dict(layer.block), "position": to_dict(spec.position_for(i))})
     data["per_layer"] = per_layer
     return data
 
@@ -222,7 +233,7 @@ def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Option
         raise CheckpointError(
             "save_pretrained needs to know which HF model_type to write: this model was not loaded from a "
             "checkpoint, so pass model_type= (one of: "
-            + ", ".join(__import__("zoo").list_components("checkpoint_format")) + ")"
+            + ", ".join(list_components("checkpoint_format")) + ")"
         )
     fmt = get_format(model_type)
     spec = model.spec

@@ -17,7 +17,8 @@ Tensors = list[torch.Tensor]
 
 @dataclass(frozen=True)
 class Heads:
-    """What a transform needs to know about a layer's attention shapes."""
+    """What a transform that splits or fuses projections needs to know about a layer's heads; the
+    layer's mixer reports it (``mixer.heads()``)."""
 
     n_heads: int
     n_kv_heads: int
@@ -26,11 +27,13 @@ class Heads:
 
 @dataclass(frozen=True)
 class Transform:
-    """A named, invertible change between HF tensors and zoo tensors."""
+    """A named, invertible change between HF tensors and zoo tensors. One that ``needs_heads`` is
+    given the layer's :class:`Heads`; every other one gets ``None``."""
 
     name: str
     to_zoo: Callable[[Tensors, Heads], Tensors]
     to_hf: Callable[[Tensors, Heads], Tensors]
+    needs_heads: bool = False
 
     def __repr__(self) -> str:
         return self.name
@@ -59,11 +62,11 @@ def compose(*transforms: Transform) -> Transform:
             ts = t.to_hf(ts, h)
         return ts
 
-    return Transform("+".join(t.name for t in transforms), to_zoo, to_hf)
+    return Transform("+".join(t.name for t in transforms), to_zoo, to_hf, any(t.needs_heads for t in transforms))
 
 
 def _qkv(name: str, split, fuse) -> Transform:
-    return Transform(name, lambda ts, h: split(ts[0], h), lambda ts, h: [fuse(ts, h)])
+    return Transform(name, lambda ts, h: split(ts[0], h), lambda ts, h: [fuse(ts, h)], needs_heads=True)
 
 
 def _concat_split(t, h):
@@ -163,7 +166,10 @@ def bind(rules: Sequence[Rule], model) -> Iterator[Bound]:
                 missing = [n for n, p in zip(zoo_names, present) if not p]
                 raise ValueError(f"rule {r.hf} -> {r.zoo}: the model lacks {missing}")
             heads = None
-            if i is not None:
-                att = model.layers[i].attention
-                heads = Heads(att.n_heads, att.n_kv_heads, att.head_dim)
+            if r.transform.needs_heads:
+                mixer = model.layers[i if i is not None else 0].attention
+                if not callable(getattr(mixer, "heads", None)):
+                    raise ValueError(f"rule {r.hf} -> {r.zoo}: transform {r.transform.name} needs the layer's heads, "
+                                     f"but its mixer {type(mixer).__name__} has no heads() method")
+                heads = Heads(*mixer.heads())
             yield Bound(tuple(fmt(n) for n in r.hf), zoo_names, r.transform, heads)

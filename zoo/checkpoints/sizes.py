@@ -6,6 +6,11 @@ from zoo.spec import ModelSpec
 
 
 def ffn_size(spec: ModelSpec, i: int = 0) -> int:
-    """The FFN width of layer ``i`` (resolving a d_ff rule by building the part on the meta device)."""
+    """The FFN width of layer ``i``, as the part resolves it (its ``resolved`` settings, else the
+    ``d_ff`` fact of the part built on the meta device)."""
+    ffn = spec.layer(i).ffn
+    fn = getattr(ffn.cls, "resolved", None)
+    if callable(fn):
+        return fn(ffn.config, spec.d_model)["d_ff"]
     with torch.device("meta"):
-        return spec.layer(i).ffn.build(d_model=spec.d_model).d_ff
+        return ffn.build(d_model=spec.d_model).facts()["d_ff"]

@@ -28,18 +28,18 @@ def parse_sets(items):
 
 
 def run(args):
-    import zoo
+    from zoo.recipes import build, list_models
 
     names = []
     for n in args.names:
         if any(c in n for c in "*?[") and not n.endswith((".toml", ".json")):
-            names += zoo.list_models(n)
+            names += list_models(n)
         else:
             names.append(n)
     rows = []
     for name in names:
         t = time.perf_counter()
-        model = zoo.build(name, device="meta", overrides=parse_sets(args.set))
+        model = build(name, device="meta", overrides=parse_sets(args.set))
         spec = model.spec
         rows.append({
             "name": name,

@@ -36,7 +36,7 @@ def human(n, unit="B"):
 
 
 def figure_rows(a):
-    p, f, kv, m, s = a["params"], a["flops"], a["kv_cache"], a["memory"], a["shape"]
+    p, f, kv, m, s = a["params"], a["flops"], a["decode_state"], a["memory"], a["shape"]
 
     def per_kind(x, fmt):
         return ", ".join(f"{k}: {fmt(v)}" for k, v in x.items()) if isinstance(x, dict) else fmt(x)
@@ -46,15 +46,17 @@ def figure_rows(a):
         ("parameters", f"{p['total']:,}  ({human(p['total'], '')}){pub}"),
         ("  embedding", f"{p['embedding']:,}"),
         ("  non-embedding", f"{p['non_embedding']:,}"),
+        *([("  active per token", f"{p['active']:,}")] if p["active"] != p["total"] else []),
         ("aspect ratio d_model/n_layers", f"{s['aspect_ratio']:.1f}"),
         ("d_ff / d_model", per_kind(s["d_ff_over_d_model"], lambda v: f"{v:.3f}" if v else "-")),
-        ("attention", per_kind(s["attention"], str)),
+        *([("attention", per_kind(s["attention"], str))] if "attention" in s else []),
         ("forward FLOPs/token (2N)", f"{human(f['forward_per_token_2n'], 'FLOP')}  (N = {f['matmul_params']:,} multiplied weights)"),
-        (f"  + attention at context {f['context']:,}", human(f["attention_per_token_at_context"], "FLOP")),
+        (f"  + token mixing at context {f['context']:,}", human(f["mixing_per_token_at_context"], "FLOP")),
         ("  = forward at that context", human(f["forward_per_token_at_context"], "FLOP")),
         ("training FLOPs/token", f"{human(f['training_per_token'], 'FLOP')}  (6N = {human(f['training_per_token_6n'], 'FLOP')})"),
         (f"KV cache/token ({kv['dtype']})", f"{kv['bytes_per_token']:,} B  ({human(kv['bytes_per_token'])})"),
         (f"KV cache {kv['context']:,} x batch {kv['batch']}", human(kv["bytes"])),
+        *([("  of which fixed (recurrent) state", human(kv["fixed_bytes"]))] if kv["fixed_bytes"] else []),
         (f"weights ({m['dtype']})", human(m["weights_bytes"])),
         ("AdamW mixed-precision training", f"{human(m['adamw_mixed_precision_bytes'])}  (16 B/param, activations not included)"),
     ]
@@ -71,9 +73,9 @@ def print_table(rows, title=None):
 def run(args):
     from zoo.accounting import account, components
 
-    import zoo
+    from zoo.recipes import build
 
-    model = zoo.build(args.name, device="meta", overrides=parse_sets(args.set))
+    model = build(args.name, device="meta", overrides=parse_sets(args.set))
     figures = account(model, context=args.context, batch=args.batch, dtype=args.dtype)
     figures["name"] = args.name
     parts = components(model)

@@ -27,7 +27,6 @@ def diff_rows(a, b):
 
 
 def run(args):
-    import zoo
     from zoo.accounting import account, components
 
     rows = diff_rows(components(args.a), components(args.b))

@@ -27,14 +27,15 @@ def add_parser(sub):
 def run(args):
     import torch
 
-    import zoo
+    from zoo.checkpoints import from_pretrained
+    from zoo.generation import generate
     from zoo.tokenizer import TextStream, Tokenizer
 
     from zoo.checkpoints import resolve
 
     directory = resolve(args.checkpoint)  # a local directory, or the hub repo's cached snapshot
     tokenizer = Tokenizer(directory)
-    model = zoo.from_pretrained(directory, dtype=args.dtype)
+    model = from_pretrained(directory, dtype=args.dtype)
     ids = torch.tensor([tokenizer.encode(args.prompt)])
     stream = TextStream(tokenizer)
     out = sys.stdout
@@ -47,7 +48,7 @@ def run(args):
             out.write(piece)
             out.flush()
 
-    zoo.generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+    generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                  seed=args.seed, stop=None if args.no_stop else (tokenizer.eos_token_ids or None), callback=show,
                  compile=args.compile)
     out.write("\n")

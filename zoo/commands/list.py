@@ -19,9 +19,9 @@ def add_parser(sub):
 
 
 def rows(kind, pattern):
-    import zoo
+    from zoo.registry import manager
 
-    m = zoo.manager()
+    m = manager()
     m.ensure_loaded()
 
     def provenance(provider):

@@ -22,9 +22,9 @@ def summary(registered):
 
 
 def run(args):
-    import zoo
+    from zoo.registry import manager
 
-    m = zoo.manager()
+    m = manager()
     m.ensure_loaded()
     infos = list(m.plugins.values())
     if args.json:

@@ -2,7 +2,7 @@
 
 One process: ``zoo train llama3-8b --set n_layers=2 --set d_model=64 --set vocab_size=256 ...``.
 Several: ``accelerate launch [--config_file examples/accelerate/fsdp2-8gpu.yaml] -m zoo.cli train ...``
-or ``torchrun --nproc_per_node N -m zoo.cli train ...``. Every :class:`~zoo.train.TrainConfig`
+or ``torchrun --nproc_per_node N -m zoo.cli train ...``. Every :class:`~zoo.training.TrainConfig`
 field is an option (``--global-batch 64``, ``--fsdp``, ``--data a.txt b.txt``).
 """
 
@@ -21,7 +21,7 @@ def _option_type(tp):
 
 
 def add_parser(sub):
-    from zoo.train import TrainConfig
+    from zoo.training import TrainConfig
 
     p = sub.add_parser("train", help="train a preset or recipe with Accelerate (one process, DDP or FSDP2)",
                        description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
@@ -43,7 +43,7 @@ def add_parser(sub):
 
 
 def run(args):
-    from zoo.train import TrainConfig, train
+    from zoo.training import TrainConfig, train
 
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     fields["data"] = tuple(fields["data"])

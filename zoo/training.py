@@ -121,7 +121,7 @@ class TrainConfig:
 @dataclass
 class TrainResult:
     step: int
-    losses: list[float]  # loss (cross-entropy + z-loss) of each step run in this invocation
+    losses: list[float]  # loss (cross-entropy + z-loss + weighted auxiliary losses) of each step run in this invocation
     ce: list[float]
     z: list[float]  # mean log(Z)^2 of each step
     out_dir: Path
@@ -131,6 +131,8 @@ class TrainResult:
     tokens_per_s: float = 0.0
     main_process: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+    # Every term the loss output carried (loss, ce, z, each auxiliary loss and metric), per step.
+    terms: list[dict[str, float]] = field(default_factory=list)
 
 
 # -- the recipe -----------------------------------------------------------------------------------
@@ -369,9 +371,9 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     # Every check before any compute: model, tokenizer, checkpoint.
     pretrained = None
     if config.init_from:
-        import zoo
+        from zoo.checkpoints import from_pretrained
 
-        pretrained = zoo.from_pretrained(config.init_from)
+        pretrained = from_pretrained(config.init_from)
         spec = get_spec(model if model is not None else pretrained.spec, overrides)
     elif model is None:
         raise ValueError("train needs a model: a preset name, a recipe file or a spec, or init_from=a checkpoint")
@@ -459,7 +461,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     while step < last:
         t0 = time.perf_counter()
         batch = data.batch(position + acc.process_index * per_rank, per_rank)
-        sums = torch.zeros(3, device=acc.device)
+        sums: dict[str, torch.Tensor] = {}
         for m in range(accum):
             ids = batch[m * config.micro_batch:(m + 1) * config.micro_batch].to(acc.device)
             sync = m == accum - 1
@@ -468,18 +470,22 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
             with (acc.no_sync(wrapped) if not (sync or use_fsdp) else nullcontext()), acc.autocast():
                 out = wrapped(ids, labels=ids)  # the model's own loss: fused where a fast path runs
                 acc.backward(out.loss / accum)
-            sums += torch.stack([out.loss.detach(), out.ce.detach(), out.z.detach()]).float() / accum
+            for name, value in out.terms().items():
+                sums[name] = sums.get(name, 0.0) + value.detach().float() / accum
         grad_norm = acc.clip_grad_norm_(wrapped.parameters(), config.grad_clip or math.inf)  # inf: measure only
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        loss, ce, z = (float(v) for v in acc.reduce(sums, reduction="mean"))
+        after_optimizer_step(net, acc)
+        terms = step_terms(sums, acc)
+        loss, ce, z = terms["loss"], terms["ce"], terms["z"]
         step += 1
         position += config.global_batch
         tokens_seen += tokens_per_step
         tps = tokens_per_step / max(time.perf_counter() - t0, 1e-9)
         result.losses.append(loss), result.ce.append(ce), result.z.append(z)
-        row = {"step": step, "loss": loss, "ce": ce, "z": z, "lr": schedule.get_last_lr()[0], "tokens_per_s": tps,
+        result.terms.append(terms)
+        row = {"step": step, **terms, "lr": schedule.get_last_lr()[0], "tokens_per_s": tps,
                "grad_norm": float(grad_norm)}
         if on_step is not None:
             on_step(row, net)
@@ -510,6 +516,34 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     return result
 
 
+def step_terms(sums: dict[str, torch.Tensor], accelerator) -> dict[str, float]:
+    """One step's loss terms (loss, ce, z, then each auxiliary loss and metric by name), averaged
+    over the processes. Every process has the same names: they come from the same model."""
+    names = ["loss", "ce", "z"] + sorted(k for k in sums if k not in ("loss", "ce", "z"))
+    values = accelerator.reduce(torch.stack([sums[k] for k in names]), reduction="mean")
+    return dict(zip(names, (float(v) for v in values)))
+
+
+@torch.no_grad()
+def after_optimizer_step(model: nn.Module, accelerator) -> None:
+    """Call ``after_optimizer_step(reduce=...)`` on every part that defines it (an aux-loss-free
+    expert bias update), after each optimizer step, on every process. ``reduce(t)`` sums a tensor
+    over the processes (identity on one), so a part that updates from it updates identically
+    everywhere, under DDP and FSDP2 alike."""
+    hooks = [m.after_optimizer_step for m in model.modules()
+             if m is not model and callable(getattr(m, "after_optimizer_step", None))]
+    if not hooks:
+        return
+    if accelerator.num_processes > 1:
+        def reduce(t):
+            return accelerator.reduce(t.clone(), reduction="sum")
+    else:
+        def reduce(t):
+            return t
+    for hook in hooks:
+        hook(reduce=reduce)
+
+
 def full_state_dict(model: nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
     """The whole model's weights on the CPU (gathered from every process under FSDP2)."""
     if not sharded:
@@ -537,8 +571,9 @@ def export(model: nn.Module, spec: ModelSpec, path: Path, accelerator, *, sharde
     exactly is used; when none does, the export is skipped (the training checkpoint keeps the
     weights and the spec) and the reason printed.
     """
-    import zoo
+    from zoo.checkpoints import save_pretrained
     from zoo.checkpoints.format import CheckpointError
+    from zoo.registry import list_components
 
     state = full_state_dict(model, sharded)  # collective under FSDP2: every process takes part
     if not accelerator.is_main_process:
@@ -546,9 +581,9 @@ def export(model: nn.Module, spec: ModelSpec, path: Path, accelerator, *, sharde
     plain = build_model(spec, device="meta")
     plain.load_state_dict(state, assign=True)
     errors = []
-    for fmt in [model_type] if model_type else zoo.list_components("checkpoint_format"):
+    for fmt in [model_type] if model_type else list_components("checkpoint_format"):
         try:
-            zoo.save_pretrained(plain, path, model_type=fmt)
+            save_pretrained(plain, path, model_type=fmt)
         except CheckpointError as exc:  # this format cannot describe this spec
             if model_type:
                 raise

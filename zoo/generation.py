@@ -1,4 +1,4 @@
-"""Autoregressive generation with a KV cache: prefill the prompt once, then one token at a time.
+"""Autoregressive generation with a decode state: prefill the prompt once, then one token at a time.
 
 Greedy by default (``temperature=0``); sampling with temperature, top-k and top-p (nucleus) from a
 seeded generator. Batched prompts are left-padded and come with an ``attention_mask``; padding
@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch
 
-from zoo.cache import KVCache
+from zoo.state import DecodeState
 
 
 def _stop_ids(stop: Union[None, int, Iterable[int]]) -> list[int]:
@@ -71,8 +71,9 @@ def generate(
     pad_token_id: Optional[int] = None,
     callback: Optional[Callable[[torch.Tensor], None]] = None,
     streamer=None,
-    cache: Optional[KVCache] = None,
+    state: Optional[DecodeState] = None,
     compile: bool = False,
+    cache: Optional[DecodeState] = None,
 ) -> torch.Tensor:
     """Continue ``input_ids`` (B, T) by up to ``max_new_tokens``; returns (B, T + n) token ids.
 
@@ -81,8 +82,10 @@ def generate(
     ends. ``attention_mask`` (B, T): 1 for real tokens, 0 for left padding. ``callback`` (or a
     transformers-style ``streamer`` with ``put``/``end``) receives each new (B,) column of tokens
     as it is produced. ``compile=True``: prefill eagerly, then decode with one ``torch.compile``d
-    step over a static cache (zoo.compiled); the first call pays the compilation.
+    step over a static decode state (zoo.compiled); the first call pays the compilation. ``state``
+    (``cache`` is its old name) continues a decode state the caller keeps.
     """
+    state = state if state is not None else cache
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -100,17 +103,17 @@ def generate(
     if seed is not None:
         gen = torch.Generator(device=device).manual_seed(seed)
     if compile:
-        if cache is not None:
-            raise ValueError("cache: compile=True decodes with its own static cache; pass cache=None")
+        if state is not None:
+            raise ValueError("state: compile=True decodes with its own static state; pass state=None")
         from zoo.compiled import CompiledDecoder
 
         step = CompiledDecoder(model, input_ids.shape[1], max_new_tokens)
     else:
-        if cache is None:
-            cache = KVCache.for_model(model, max_len=input_ids.shape[1] + max_new_tokens)
+        if state is None:
+            state = model.new_state(input_ids.shape[0], input_ids.shape[1] + max_new_tokens)
 
         def step(ids, mask):
-            return model.logits_from_hidden(model.hidden_states(ids, attention_mask=mask, cache=cache)[:, -1])
+            return model.logits_from_hidden(model.hidden_states(ids, attention_mask=mask, state=state)[:, -1])
     emit = callback
     if streamer is not None:
         emit = streamer.put

@@ -133,13 +133,12 @@ def verify(
     """
     from safetensors.torch import load_file, save_file
 
-    import zoo
-    from zoo.checkpoints import read_config
+    from zoo.checkpoints import config_to_spec, from_pretrained, read_config
     from zoo.checkpoints.hub import resolve
 
     directory = resolve(path_or_repo_id, revision=revision)
     config = read_config(directory)
-    vocab = zoo.checkpoints.config_to_spec(config).vocab_size
+    vocab = config_to_spec(config).vocab_size
     if reference is not None:
         stored = load_file(str(reference))
         from safetensors import safe_open
@@ -160,7 +159,7 @@ def verify(
         save_file(tensors, str(save_reference), metadata={"dtype": dtype, "reference": ref_name,
                                                           "source": str(path_or_repo_id)})
 
-    model = zoo.from_pretrained(directory, dtype=_dtype(dtype))
+    model = from_pretrained(directory, dtype=_dtype(dtype))
     with torch.no_grad():
         final, hidden = model.hidden_states(ids, output_hidden_states=True)
         logits = model.logits_from_hidden(final).float()
