@@ -1,4 +1,7 @@
-"""Pointwise activations: ReLU, GeLU (exact or tanh), SiLU (Swish)."""
+"""Pointwise activations: ReLU, squared ReLU, GeLU (exact or tanh), SiLU (Swish).
+
+An activation names itself in Hugging Face configs with ``hf_names`` (HF name -> its config here),
+which the checkpoint formats read through ``zoo.checkpoints.common.activation``."""
 
 from dataclasses import dataclass
 from typing import Literal
@@ -11,6 +14,8 @@ from zoo.registry import register
 
 @register("activation", "relu")
 class ReLU(nn.Module):
+    """``max(x, 0)`` (the original Transformer's FFN)."""
+
     @dataclass(frozen=True)
     class Config:
         pass
@@ -22,6 +27,23 @@ class ReLU(nn.Module):
 
     def forward(self, x):
         return F.relu(x)
+
+
+@register("activation", "relu2")
+class ReLU2(nn.Module):
+    """Squared ReLU, ``relu(x) ** 2`` (So et al. 2021, Primer; Nemotron). transformers calls it ``relu2``."""
+
+    @dataclass(frozen=True)
+    class Config:
+        pass
+
+    hf_names = {"relu2": {}}
+
+    def __init__(self, cfg: Config = Config()):
+        super().__init__()
+
+    def forward(self, x):
+        return F.relu(x).square()
 
 
 @register("activation", "gelu")

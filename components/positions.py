@@ -64,6 +64,10 @@ class Learned(PositionEncoding):
         super().__init__()
         self.table = nn.Embedding(spec.max_seq_len, spec.d_model)
 
+    @classmethod
+    def max_positions(cls, config, spec):
+        return spec.max_seq_len  # one row per position
+
     def embed(self, position_ids, dtype):
         return self.table(position_ids).to(dtype)
 

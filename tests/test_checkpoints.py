@@ -46,6 +46,22 @@ def test_save_writes_hf_layout_and_loads_back(ckpt):
         assert torch.equal(model.eval()(ids), loaded(ids))
 
 
+def test_fields_transformers_ignores_are_kept_through_load_and_save(ckpt, tmp_path):
+    d, model = ckpt
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "is_llama_config": True, "rope_interleaved": False}))
+    loaded = zoo.from_pretrained(d)
+    assert loaded.hf_config["is_llama_config"] is True and loaded.hf_config["rope_interleaved"] is False
+    zoo.save_pretrained(loaded, tmp_path / "again")
+    saved = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert saved["is_llama_config"] is True and saved["rope_interleaved"] is False
+    with pytest.raises(ConfigError, match="'is_llama_config'"):
+        zoo.from_pretrained(d, strict=True)
+    # Saved as another model_type, they are not carried: that format may read a field of that name.
+    zoo.save_pretrained(loaded, tmp_path / "as-mistral", model_type="mistral")
+    assert "is_llama_config" not in json.loads((tmp_path / "as-mistral" / "config.json").read_text())
+
+
 def test_sharded_and_dtype(ckpt, tmp_path):
     _, model = ckpt
     zoo.save_pretrained(model, tmp_path / "sharded", model_type="llama", max_shard_size="10KB")
@@ -132,9 +148,13 @@ def test_unsupported_model_type_and_fields():
     bad_rope = {**TINY, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}
     with pytest.raises(ConfigError, match=r"'rope_parameters\.rope_type'.*longrope"):
         config_to_spec(bad_rope)
-    with pytest.raises(ConfigError, match="'quantization_config'"):
-        config_to_spec({**TINY, "quantization_config": {"quant_method": "gptq"}})
-    assert config_to_spec({**TINY, "quantization_config": {}}, strict=False).d_model == 32
+    for quant in ({"quant_method": "gptq"}, {}):  # transformers' loader acts on it for any model_type
+        with pytest.raises(ConfigError, match="'quantization_config'.*quantized"):
+            config_to_spec({**TINY, "quantization_config": quant})
+    # A field transformers does not read changes nothing: accepted, unless asked to be strict.
+    assert config_to_spec({**TINY, "vendor_note": 1}).d_model == 32
+    with pytest.raises(ConfigError, match="'vendor_note'.*does not read"):
+        config_to_spec({**TINY, "vendor_note": 1}, strict=True)
     with pytest.raises(ConfigError, match="'hidden_act'.*'tanh'"):
         config_to_spec({**TINY, "hidden_act": "tanh"})
 

@@ -126,11 +126,12 @@ def test_layernorm_zero_mean_unit_variance():
 
 # --------------------------------------------------------------------------------- activations
 
-@covers(("activation", "relu"), ("activation", "gelu"), ("activation", "silu"))
+@covers(("activation", "relu"), ("activation", "relu2"), ("activation", "gelu"), ("activation", "silu"))
 def test_activation_formulas():
     x = torch.linspace(-6, 6, 101)
     act = lambda name, **cfg: zt.part("activation", name, cfg).build()  # noqa: E731
     torch.testing.assert_close(act("relu")(x), torch.where(x > 0, x, torch.zeros_like(x)))
+    torch.testing.assert_close(act("relu2")(x), torch.where(x > 0, x * x, torch.zeros_like(x)))
     torch.testing.assert_close(act("gelu")(x), x * 0.5 * (1 + torch.erf(x / math.sqrt(2))))
     tanh = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
     torch.testing.assert_close(act("gelu", approximate="tanh")(x), tanh)

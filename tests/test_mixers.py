@@ -274,3 +274,17 @@ def test_a_loss_pooled_over_layers_is_computed_once_at_the_end(toy):
         h.remove()
     assert set(out.aux) == {"pooled"}
     torch.testing.assert_close(out.aux["pooled"], torch.stack(means).mean())
+
+
+def test_the_old_module_names_still_import():
+    import zoo.cache
+    import zoo.parts
+    from zoo.interfaces import PositionEncoding, PositionState
+
+    assert zoo.parts.PositionEncoding is PositionEncoding and zoo.parts.Rotary is PositionState
+    model = zoo.build(zt.TINY, seed=0).eval()
+    state = zoo.cache.KVCache.for_model(model)
+    ids = torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        steps = [model(ids[:, :4], cache=state), model(ids[:, 4:], cache=state)]
+        torch.testing.assert_close(torch.cat(steps, 1), model(ids), atol=1e-5, rtol=1e-5)

@@ -23,6 +23,60 @@ def _stop_ids(stop: Union[None, int, Iterable[int]]) -> list[int]:
     return ids
 
 
+def _length_limit(spec) -> tuple[int, str]:
+    """The longest sequence the model can generate, and what sets it: a position encoding with a
+    hard limit (a learned table: max_seq_len), else zoo's bound on any context (RoPE extrapolates)."""
+    from zoo.spec import MAX_SIZES
+
+    if spec is not None:
+        for i in range(spec.n_layers):
+            part = spec.position_for(i)
+            hard = getattr(part.cls, "max_positions", lambda config, spec: None)(part.config, spec)
+            if hard is not None:
+                return hard, f"the {part.name} position encoding's limit (max_seq_len)"
+    return MAX_SIZES["max_seq_len"], "zoo's limit on a context"
+
+
+def _check_generate_inputs(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_mask, stops: list[int],
+                           pad_token_id: Optional[int], temperature, top_k, top_p) -> None:
+    """Refuse, naming the argument, every input that would fail (or silently misbehave) midway."""
+    import math
+
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    spec = getattr(model, "spec", None)
+    vocab = getattr(spec, "vocab_size", None)
+    if vocab is not None and input_ids.numel():
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise ValueError(f"input_ids holds token id {bad}, outside the model's vocabulary [0, {vocab})")
+    bad_stops = [s for s in stops if s < 0 or (vocab is not None and s >= vocab)]
+    if bad_stops:
+        raise ValueError(f"stop holds token id {bad_stops[0]}, outside the model's vocabulary [0, {vocab})")
+    if pad_token_id is not None and pad_token_id < 0:
+        raise ValueError(f"pad_token_id must be >= 0, got {pad_token_id}")
+    limit, what = _length_limit(spec)
+    if input_ids.shape[1] + max_new_tokens > limit:
+        raise ValueError(
+            f"max_new_tokens {max_new_tokens} after a prompt of {input_ids.shape[1]} tokens reaches "
+            f"{input_ids.shape[1] + max_new_tokens}, beyond {what} {limit}; generate at most "
+            f"{max(0, limit - input_ids.shape[1])} tokens"
+        )
+    if attention_mask is not None and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (a real token); "
+                         f"it holds {sorted(set(attention_mask.unique().tolist()) - {0, 1})[:3]}")
+    if temperature is not None and not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+                                        and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0):
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
 def sample_next(
     logits: torch.Tensor,
     *,
@@ -94,9 +148,11 @@ def generate(
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; it must match input_ids {tuple(input_ids.shape)}")
+    stops = _stop_ids(stop)
+    _check_generate_inputs(model, input_ids, max_new_tokens, attention_mask=attention_mask, stops=stops,
+                           pad_token_id=pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p)
     if attention_mask is not None and not bool(attention_mask[:, -1].all()):
         raise ValueError("attention_mask: batched prompts must be left-padded (the last column must be all ones)")
-    stops = _stop_ids(stop)
     pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)
     device = input_ids.device
     gen = None

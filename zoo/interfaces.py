@@ -34,6 +34,12 @@ class PositionEncoding(nn.Module):
     #: "embedding" (added to token embeddings), "qk" (rotates queries and keys), "bias", or "none".
     applies_to: ClassVar[str] = "none"
 
+    @classmethod
+    def max_positions(cls, config: Any, spec: Any) -> Optional[int]:
+        """The most positions this encoding can represent in a model of ``spec`` (a learned table
+        has ``max_seq_len`` rows); None when it has no hard limit (RoPE and ALiBi extrapolate)."""
+        return None
+
     def embed(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
         return None
 

@@ -57,8 +57,11 @@ class Family:
     @classmethod
     def from_toml(cls, path: str | Path) -> "Family":
         path = Path(path)
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise SpecError("", f"family file {path} is not valid TOML: {exc}") from None
         unknown = set(data) - {"family", "base", "presets"}
         if unknown:
             raise SpecError(sorted(unknown)[0], f"unknown top-level table in {path}; expected family, base, presets")

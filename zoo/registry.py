@@ -215,6 +215,8 @@ class PluginManager:
         self._loaded = False
         self._loading = False
         self._provider: list[str] = []
+        self._failures: list[tuple[str, bool]] = []  # (message, fatal even without strict mode)
+        self._added_kinds: list[tuple[str, Optional[str], Any]] = []  # (kind, provider, interface it replaced)
 
     # -- registration -------------------------------------------------------------------------
     @property
@@ -240,10 +242,11 @@ class PluginManager:
 
     def add_kind(self, kind: str, check: Optional[Callable[[Any], list[str]]] = None) -> Registry:
         """Add a new kind of part (with its interface check, if any)."""
+        if kind not in self.registries:
+            self._added_kinds.append((kind, self.current_provider, hookspecs.INTERFACES.get(kind)))
+            self.registries[kind] = Registry(kind, self)
         if check is not None:
             hookspecs.INTERFACES[kind] = check
-        if kind not in self.registries:
-            self.registries[kind] = Registry(kind, self)
         return self.registries[kind]
 
     def registry(self, kind: str) -> Registry:
@@ -296,7 +299,7 @@ class PluginManager:
         return self.add("ffn", name, cls, override=override)
 
     def add_position(self, name: str, cls: type, *, override: bool = False) -> type:
-        """A :class:`zoo.parts.PositionEncoding` built as ``cls(config, spec=..., layer=...)``."""
+        """A :class:`zoo.interfaces.PositionEncoding` built as ``cls(config, spec=..., layer=...)``."""
         return self.add("position", name, cls, override=override)
 
     def add_rope_scaling(self, name: str, cls: type, *, override: bool = False) -> type:
@@ -323,6 +326,12 @@ class PluginManager:
     def add_family(self, family: Any, *, override: bool = False) -> Any:
         """A family (a :class:`zoo.Family`, or a path to a family TOML file); its presets must be new names."""
         if isinstance(family, (str, os.PathLike)):
+            if not os.path.isfile(family):
+                raise RegistryError(
+                    f"family file {os.fspath(family)} is missing. An installed plugin ships only the data files "
+                    "its build lists: add them to pyproject.toml, e.g. [tool.setuptools.package-data] "
+                    "your_module = [\"*.toml\"], and reinstall"
+                )
             reader = FILE_READERS.get("family")
             if reader is None:
                 raise RegistryError(f"cannot read family file {family}: import zoo (which adds the family reader) first")
@@ -337,21 +346,57 @@ class PluginManager:
     def ensure_loaded(self) -> None:
         """Load the built-ins, then (unless disabled) every ``zoo.plugins`` entry point, then
         the plugins named in ``ZOO_PLUGINS``. Runs once."""
-        if self._loaded or self._loading:
+        if self._loading:
+            return
+        if self._loaded:
+            self._raise_failures()
             return
         self._loading = True
         try:
             for modname in self.builtin_plugins:
-                self.load_plugin(modname, builtin=True)
+                self._collect(self.load_plugin, modname, builtin=True)
             if not _env_flag("ZOO_DISABLE_PLUGIN_AUTOLOAD"):
                 for ep in self._entry_points():
-                    self._load_entry_point(ep)
+                    self._collect(self._load_entry_point, ep)
             for name in os.environ.get("ZOO_PLUGINS", "").split(","):
                 if name.strip():
-                    self.load_plugin(name.strip())
+                    self._collect(self.load_plugin, name.strip())
+            for info in list(self.plugins.values()):  # now that every part is registered
+                self._collect(self._check_families_or_withdraw, info)
         finally:
             self._loading = False
             self._loaded = True
+        self._raise_failures()
+
+    def _collect(self, load: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        """Run one plugin's loading step; a fatal failure is kept (so every healthy plugin still
+        loads, and every later use fails again until the plugin is fixed)."""
+        try:
+            load(*args, **kw)
+        except PluginError as exc:
+            self._failures.append((str(exc), kw.get("builtin", False)))
+
+    def _raise_failures(self) -> None:
+        fatal = [m for m, builtin in self._failures if builtin or _env_flag("ZOO_STRICT_PLUGINS")]
+        if fatal:
+            raise PluginError("; ".join(fatal))
+
+    def _check_families(self, info: "PluginInfo") -> None:
+        """Every preset of the families a third-party plugin registered must parse (the error names
+        the family file and the preset)."""
+        if info.builtin or info.error is not None:
+            return
+        for kind, name in list(info.registered):
+            if kind == "family":
+                family = self.registries["family"].entry(name).obj
+                for preset in getattr(family, "presets", {}):
+                    family.spec(preset)
+
+    def _check_families_or_withdraw(self, info: "PluginInfo") -> None:
+        try:
+            self._check_families(info)
+        except Exception as exc:  # withdrawn like a plugin whose hook raised
+            self._withdraw(info, None, exc)
 
     @staticmethod
     def _entry_points() -> list[Any]:
@@ -390,31 +435,80 @@ class PluginManager:
         info = PluginInfo(name=name, module=module, distribution=distribution, version=version, builtin=builtin)
         self.plugins[name] = info
         plugin = None
+        slow = _slow_notice(name, distribution or module, quiet=builtin)
         try:
             with self.providing(name):
                 plugin = loader()
                 if self.pm.is_registered(plugin):  # already loaded under another name
                     del self.plugins[name]
                     return self.plugins[self.pm.get_name(plugin)]
+                _warn_unmarked_hook(plugin, name, distribution or module)
                 self.pm.register(plugin, name=name)
                 others = [p for p in self.pm.get_plugins() if p is not plugin]
                 self.pm.subset_hook_caller("zoo_register", remove_plugins=others)(registry=self)
-        except Exception as exc:  # a plugin must not take zoo down unless asked to
-            info.error = f"{type(exc).__name__}: {exc}"
-            for kind, part in info.registered:
-                self.registries[kind].remove(part, name)
-            info.registered.clear()
-            if plugin is not None and self.pm.is_registered(plugin):
-                self.pm.unregister(plugin)
-            message = f"zoo plugin {name!r} ({distribution or module}) failed to load: {info.error}"
-            if builtin or _env_flag("ZOO_STRICT_PLUGINS"):
-                raise PluginError(message) from exc
-            warnings.warn(message + " It was skipped; set ZOO_STRICT_PLUGINS=1 to make this an error.",
-                          PluginWarning, stacklevel=3)
+            if not self._loading:  # loaded on its own, after every other part: its families can be checked now
+                self._check_families(info)
+        except (Exception, SystemExit) as exc:  # a plugin must not take zoo down unless asked to
+            self._withdraw(info, plugin, exc)
+        finally:
+            slow.cancel()
         return info
+
+    def _withdraw(self, info: "PluginInfo", plugin: Any, exc: BaseException) -> None:
+        """Undo everything a failing plugin registered (parts, registry kinds, its hooks), then warn,
+        or raise in strict mode and for the built-ins."""
+        name = info.name
+        info.error = f"{type(exc).__name__}: {exc}"
+        for kind, part in info.registered:
+            self.registries[kind].remove(part, name)
+        info.registered.clear()
+        for kind, provider, interface in list(self._added_kinds):
+            if provider == name:  # a kind the plugin added goes with it
+                self._added_kinds.remove((kind, provider, interface))
+                self.registries.pop(kind, None)
+                hookspecs.INTERFACES.pop(kind, None)
+                if interface is not None:
+                    hookspecs.INTERFACES[kind] = interface
+        if plugin is None and self.pm.has_plugin(name):
+            plugin = self.pm.get_plugin(name)
+        if plugin is not None and self.pm.is_registered(plugin):
+            self.pm.unregister(plugin)
+        message = f"zoo plugin {name!r} ({info.distribution or info.module}) failed to load: {info.error}"
+        if info.builtin or _env_flag("ZOO_STRICT_PLUGINS"):
+            raise PluginError(message) from exc
+        warnings.warn(message + " It was skipped; set ZOO_STRICT_PLUGINS=1 to make this an error.",
+                      PluginWarning, stacklevel=4)
 
     def provider_of(self, kind: str, name: str) -> str:
         return self.registry(kind).entry(name).provider
+
+
+SLOW_PLUGIN_S = 1.0  # a plugin loading longer than this is named on stderr while it loads
+
+
+def _slow_notice(name: str, where: str, quiet: bool = False) -> Any:
+    """A started timer that names the plugin on stderr if it is still loading after SLOW_PLUGIN_S
+    (``quiet``: a built-in, whose import is zoo's own start-up, gets a timer that never fires)."""
+    import sys
+    import threading
+
+    def notice() -> None:
+        print(f"zoo: loading plugin {name!r} ({where}) is taking over {SLOW_PLUGIN_S:g} s", file=sys.stderr, flush=True)
+
+    timer = threading.Timer(SLOW_PLUGIN_S, notice)
+    timer.daemon = True
+    if not quiet:
+        timer.start()
+    return timer
+
+
+def _warn_unmarked_hook(plugin: Any, name: str, where: str) -> None:
+    """pluggy ignores a ``zoo_register`` without the marker: say so instead of registering nothing silently."""
+    hook = getattr(plugin, "zoo_register", None)
+    if callable(hook) and not hasattr(hook, "zoo_impl"):
+        warnings.warn(f"zoo plugin {name!r} ({where}) defines zoo_register without @zoo.hookimpl, so zoo never "
+                      "calls it and the plugin registers nothing; decorate it with @zoo.hookimpl",
+                      PluginWarning, stacklevel=4)
 
 
 _manager = PluginManager()

@@ -139,6 +139,7 @@ def _parse_value(tp: Any, value: Any, path: str, kind: str | None) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise SpecError(path, f"expected a number, got {value!r}")
+        finite(path, value)
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -219,11 +220,43 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def finite(path: str, value: Any) -> None:
+    """NaN and infinity are never a setting: refuse them naming the field."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SpecError(path, f"must be a finite number, got {value!r}")
+
+
 def positive(path: str, value: Any, allow_none: bool = True) -> None:
     if value is None and allow_none:
         return
+    if value is not None:
+        finite(path, value)
     if value is None or value <= 0:
         raise SpecError(path, f"must be positive, got {value!r}")
+
+
+# Upper bounds on a model's sizes, far beyond any published model, so that a typo
+# (n_layers=10**9) is an error at once rather than minutes of building.
+MAX_SIZES = {"vocab_size": 1 << 22, "d_model": 1 << 16, "n_layers": 1 << 12, "max_seq_len": 1 << 24}
+
+
+def at_most(path: str, value: Optional[int], limit: int) -> None:
+    if value is not None and value > limit:
+        raise SpecError(path, f"{value} is beyond zoo's limit of {limit:,} (larger than any model it describes); "
+                              "check the value")
+
+
+def check_recipe_data(data: Any, path: str = "", depth: int = 0, seen: tuple[int, ...] = ()) -> None:
+    """Refuse recipe data that contains itself or nests deeper than any spec, naming where."""
+    if not isinstance(data, (dict, list, tuple)):
+        return
+    if id(data) in seen:
+        raise SpecError(path, "the recipe contains itself here (a recursive recipe cannot describe a model)")
+    if depth > 32:
+        raise SpecError(path, "the recipe nests deeper than any spec (more than 32 levels)")
+    items = data.items() if isinstance(data, dict) else enumerate(data)
+    for k, v in items:
+        check_recipe_data(v, _join(path, k), depth + 1, seen + (id(data),))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,6 +325,10 @@ class ModelSpec:
     def check(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "max_seq_len"):
             positive(name, getattr(self, name), allow_none=False)
+            at_most(name, getattr(self, name), MAX_SIZES[name])
+        at_most("embedding.padded_vocab_size", self.embedding.padded_vocab_size, MAX_SIZES["vocab_size"])
+        if not self.init_std >= 0:
+            raise SpecError("init_std", f"must be >= 0, got {self.init_std}")
         if not self.layers:
             raise SpecError("layers", "at least one kind of layer is needed")
         if not self.layer_pattern:
@@ -352,6 +389,7 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelSpec":
+        check_recipe_data(data)
         return parse(cls, data)
 
     @classmethod
@@ -367,6 +405,8 @@ class ModelSpec:
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelSpec":
         path = Path(path)
+        if path.is_dir():
+            raise SpecError("", f"{path} is a directory, not a recipe file (.toml or .json)")
         text = path.read_text()
         try:
             if path.suffix == ".toml":
@@ -374,6 +414,10 @@ class ModelSpec:
             return cls.from_json(text)
         except SpecError as exc:
             raise exc.under("", f" (in {path})") from None
+        except ValueError as exc:  # TOMLDecodeError and JSONDecodeError say the line and column
+            raise SpecError("", f"{path} is not valid {'TOML' if path.suffix == '.toml' else 'JSON'}: {exc}") from None
+        except RecursionError:
+            raise SpecError("", f"{path} nests deeper than any spec") from None
 
     def with_overrides(self, overrides: dict[str, Any] | None = None, **kw: Any) -> "ModelSpec":
         """A new spec with dotted-path overrides applied (see :func:`apply_overrides`)."""

@@ -3,7 +3,7 @@
 The built-in parts and plugin parts pass the same checks. A plugin's test suite needs one line::
 
     zoo.testing.check_plugin("my_plugin")          # every part the plugin registered
-    zoo.testing.check("norm", "dyt", {"alpha": 1.0})  # one part, with a config
+    zoo.testing.check("norm", "dyt", {"alpha_init": 1.0})  # one part, with a config
 
 Each kind's contract checks shapes, dtypes (float32 and bfloat16), gradients, building on the
 meta device, and what the kind must do: a norm bounds its output whatever the input's scale,
@@ -106,8 +106,8 @@ def default_config(kind: str, name: str) -> dict[str, Any]:
 
 
 def part(kind: str, name: str, config: Optional[dict[str, Any]] = None) -> Part:
-    """The registered part ``name`` of ``kind`` with ``config`` (plain data), validated: what a
-    spec holds (``part(...).build(dim=32)`` builds a norm)."""
+    """The registered part ``name`` of ``kind`` with ``config`` (its settings, parsed strictly), ready
+    to ``.build(...)`` with the context of its kind: ``part("norm", "dyt", {"alpha_init": 1.0}).build(dim=64)``."""
     return parse_part(kind, {"name": name, **(config or {})}, kind)
 
 
@@ -133,8 +133,10 @@ def hybrid_spec(name: str, config: Optional[dict[str, Any]] = None, **overrides:
 
 
 def tiny_model(spec: ModelSpec | dict[str, Any] | None = None, *, dtype: Optional[torch.dtype] = None, seed: int = 0):
-    """A tiny model of ``spec`` (default: the tiny spec; a dict is taken as overrides of it), in
-    eval mode, with seeded weights and the norms' weights moved off their identity values."""
+    """A built, seeded model of ``spec`` (default :data:`TINY`; a dict is a set of dotted-path overrides
+    of it, as in :func:`tiny_spec`), in eval mode, with the norms' 1-D parameters moved off their
+    initial values so that a norm initialised as an identity still shows in the output. Put a part in it with
+    ``tiny_model(tiny_spec_with("norm", "dyt"))``."""
     from zoo.model import build_model
 
     if spec is None or isinstance(spec, dict):

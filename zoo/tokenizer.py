@@ -15,6 +15,14 @@ from typing import Optional
 from tokenizers import Tokenizer as _HFTokenizer
 
 
+def read_tokenizer_file(path: Path) -> _HFTokenizer:
+    """A ``tokenizer.json`` read by ``tokenizers``; a file it cannot read is a ValueError naming it."""
+    try:
+        return _HFTokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception
+        raise ValueError(f"{path} is not a tokenizer.json that the tokenizers library can read ({exc})") from None
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
@@ -35,7 +43,7 @@ class Tokenizer:
                 f"(or give token ids directly to zoo.generate)"
             )
         self.path = path
-        self.tok = _HFTokenizer.from_file(str(path))
+        self.tok = read_tokenizer_file(path)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         folder = path.parent
         config = _read_json(folder / "tokenizer_config.json")

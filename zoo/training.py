@@ -40,6 +40,7 @@ from torch import nn
 from zoo.data import TokenData, builtin_corpus, get_tokenizer, read_texts, tokenize
 from zoo.model import build_model
 from zoo.recipes import get_spec
+from zoo.resume import check_resumed_config, fsync_dir, fsync_tree, metrics_up_to, resume_point, step_of
 from zoo.spec import ModelSpec
 
 
@@ -86,6 +87,10 @@ class TrainConfig:
     export_format: Optional[str] = None  # HF model_type to export as; None: the first that fits the spec
 
     def check(self) -> None:
+        for f in dataclasses.fields(self):  # NaN passes every comparison below: refuse it first
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"TrainConfig.{f.name} must be a finite number, got {value}")
         for name in ("seq_len", "global_batch", "micro_batch", "steps", "keep_last", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be at least 1, got {getattr(self, name)}")
@@ -180,11 +185,12 @@ def _spec_diff(a: dict, b: dict, path: str = "") -> list[str]:
 
 
 def checkpoints(out_dir: str | Path) -> list[Path]:
-    """Complete checkpoints under ``out_dir/checkpoints``, oldest first."""
+    """Complete checkpoints under ``out_dir/checkpoints``, oldest (lowest step) first."""
     root = Path(out_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / "state.json").is_file())
+    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) >= 0 and (p / "state.json").is_file()]
+    return sorted(found, key=step_of)
 
 
 def read_checkpoint_state(path: Path, spec: ModelSpec, processes: int) -> dict[str, Any]:
@@ -248,12 +254,15 @@ class Checkpointer:
                                              for i, s in opt_state["state"].items()}},
             }
             (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        fsync_tree(tmp)  # each process its own files: the rename below must not outrun the data
         acc.wait_for_everyone()
         if acc.is_main_process:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)  # the checkpoint appears whole or not at all
-            for old in checkpoints(self.root.parent)[: -self.keep_last]:
+            fsync_dir(self.root)
+            # Pruned by step among this run's (a corrupt later checkpoint that was skipped stays beside them).
+            for old in [c for c in checkpoints(self.root.parent) if step_of(c) <= step][: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         acc.wait_for_everyone()
         return final
@@ -314,6 +323,15 @@ def _mixed_precision(config: TrainConfig) -> Optional[str]:
     if config.cpu or not torch.cuda.is_available():
         return "no"
     return "bf16" if torch.cuda.is_bf16_supported() else "no"
+
+
+def _check_fsdp_launch(use_fsdp: bool) -> None:
+    """FSDP2 needs a process group: say so before any compute, not after building the model."""
+    import torch.distributed as dist
+
+    if use_fsdp and not dist.is_initialized():
+        raise ValueError("fsdp: FSDP2 needs a process group; launch with `accelerate launch` (an FSDP config) or "
+                         "`torchrun`, or leave fsdp off for one process")
 
 
 def _shard(model: nn.Module, accelerator) -> None:
@@ -393,14 +411,12 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
             f"set vocab_size={tokenizer.vocab_size} (or more) in the overrides"
         )
     out_dir = Path(config.out_dir)
-    resume_from: Optional[Path] = None
-    if config.resume == "auto":
-        found = checkpoints(out_dir)
-        resume_from = found[-1] if found else None
-    elif config.resume:
-        resume_from = Path(config.resume)
+    resume_from = resume_point(config, out_dir, checkpoints(out_dir))
     use_fsdp = config.fsdp if config.fsdp is not None else acc.distributed_type == DistributedType.FSDP
+    _check_fsdp_launch(use_fsdp)
     ckpt_state = read_checkpoint_state(resume_from, spec, acc.num_processes) if resume_from else None
+    if ckpt_state is not None:
+        check_resumed_config(resume_from, ckpt_state, config, acc.print)
     if ckpt_state is not None and ckpt_state["sharded"] != use_fsdp:
         raise ValueError(
             f"checkpoint {resume_from} was written {'with' if ckpt_state['sharded'] else 'without'} FSDP; "
@@ -444,8 +460,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
         out_dir.mkdir(parents=True, exist_ok=True)
         for stale in (out_dir / "checkpoints").glob(".tmp-step-*"):  # left by a save that was cut short
             shutil.rmtree(stale, ignore_errors=True)
-        kept = [line for line in (metrics_file.read_text().splitlines() if metrics_file.is_file() else [])
-                if json.loads(line)["step"] <= step] if step else []
+        kept = metrics_up_to(metrics_file, step) if step else []
         metrics_file.write_text("".join(line + "\n" for line in kept))
 
     last = config.steps if config.stop_after is None else min(config.steps, step + config.stop_after)

@@ -38,11 +38,14 @@ class Report:
     top1: float
     hidden: list[float] = field(default_factory=list)  # max |Δ| after embeddings, layer 1, ... (last: + final norm)
     tolerances: dict[str, float] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)  # config fields neither transformers nor zoo reads
+    nonfinite: list[str] = field(default_factory=list)  # "name: n NaN, m Inf" for each weight that has any
 
     @property
     def passed(self) -> bool:
         t = self.tolerances
-        return self.max_abs <= t["max_abs"] and self.mean_kl <= t["mean_kl"] and self.top1 >= t["top1"]
+        return (not self.nonfinite and self.max_abs <= t["max_abs"] and self.mean_kl <= t["mean_kl"]
+                and self.top1 >= t["top1"])
 
     @property
     def worst_layer(self) -> Optional[int]:
@@ -50,10 +53,9 @@ class Report:
         if not self.hidden:
             return None
         bound = self.tolerances["max_abs"] if math.isfinite(self.tolerances["max_abs"]) else None
-        if bound is not None:
-            for i, d in enumerate(self.hidden):
-                if d > bound:
-                    return i
+        for i, d in enumerate(self.hidden):
+            if not math.isfinite(d) or (bound is not None and d > bound):  # NaN compares false with anything
+                return i
         return max(range(len(self.hidden)), key=self.hidden.__getitem__)
 
     def to_dict(self) -> dict:
@@ -72,6 +74,10 @@ class Report:
             names = ["embeddings"] + [f"layer {i}" for i in range(1, len(self.hidden))]
             names[-1] += " + final norm"
             lines.append("  hidden-state max |Δ|: " + ", ".join(f"{n} {d:.2e}" for n, d in zip(names, self.hidden)))
+        if self.nonfinite:
+            lines.append("  non-finite weights: " + "; ".join(self.nonfinite))
+        if self.ignored:
+            lines.append("  config fields transformers and zoo ignore (kept): " + ", ".join(self.ignored))
         verdict = "PASS" if self.passed else "FAIL"
         if not self.passed and self.worst_layer is not None:
             verdict += f" (first departs at {'embeddings' if self.worst_layer == 0 else f'layer {self.worst_layer}'})"
@@ -114,6 +120,58 @@ def run_reference(directory: Path, ids: torch.Tensor, dtype: str):
     return logits, hidden, f"transformers {transformers.__version__}"
 
 
+# Logits and hidden states of both models beyond this are a mistake in --seq-len or --batch-size.
+VERIFY_MAX_BYTES = 8 << 30
+
+
+def _check_verify_inputs(spec, *, dtype: str, batch_size: int, seq_len: int, reference, save_reference) -> None:
+    """Refuse, naming the argument, what would fail midway (or allocate without bound)."""
+    _dtype(dtype)
+    if reference is None:
+        for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if seq_len > spec.max_seq_len:
+            raise ValueError(f"seq_len {seq_len} is beyond the checkpoint's max_seq_len {spec.max_seq_len}")
+        per_token = 4 * 2 * (spec.vocab_size + spec.d_model * (spec.n_layers + 1))  # float32, both models
+        need = batch_size * seq_len * per_token
+        if need > VERIFY_MAX_BYTES:
+            raise ValueError(f"seq_len {seq_len} x batch_size {batch_size} would hold about {need / 1e9:.0f} GB of "
+                             f"logits and hidden states (limit {VERIFY_MAX_BYTES / 1e9:.0f} GB); choose smaller ones")
+    if save_reference is not None and not Path(save_reference).resolve().parent.is_dir():
+        raise FileNotFoundError(f"save_reference: the directory of {save_reference} does not exist; create it first")
+
+
+def _read_reference(path: Path, vocab: int):
+    """The stored inputs, logits, hidden states and metadata of a reference file, checked."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise FileNotFoundError(f"reference file {path} does not exist")
+    try:
+        stored = load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as exc:  # safetensors' errors for a torn or foreign file
+        raise ValueError(f"reference file {path} is not a safetensors file ({exc})") from None
+    missing = [k for k in ("input_ids", "logits") if k not in stored]
+    if missing:
+        raise ValueError(f"reference file {path} lacks {', '.join(missing)}; write it with save_reference")
+    ids, logits = stored["input_ids"], stored["logits"]
+    if ids.dim() != 2 or ids.dtype.is_floating_point or not ids.numel():
+        raise ValueError(f"reference file {path}: input_ids must be a non-empty (batch, seq) tensor of token ids")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise ValueError(f"reference file {path}: input_ids hold ids outside this checkpoint's vocabulary [0, {vocab})")
+    if logits.dim() != 3 or logits.shape[:2] != ids.shape:
+        raise ValueError(f"reference file {path}: logits have shape {tuple(logits.shape)}, "
+                         f"not (batch, seq, vocab) for input_ids of shape {tuple(ids.shape)}")
+    hidden = [stored[f"hidden.{i}"] for i in range(sum(k.startswith("hidden.") for k in stored))]
+    if meta.get("dtype", "float32") not in TOLERANCES:
+        raise ValueError(f"reference file {path}: unknown dtype {meta['dtype']!r} in its metadata")
+    return ids, logits, hidden, meta
+
+
 def verify(
     path_or_repo_id: str | Path,
     *,
@@ -131,25 +189,29 @@ def verify(
     ``reference=FILE`` compares against a stored reference (no transformers needed);
     ``save_reference=FILE`` stores this run's reference for later.
     """
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    from zoo.checkpoints import config_to_spec, from_pretrained, read_config
+    from zoo.checkpoints import config_to_spec, from_pretrained, ignored_fields, read_config
     from zoo.checkpoints.hub import resolve
+    from zoo.checkpoints.io import WeightFiles, reading
 
     directory = resolve(path_or_repo_id, revision=revision)
     config = read_config(directory)
-    vocab = config_to_spec(config).vocab_size
+    spec = config_to_spec(config)
+    _check_verify_inputs(spec, dtype=dtype, batch_size=batch_size, seq_len=seq_len, reference=reference,
+                         save_reference=save_reference)
+    vocab = spec.vocab_size
+    # zoo's own checks (safetensors only, never a pickle; shards inside the directory) come before
+    # any reference code reads the directory.
+    with reading(directory):
+        WeightFiles(directory).close()
     if reference is not None:
-        stored = load_file(str(reference))
-        from safetensors import safe_open
-
-        with safe_open(str(reference), framework="pt") as f:
-            meta = f.metadata() or {}
-        ids, ref_logits = stored["input_ids"], stored["logits"]
-        ref_hidden = [stored[f"hidden.{i}"] for i in range(sum(k.startswith("hidden.") for k in stored))]
+        ids, ref_logits, ref_hidden, meta = _read_reference(Path(reference), vocab)
         dtype = meta.get("dtype", dtype)
         ref_name = f"stored reference {Path(reference).name} ({meta.get('reference', 'unknown')})"
-    else:
+    # zoo's own checks (config, weight names and shapes) come before the reference runs.
+    model = from_pretrained(directory, dtype=_dtype(dtype))
+    if reference is None:
         gen = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)
         ref_logits, ref_hidden, ref_name = run_reference(directory, ids, dtype)
@@ -159,7 +221,6 @@ def verify(
         save_file(tensors, str(save_reference), metadata={"dtype": dtype, "reference": ref_name,
                                                           "source": str(path_or_repo_id)})
 
-    model = from_pretrained(directory, dtype=_dtype(dtype))
     with torch.no_grad():
         final, hidden = model.hidden_states(ids, output_hidden_states=True)
         logits = model.logits_from_hidden(final).float()
@@ -171,4 +232,18 @@ def verify(
         source=str(path_or_repo_id), model_type=model.checkpoint_format, reference=ref_name, dtype=dtype,
         shape=tuple(ids.shape), params=model.num_parameters(), max_abs=max_abs, mean_kl=kl, top1=top1,
         hidden=deltas, tolerances={**TOLERANCES[dtype], **(tolerances or {})},
+        ignored=ignored_fields(config), nonfinite=nonfinite_weights(model),
     )
+
+
+def nonfinite_weights(model: torch.nn.Module) -> list[str]:
+    """Each parameter or buffer holding NaN or Inf, with how many of each and the first position."""
+    found = []
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if not t.is_floating_point():
+            continue
+        nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        if nan or inf:
+            first = tuple(int(i) for i in (~torch.isfinite(t)).nonzero()[0])
+            found.append(f"{name}: {nan} NaN, {inf} Inf (first at {first})")
+    return found

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from zoo.checkpoints.format import CheckpointError, CheckpointFormat, ConfigError, get_format
+from zoo.checkpoints.format import CheckpointError, CheckpointFormat, ConfigError, collect_ignored, get_format
 from zoo.checkpoints.hub import resolve
-from zoo.checkpoints.io import WeightFiles, atomic_directory, check_sizes, write_shards
+from zoo.checkpoints.io import WeightFiles, reading, regular_file, replace_checkpoint, write_shards
 from zoo.checkpoints.maps import bind
 from zoo.model import Decoder, build_model
 from zoo.registry import list_components
@@ -27,7 +29,7 @@ from zoo.spec import ModelSpec
 
 __all__ = [
     "CheckpointError", "CheckpointFormat", "ConfigError", "config_to_spec", "from_pretrained",
-    "get_format", "load_weights", "read_config", "save_pretrained", "spec_to_config",
+    "get_format", "ignored_fields", "load_weights", "read_config", "save_pretrained", "spec_to_config",
 ]
 
 # Non-architectural fields carried from the loaded config into a saved one.
@@ -36,15 +38,20 @@ CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 def read_config(directory: Path) -> dict[str, Any]:
     path = Path(directory) / "config.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CheckpointError(f"{directory} has no config.json")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        config = json.loads(regular_file(path, "config").read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, not a {type(config).__name__}")
+    return config
 
 
 def _format_and_config(config: dict[str, Any]) -> tuple[CheckpointFormat, dict[str, Any], dict[str, str]]:
+    if not isinstance(config, dict):
+        raise ConfigError("config", f"must be a JSON object, got {type(config).__name__}")
     fmt = get_format(config.get("model_type"))
     inner, renames = fmt.unwrap(config)
     if inner is not config:
@@ -52,10 +59,20 @@ def _format_and_config(config: dict[str, Any]) -> tuple[CheckpointFormat, dict[s
     return fmt, inner, renames
 
 
-def config_to_spec(config: dict[str, Any], *, strict: bool = True) -> ModelSpec:
-    """The zoo spec an HF config describes (strict: a field zoo cannot express is an error)."""
+def config_to_spec(config: dict[str, Any], *, strict: bool = False) -> ModelSpec:
+    """The zoo spec an HF config describes, read as transformers reads it: a field zoo cannot express
+    is an error naming it; a field transformers ignores is accepted (``strict=True`` refuses it too)."""
     fmt, inner, _ = _format_and_config(config)
     return fmt.config_to_spec(inner, strict=strict)
+
+
+def ignored_fields(config: dict[str, Any]) -> list[str]:
+    """The fields of ``config`` that neither transformers' modelling code nor zoo reads (vendor extras
+    such as Qwen's ``use_mrope``): they change nothing in the model and are kept on saving."""
+    fmt, inner, _ = _format_and_config(config)
+    with collect_ignored() as ignored:
+        fmt.config_to_spec(inner, strict=False)
+    return sorted(set(ignored))
 
 
 def spec_to_config(spec: ModelSpec, model_type: str) -> dict[str, Any]:
@@ -78,19 +95,46 @@ def _rename(name: str, renames: dict[str, str]) -> str:
     return name
 
 
+def _names(fmt: CheckpointFormat, files: WeightFiles, renames: Optional[dict[str, str]]) -> dict[str, str]:
+    """The file's tensor names as the format's map spells them -> as stored."""
+    renames = dict(renames or {})
+    if fmt.base_prefix and not any(_rename(n, renames).startswith(fmt.base_prefix) for n in files.names()):
+        renames[""] = fmt.base_prefix  # a base-model checkpoint: names lack the prefix
+    return {_rename(n, renames): n for n in files.names()}
+
+
+def check_layers(spec: ModelSpec, fmt: CheckpointFormat, files: WeightFiles,
+                 renames: Optional[dict[str, str]] = None) -> None:
+    """Compare the config's layer count with the layers the weights hold, before anything is built
+    (a config claiming 20,000 layers over a small file would otherwise allocate them all first)."""
+    patterns = {re.escape(h).replace(re.escape("{i}"), r"(\d+)") for r in fmt.rules(spec) for h in r.hf if "{i}" in h}
+    if not patterns:
+        return
+    layered = re.compile("|".join(f"(?:{p})" for p in sorted(patterns)))
+    found = set()
+    for name in _names(fmt, files, renames):
+        m = layered.fullmatch(name)
+        if m:
+            found.add(int(next(g for g in m.groups() if g is not None)))
+    if found != set(range(spec.n_layers)):
+        held = f"layers {min(found)}..{max(found)} ({len(found)} in all)" if found else "no layers"
+        raise CheckpointError(
+            f"{files.directory}: config.json describes {spec.n_layers} layers, but the weights hold {held}; "
+            "the config does not describe these weights"
+        )
+
+
 def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, dtype=None, device=None,
                  renames: Optional[dict[str, str]] = None, ignore: tuple[str, ...] = (),
                  progress: bool = True) -> None:
     """Fill ``model`` (built on the meta device) from ``files`` through ``fmt``'s name map, by assignment.
 
     Every zoo parameter must come from the file and every tensor in the file must be used (or be
-    one the format ignores): anything else is an error naming the tensor, raised before the model
-    is touched.
+    one the format ignores), floating-point parameters need floating-point tensors, and tensors kept
+    as stored must share one dtype: anything else is an error naming the tensor, raised before the
+    model is touched.
     """
-    renames = dict(renames or {})
-    if fmt.base_prefix and not any(_rename(n, renames).startswith(fmt.base_prefix) for n in files.names()):
-        renames[""] = fmt.base_prefix  # a base-model checkpoint: names lack the prefix
-    names = {_rename(n, renames): n for n in files.names()}
+    names = _names(fmt, files, renames)
     bound = list(bind(fmt.rules(model.spec), model))
     meta = dict(model.state_dict(keep_vars=True))
     needed = {h for b in bound for h in b.hf}
@@ -113,6 +157,24 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
     uncovered = sorted(set(meta) - covered)
     if uncovered:
         raise CheckpointError(f"the {fmt.model_type} name map leaves zoo parameter {uncovered[0]!r} unfilled")
+    first_of: dict[torch.dtype, str] = {}  # each stored floating dtype -> the first tensor that has it
+    for b in bound:
+        floating = any(meta[z].is_floating_point() for z in b.zoo)
+        for h in b.hf:
+            stored = files.dtype(names[h])
+            if floating and not stored.is_floating_point:
+                raise CheckpointError(
+                    f"{files.where[names[h]]}: tensor {names[h]!r} is {stored}, where zoo's {', '.join(b.zoo)} "
+                    "needs floating-point weights; the file is corrupt or is not this model")
+            if dtype is None and stored.is_floating_point:
+                first_of.setdefault(stored, names[h])
+    if len(first_of) > 1:
+        (common, first), (odd, name) = list(first_of.items())[:2]
+        raise CheckpointError(
+            f"{files.where[name]}: tensor {name!r} is {odd}, but {first!r} and the tensors before it are "
+            f"{common}: a checkpoint of mixed dtypes would build a model that fails at its first forward. Pass "
+            "dtype= to convert every weight to one dtype on load."
+        )
     state: dict[str, torch.Tensor] = {}
     from tqdm.auto import tqdm
 
@@ -160,13 +222,24 @@ def _reset_transient_buffers(model: Decoder, device) -> None:
             module.reset_buffers()
 
 
+def _float_dtype(dtype: Optional[torch.dtype | str]) -> Optional[torch.dtype]:
+    """A floating-point torch dtype from its name (``"bfloat16"``) or itself; anything else is a ValueError."""
+    if dtype is None:
+        return None
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype {dtype!r} is not a floating-point dtype to load weights in; "
+                         "use float32, bfloat16 or float16")
+    return resolved
+
+
 def from_pretrained(
     path_or_repo_id: str | Path,
     *,
     revision: Optional[str] = None,
     dtype: Optional[torch.dtype | str] = None,
     device: Optional[torch.device | str] = None,
-    strict: bool = True,
+    strict: bool = False,
     token: Any = None,
     cache_dir: Optional[str] = None,
     progress: bool = True,
@@ -175,23 +248,35 @@ def from_pretrained(
 
     ``dtype`` converts floating-point weights on load (default: as stored). The model is built on
     the meta device and filled by assignment, tensor by tensor, from safetensors, so loading needs about
-    one copy of the weights. ``strict=False`` lets unknown config fields through; ``progress=False``
+    one copy of the weights. Config fields transformers ignores are accepted and kept (in
+    ``model.hf_config``, written back on saving); ``strict=True`` refuses them. ``progress=False``
     hides the progress bar that long loads show.
     """
     directory = resolve(path_or_repo_id, revision=revision, token=token, cache_dir=cache_dir)
-    config = read_config(directory)
-    fmt, inner, renames = _format_and_config(config)
-    spec = fmt.config_to_spec(inner, strict=strict)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    check_sizes(directory)
-    model = build_model(spec, device="meta")
-    with WeightFiles(directory) as files:
-        load_weights(model, fmt, files, dtype=dtype, device=device, renames=renames, progress=progress)
+    dtype = _float_dtype(dtype)
+    with reading(directory):  # no save replaces the files while they are read
+        config = read_config(directory)
+        fmt, inner, renames = _format_and_config(config)
+        with collect_ignored() as ignored:
+            spec = fmt.config_to_spec(inner, strict=strict)
+        with WeightFiles(directory) as files:
+            check_layers(spec, fmt, files, renames)
+            model = build_model(spec, device="meta")
+            load_weights(model, fmt, files, dtype=dtype, device=device, renames=renames, progress=progress)
     model.eval()
     model.checkpoint_format = fmt.model_type
-    model.hf_config = {k: inner[k] for k in CARRIED if k in inner}
+    model.hf_config = {k: inner[k] for k in (*CARRIED, *ignored) if k in inner}
     return model
+
+
+def _differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Each field where plain data ``a`` (the model) and ``b`` (what its config reads back as) differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b), key=str)
+                for d in _differences(a.get(k), b.get(k), f"{path}.{k}" if path else str(k))]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path}: {json.dumps(a)} in the model, {json.dumps(b)} as the config reads back"]
 
 
 def _architecture(spec: ModelSpec) -> dict[str, Any]:
@@ -217,14 +302,14 @@ def _architecture(spec: ModelSpec) -> dict[str, Any]:
     return data
 
 
-def _keep_on_save(name: str) -> bool:
-    return not (name.endswith(".safetensors") or name in ("config.json", "model.safetensors.index.json"))
-
-
 def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Optional[str] = None,
                     max_shard_size: int | str = "2GB") -> Path:
-    """Write ``model`` in the Hugging Face layout (config.json + safetensors shards + index), atomically:
-    an interrupted save leaves an earlier checkpoint in ``directory`` intact.
+    """Write ``model`` in the Hugging Face layout (config.json + safetensors shards + index).
+
+    Only the previous checkpoint's own files in ``directory`` are replaced; anything else there (a
+    tokenizer, an adapter, a repository) is kept. A save killed at any point leaves the previous
+    checkpoint or, once it has committed, the new one (finished by the next load or save); a second
+    save into the same directory at the same time is refused.
 
     The ``model_type`` comes from the checkpoint the model was loaded from, or must be given.
     """
@@ -237,13 +322,17 @@ def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Option
         )
     fmt = get_format(model_type)
     spec = model.spec
-    config = {**getattr(model, "hf_config", {}), **spec_to_config(spec, fmt.model_type)}
+    carried = dict(getattr(model, "hf_config", {}))
+    if fmt.model_type != getattr(model, "checkpoint_format", None):  # kept fields belong to their own format
+        carried = {k: v for k, v in carried.items() if k in CARRIED}
+    config = {**carried, **spec_to_config(spec, fmt.model_type)}
     # Before any tensor is converted or written: the config must describe exactly this model.
     back = fmt.config_to_spec(config)
     if _architecture(back) != _architecture(spec):
+        diff = _differences(_architecture(spec), _architecture(back))
         raise CheckpointError(
             f"this model cannot be written as {fmt.model_type}: its config would describe a different model "
-            f"(spec {json.dumps(_architecture(spec))[:400]} vs {json.dumps(_architecture(back))[:400]})"
+            f"({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''})"
         )
     state = model.state_dict()
     config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
@@ -251,7 +340,7 @@ def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Option
     for b in bind(fmt.rules(spec), model):
         for name, t in zip(b.hf, b.transform.to_hf([state[z].detach() for z in b.zoo], b.heads)):
             tensors[name] = t.contiguous().cpu()
-    with atomic_directory(Path(directory), keep=_keep_on_save) as tmp:
+    with replace_checkpoint(Path(directory)) as tmp:
         write_shards(tensors, tmp, max_shard_size)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return Path(directory)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from zoo.checkpoints.format import Fields
+from zoo.checkpoints.format import KINDS, Fields, is_kind
 from zoo.spec import ModelSpec, Part
 
 # HF activation names -> zoo activation parts. GPT-2's gelu_new and gelu_fast are the tanh form.
@@ -19,16 +19,38 @@ ACTIVATIONS = {
 }
 
 
-def activation(f: Fields, key: str, default: str) -> dict[str, Any]:
+def hf_activations(extra: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, dict[str, Any]]:
+    """HF activation name -> zoo activation part: the built-in table, then each registered
+    activation's own ``hf_names`` (``{"relu2": {}}``: HF name -> that part's config), then ``extra``
+    (a format's own names). A plugin's activation is nameable in configs by declaring ``hf_names``."""
+    from zoo import registry
+
+    table = dict(ACTIVATIONS)
+    for entry in registry.registry("activation").entries():
+        for hf_name, config in getattr(entry.obj, "hf_names", {}).items():
+            table.setdefault(hf_name, {"name": entry.name, **config})
+    table.update(extra or {})
+    return table
+
+
+def activation(f: Fields, key: str, default: str, extra: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
+    """Read the HF activation name in field ``key`` (``default`` when absent) as a zoo activation
+    part; a name no table knows is an error naming the field. ``extra`` adds a format's own names."""
     name = f.get(key, default)
-    if name not in ACTIVATIONS:
-        raise f.error(key, f"activation {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
-    return dict(ACTIVATIONS[name])
+    table = hf_activations(extra)
+    if name not in table:
+        raise f.error(key, f"activation {name!r} is not supported; supported: {', '.join(table)}")
+    return dict(table[name])
 
 
-def activation_name(part: Part) -> str:
-    if part.name == "gelu":
-        return "gelu_pytorch_tanh" if part.approximate == "tanh" else "gelu"
+def activation_name(part: Part, extra: Optional[dict[str, dict[str, Any]]] = None) -> str:
+    """The HF name of a zoo activation part (inverse of :func:`activation`): the first name whose
+    part is exactly this one; the part's own name when no table has it."""
+    from zoo.spec import parse_part
+
+    for hf_name, entry in hf_activations(extra).items():
+        if entry["name"] == part.name and parse_part("activation", entry, hf_name) == part:
+            return hf_name
     return part.name
 
 
@@ -49,17 +71,19 @@ def rope_parameters(f: Fields, layer_type: Optional[str] = None) -> dict[str, An
     """The RoPE parameters as transformers 5 stores them (``rope_parameters``), also from the older
     top-level ``rope_theta`` / ``rope_scaling`` / ``partial_rotary_factor`` fields."""
     if "rope_parameters" in f:
-        params = f.get("rope_parameters")
+        params = f.get("rope_parameters", kind=dict)
         if layer_type is not None and layer_type in params:
+            if not isinstance(params[layer_type], dict):
+                raise f.error(f"rope_parameters.{layer_type}", f"must be an object, got {params[layer_type]!r}")
             return dict(params[layer_type])
         return dict(params)
-    params = dict(f.get("rope_scaling", {}) or {})
+    params = dict(f.get("rope_scaling", {}))
     if "type" in params and "rope_type" not in params:
         params["rope_type"] = params.pop("type")
     params.setdefault("rope_type", "default")
     params["rope_theta"] = f.get("rope_theta", 10000.0)
     if "partial_rotary_factor" in f:
-        params["partial_rotary_factor"] = f.get("partial_rotary_factor")
+        params["partial_rotary_factor"] = f.get("partial_rotary_factor", kind=float)
     return params
 
 
@@ -67,6 +91,10 @@ def rope_part(f: Fields, params: dict[str, Any], *, max_pos: int, where: str = "
               layout: str = "half", rotary_dim: Optional[int] = None) -> dict[str, Any]:
     """A zoo ``rope`` position part from HF RoPE parameters; an unknown type or key is an error."""
     params = dict(params)
+    for key, value in params.items():
+        want = str if key in ("rope_type", "type") else bool if key == "truncate" else float
+        if value is not None and not is_kind(value, want):
+            raise f.error(f"{where}.{key}", f"must be {KINDS[want]}, got {value!r} (zoo does not coerce it)")
     kind = params.pop("rope_type", None) or params.pop("type", "default")
     if kind not in ROPE_KEYS:
         raise f.error(f"{where}.rope_type", f"RoPE scaling {kind!r} is not supported; supported: {', '.join(ROPE_KEYS)}")

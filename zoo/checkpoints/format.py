@@ -6,7 +6,9 @@ one two-way weight-name map of its ``model_type`` (:mod:`zoo.checkpoints.maps`).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from contextvars import ContextVar
+from typing import Any, Iterator, Optional
 
 from zoo import registry as _registry
 from zoo.checkpoints.maps import Rule
@@ -27,7 +29,8 @@ class ConfigError(CheckpointError):
 
 
 # Fields every transformers config carries that say nothing about the architecture (token ids,
-# generation defaults, bookkeeping, dropout that is off at inference).
+# generation defaults, bookkeeping, dropout that is off at inference; auto_map names remote code that
+# zoo never runs, and transformers builds its own class for these model_types).
 GENERIC_FIELDS = frozenset("""
 transformers_version architectures output_hidden_states return_dict dtype torch_dtype
 chunk_size_feed_forward is_encoder_decoder id2label label2id problem_type _name_or_path model_type
@@ -42,52 +45,131 @@ exponential_decay_length_penalty suppress_tokens begin_suppress_tokens tf_legacy
 is_decoder use_bfloat16 xla_device gradient_checkpointing attention_dropout hidden_dropout resid_pdrop
 embd_pdrop attn_pdrop classifier_dropout summary_type summary_use_proj summary_activation
 summary_proj_to_labels summary_first_dropout initializer_factor pretraining_tp cache_implementation
-_attn_implementation
+_attn_implementation auto_map
 """.split())
+
+
+# Fields transformers' loading code acts on for every model_type, and which zoo cannot express.
+REFUSED = {
+    "quantization_config": "the weights are quantized, and zoo loads unquantized safetensors weights only "
+                           "(dequantize the checkpoint first)",
+}
+
+
+def _is_dropout(key: str) -> bool:
+    return "dropout" in key or key.endswith("_pdrop")
 
 
 class Fields:
     """Strict reading of an HF config: every field is either used, generic, or an error."""
 
-    def __init__(self, config: dict[str, Any], model_type: str):
+# What a JSON value must be, by the Python type a field's default has.
+KINDS = {bool: "a boolean (true or false)", int: "an integer", float: "a number", str: "a string",
+         list: "a list", dict: "an object"}
+
+# The fields of the configs read in this context that neither transformers nor zoo reads.
+_IGNORED: ContextVar[Optional[list[str]]] = ContextVar("zoo_ignored_config_fields", default=None)
+
+
+@contextlib.contextmanager
+def collect_ignored() -> Iterator[list[str]]:
+    """Collect the names of config fields that the readers run inside the block leave unread."""
+    token = _IGNORED.set([])
+    try:
+        yield _IGNORED.get()
+    finally:
+        _IGNORED.reset(token)
+
+
+def is_kind(value: Any, kind: type) -> bool:
+    """JSON typing: an integer is a number, a boolean is neither."""
+    if isinstance(value, bool):
+        return kind is bool
+    if kind is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, kind)
+
+
+class Fields:
+    """Reading of an HF config as transformers reads it: every field is either interpreted, refused
+    by name, or one transformers ignores too (kept, and listed in :attr:`ignored`).
+
+    Values are typed: a field read with a default must have the default's JSON type (an integer
+    where a number belongs is fine), or the ``kind`` given. ``"no"`` is not a boolean and ``"2048"``
+    not an integer.
+    """
+
+    def __init__(self, config: dict[str, Any], model_type: str, defaults: Optional[dict[str, Any]] = None):
+        if not isinstance(config, dict):
+            raise ConfigError("config", f"must be a JSON object, got {type(config).__name__}", model_type)
         self.config = dict(config)
         self.model_type = model_type
+        self.defaults = dict(defaults or {})  # transformers' defaults for absent fields (not for null ones)
         self.used: set[str] = set()
+        self.ignored: list[str] = []
+
+    def _value(self, key: str) -> Any:
+        return self.config[key] if key in self.config else self.defaults.get(key)
 
     def __contains__(self, key: str) -> bool:
-        return self.config.get(key) is not None
+        """Whether the config sets ``key`` (to anything but null); does not mark it read."""
+        return self._value(key) is not None
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: Any = None, kind: Optional[type] = None) -> Any:
+        """Mark ``key`` read and return its value (``default`` when absent or null)."""
         self.used.add(key)
-        value = self.config.get(key)
-        return default if value is None else value
+        value = self._value(key)
+        if value is None:
+            return default
+        kind = kind or (type(default) if default is not None else None)
+        if kind is not None and not is_kind(value, kind):
+            raise self.error(key, f"must be {KINDS.get(kind, kind.__name__)}, got {value!r} (zoo does not coerce it)")
+        return value
 
-    def require(self, key: str) -> Any:
+    def require(self, key: str, kind: type = int) -> Any:
+        """Mark ``key`` read and return its value (an integer unless ``kind`` says otherwise); absent
+        or null is a :class:`ConfigError` naming it."""
         self.used.add(key)
-        if self.config.get(key) is None:
+        if self._value(key) is None:
             raise self.error(key, "is required and missing")
-        return self.config[key]
+        return self.get(key, kind=kind)
 
     def expect(self, key: str, allowed: Any, why: str = "") -> Any:
         """Read ``key`` (absent counts as its default ``allowed[0]``) and fail unless it is allowed."""
         allowed = allowed if isinstance(allowed, (tuple, list)) else (allowed,)
         value = self.get(key, allowed[0])
-        if value not in allowed:
+        if not any(value == a and (a is None or is_kind(value, type(a))) for a in allowed):
             raise self.error(key, f"value {value!r} is not supported{': ' + why if why else ''}")
         return value
 
     def error(self, key: str, message: str) -> ConfigError:
+        """A :class:`ConfigError` naming ``key`` and this model_type, for the format to raise."""
         return ConfigError(key, message, self.model_type)
 
-    def finish(self, strict: bool = True) -> None:
-        unknown = sorted(k for k in self.config if k not in self.used and k not in GENERIC_FIELDS)
-        if unknown and strict:
+    def finish(self, strict: bool = False) -> None:
+        """Refuse what zoo cannot express; keep the other unread fields as ignored.
+
+        transformers' modelling code does not read a field its config class does not declare, so a
+        field no reader asked for changes nothing in the model (each format reads every field of its
+        transformers config class: tests/test_released_configs.py checks it). ``strict=True``
+        refuses such fields too, for whoever wants to hear of a misspelt or unfamiliar field. A
+        dropout rate (any field named ``*dropout*`` or ``*_pdrop``) is off at inference and never
+        changes the function, so it is accepted either way.
+        """
+        for key, why in REFUSED.items():
+            if key in self.config and key not in self.used:
+                raise self.error(key, why)
+        self.ignored = sorted(k for k in self.config if k not in self.used and k not in GENERIC_FIELDS
+                              and not _is_dropout(k))
+        if self.ignored and strict:
             raise self.error(
-                unknown[0],
-                f"zoo's {self.model_type} format does not know this field, so it cannot tell whether "
-                f"the model it describes is the one zoo would build (unknown: {', '.join(unknown)}). "
-                "If the field is harmless, load with strict=False.",
+                self.ignored[0],
+                f"zoo's {self.model_type} format does not read this field, and neither does transformers' "
+                f"(unread: {', '.join(self.ignored)}). Load without strict=True to accept and keep it.",
             )
+        collected = _IGNORED.get()
+        if collected is not None:
+            collected.extend(self.ignored)
 
 
 class CheckpointFormat:
@@ -99,11 +181,20 @@ class CheckpointFormat:
     ignore: tuple[str, ...] = ()
     # Checkpoints of the bare base model (GPT-2's own files, say) store names without this prefix.
     base_prefix: str = "model."
+    # transformers' defaults for fields a config may leave out, where they differ from the reader's
+    # own fallbacks (a text_config inside a multimodal config gives only what differs).
+    defaults: dict[str, Any] = {}
 
-    def config_to_spec(self, config: dict[str, Any], *, strict: bool = True) -> ModelSpec:
+    def config_to_spec(self, config: dict[str, Any], *, strict: bool = False) -> ModelSpec:
+        """The spec ``config`` (an HF config.json as a dict) describes. Read every field through
+        :class:`Fields` and end with ``fields.finish(strict)``, which refuses what zoo cannot express
+        (and, when ``strict``, every field nobody read)."""
         raise NotImplementedError
 
     def spec_to_config(self, spec: ModelSpec) -> dict[str, Any]:
+        """The HF config fields of ``spec`` (zoo adds ``model_type`` and ``architectures``). Raise
+        ValueError for a spec the format cannot express; save_pretrained also reads the result
+        back with :meth:`config_to_spec` and refuses any difference."""
         raise NotImplementedError
 
     def rules(self, spec: ModelSpec) -> list[Rule]:

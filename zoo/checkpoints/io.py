@@ -1,21 +1,29 @@
-"""Safetensors I/O: reading single-file and sharded checkpoints tensor by tensor, atomic writing."""
+"""Safetensors I/O: reading single-file and sharded checkpoints tensor by tensor, and replacing a
+checkpoint in its directory so that a crash or a concurrent save never loses or mixes one."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import mmap
 import os
-import shutil
-import tempfile
-from pathlib import Path
-from typing import Iterator, Optional
+import re
+import secrets
+import stat
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any, Iterator, Optional
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from zoo.checkpoints.format import CheckpointError
+
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): saves and loads go unlocked
+    fcntl = None
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -30,14 +38,47 @@ DTYPES = {
 }
 
 
+def regular_file(path: Path, what: str = "file") -> Path:
+    """``path`` if it is a regular file (a symlink to one counts: the hub cache links its blobs), else
+    a CheckpointError. A FIFO or device named like a checkpoint file would hang or mislead a reader."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: the {what} is missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read the {what} ({exc})") from None
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise CheckpointError(f"{path}: the {what} is {kind}, not a regular file; zoo will not read it")
+    return path
+
+
+def shard_path(directory: Path, name: Any, index: Path) -> Path:
+    """The file an index names, which must be a plain ``.safetensors`` name inside ``directory``
+    (a symlink there, as in the hub cache, is fine; ``..``, absolute paths and pickles are not)."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{index}: weight_map values must be file names, got {name!r}")
+    parts = PurePosixPath(name).parts
+    if PurePosixPath(name).is_absolute() or PureWindowsPath(name).is_absolute() or "\\" in name or ".." in parts:
+        raise CheckpointError(f"{index} names shard {name!r}, a path that leaves {directory}; refused")
+    if not name.endswith(".safetensors"):
+        raise CheckpointError(
+            f"{index} names shard {name!r}, which is not a safetensors file. zoo never unpickles checkpoints "
+            "(loading a pickle can run arbitrary code): convert it to safetensors where you trust it."
+        )
+    return directory / name
+
+
 class WeightFiles:
     """The tensors of a checkpoint directory: name -> shard file.
 
-    Headers are parsed and validated by safetensors when the directory is opened. A tensor that
-    is kept as stored (same dtype, on the CPU) is a view of a private, copy-on-write mapping of its
-    file (``get(name, mapped=True)``): no copy at all, the pages shared with the page cache. One that
-    will be converted is read straight into a buffer of its own, so no mapping holds pages of data
-    that is thrown away. Either way a whole load needs about one copy of the weights in memory.
+    Headers are parsed and validated by safetensors when the directory is opened; every file must be
+    a regular file, every shard the index names must lie inside the directory, and each tensor must
+    be in exactly the shard the index says. A tensor that is kept as stored (same dtype, on the CPU)
+    is a view of a private, copy-on-write mapping of its file (``get(name, mapped=True)``): no copy
+    at all, the pages shared with the page cache. One that will be converted is read straight into a
+    buffer of its own, so no mapping holds pages of data that is thrown away. Either way a whole load
+    needs about one copy of the weights in memory.
     """
 
     def __init__(self, directory: Path):
@@ -46,27 +87,35 @@ class WeightFiles:
         self.where: dict[str, Path] = {}
         self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}  # dtype, shape, start, end
         index = self.directory / INDEX
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
-            shards = sorted(set(weight_map.values()))
-            for shard in shards:
-                if not (self.directory / shard).is_file():
-                    raise CheckpointError(f"{index} lists shard {shard!r}, which is missing from {self.directory}")
-            # The index is a promise: check each shard really holds what it lists.
-            for shard in shards:
-                names = set(self._read_header(self.directory / shard))
-                for name, file in weight_map.items():
-                    if file == shard and name not in names:
-                        raise CheckpointError(f"{index} says tensor {name!r} is in {shard}, but that file lacks it")
-            self.where = {name: self.directory / file for name, file in weight_map.items()}
-        elif (self.directory / SINGLE).is_file():
-            path = self.directory / SINGLE
-            self.where = {name: path for name in self._read_header(path)}
+        if os.path.lexists(index):
+            weight_map = self._weight_map(regular_file(index, "safetensors index"))
+            shards = {file: shard_path(self.directory, file, index) for file in sorted(set(weight_map.values()))}
+            for file, path in shards.items():
+                if not path.exists():
+                    raise CheckpointError(f"{index} lists shard {file!r}, which is missing from {self.directory}")
+                regular_file(path, f"shard listed in {INDEX}")
+            # The index is a promise: each shard holds exactly what it lists, and no tensor twice.
+            for file, path in shards.items():
+                listed = {name for name, f in weight_map.items() if f == file}
+                header = self._read_header(path)
+                for name in sorted(listed - set(header)):
+                    raise CheckpointError(f"{index} says tensor {name!r} is in {file}, but that file lacks it")
+                for name in sorted(set(header) - listed):
+                    other = weight_map.get(name)
+                    raise CheckpointError(
+                        f"{path}: holds tensor {name!r}, which {INDEX} "
+                        + (f"says is in {other}" if other else "does not list")
+                        + "; the shards disagree with the index, so zoo cannot tell which copy is meant"
+                    )
+                for name in listed:
+                    self.entries[name] = header[name]
+            self.where = {name: shards[file] for name, file in weight_map.items()}
+        elif os.path.lexists(self.directory / SINGLE):
+            path = regular_file(self.directory / SINGLE, "weights file")
+            self.entries = self._read_header(path)
+            self.where = {name: path for name in self.entries}
         else:
-            pickles = [p for p in PICKLES if (self.directory / p).exists()]
+            pickles = [p for p in PICKLES if os.path.lexists(self.directory / p)]
             if pickles:
                 raise CheckpointError(
                     f"{self.directory} holds only pickle weights ({', '.join(pickles)}). zoo never unpickles "
@@ -75,23 +124,43 @@ class WeightFiles:
                 )
             raise CheckpointError(f"{self.directory} has no {SINGLE} or {INDEX}: no safetensors weights to load")
 
-    def _read_header(self, path: Path) -> list[str]:
-        try:  # safetensors validates the header (offsets, dtypes, overlaps)
+    @staticmethod
+    def _weight_map(index: Path) -> dict[str, str]:
+        try:
+            data = json.loads(index.read_bytes())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
+            raise CheckpointError(
+                f"{index}: not a valid safetensors index: 'weight_map' must be an object of tensor name -> "
+                f"shard file, got {type(weight_map).__name__}"
+            )
+        return weight_map
+
+    @staticmethod
+    def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+        """name -> (dtype, shape, start, end) of each tensor; safetensors validates the header first
+        (its size, JSON, dtypes, offsets that tile the data, a file long enough for them)."""
+        try:
             with safe_open(str(path), framework="pt") as f:
                 names = list(f.keys())
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
+            what = "truncated" if "not fully covered" in str(exc) else "corrupt safetensors header"
             raise CheckpointError(
-                f"{path}: cannot read safetensors header ({type(exc).__name__}: {exc}); the file is "
-                "corrupt or truncated: download it again"
+                f"{path}: {what} ({type(exc).__name__}: {exc}); the file is damaged: download it again"
             ) from None
-        header, start = _header(path)
+        with open(path, "rb") as f:  # validated above: the length is sane and the JSON has offsets
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        entries = {}
         for name in names:
             info = header[name]
             if info["dtype"] not in DTYPES:
                 raise CheckpointError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which zoo cannot load")
             begin, end = info["data_offsets"]
-            self.entries[name] = (info["dtype"], tuple(info["shape"]), start + begin, start + end)
-        return names
+            entries[name] = (info["dtype"], tuple(info["shape"]), 8 + n + begin, 8 + n + end)
+        return entries
 
     def names(self) -> list[str]:
         return list(self.where)
@@ -131,31 +200,6 @@ class WeightFiles:
         self.close()
 
 
-def _header(path: Path) -> tuple[dict, int]:
-    """The JSON header of a safetensors file and where its data starts."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: truncated (no safetensors header); download it again")
-        n = int.from_bytes(head, "little")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise CheckpointError(f"{path}: corrupt safetensors header; download it again") from None
-    header.pop("__metadata__", None)
-    return header, 8 + n
-
-
-def check_sizes(directory: Path) -> None:
-    """A truncated shard has a valid header but less data than it promises: catch that up front."""
-    for path in sorted(Path(directory).glob("*.safetensors")):
-        header, start = _header(path)
-        end = start + max((v["data_offsets"][1] for v in header.values()), default=0)
-        size = path.stat().st_size
-        if size < end:
-            raise CheckpointError(f"{path}: truncated: {size} bytes, but its header describes {end}; download it again")
-
-
 def parse_size(size: int | str) -> int:
     if isinstance(size, int):
         return size
@@ -193,34 +237,180 @@ def write_shards(tensors: dict[str, torch.Tensor], directory: Path, max_shard_si
     return files + [INDEX]
 
 
-@contextlib.contextmanager
-def atomic_directory(target: Path, keep: Optional[callable] = None) -> Iterator[Path]:
-    """Yield a temporary directory beside ``target``; on success it replaces ``target``.
+# A save writes its files into a staging directory inside the target, then commits by writing a
+# journal (the new files, the old ones they replace) and applies it: moves the new files in, removes
+# the old checkpoint's stale files, deletes the journal. Killed before the journal, the target holds
+# the old checkpoint; killed after it, the next load or save finishes the move. Saves and loads hold
+# a lock on the directory (flock: released by the kernel when a process dies).
+STAGING = ".zoo-saving-"
+JOURNAL = ".zoo-save-journal.json"
+SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
-    Files of an existing ``target`` for which ``keep(name)`` is true (a tokenizer, say) are carried
-    over. If anything fails, ``target`` is left exactly as it was.
-    """
-    target = Path(target).resolve()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
+
+def is_checkpoint_file(name: str) -> bool:
+    """A file of the checkpoint itself (config, weights, index), which a save may replace."""
+    return name in ("config.json", SINGLE, INDEX) or SHARD.fullmatch(name) is not None
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        yield tmp
-        if target.exists() and not target.is_dir():
-            raise CheckpointError(f"{target} exists and is not a directory")
-        if target.is_dir() and keep is not None:
-            for p in target.iterdir():
-                if p.is_file() and keep(p.name) and not (tmp / p.name).exists():
-                    shutil.copy2(p, tmp / p.name)
-        for p in tmp.iterdir():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-        old = None
-        if target.exists():
-            old = target.parent / f".{target.name}.old-{os.getpid()}"
-            os.replace(target, old)
-        os.replace(tmp, target)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        os.fsync(fd)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _locked(directory: Path, *, exclusive: bool, saving: bool = False) -> Iterator[None]:
+    """Hold ``directory``'s lock. A save finding it held waits for loads, but is refused when another
+    save is writing there (its staging directory is present)."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    try:
+        try:
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if saving and any(n.startswith(STAGING) for n in os.listdir(directory)):
+                    raise CheckpointError(
+                        f"{directory}: another process is saving a checkpoint there; wait for it to finish and "
+                        "try again (this save wrote nothing)"
+                    ) from None
+                fcntl.flock(fd, mode)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise  # else: a file system without locks; go on unlocked
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _remove_staging(path: Path) -> None:
+    """Remove a staging directory of zoo's: its plain files, then the directory if that empties it."""
+    for p in path.iterdir():
+        if p.is_file() and not p.is_symlink():
+            p.unlink()
+    with contextlib.suppress(OSError):
+        path.rmdir()
+
+
+def _read_journal(path: Path) -> dict[str, Any]:
+    try:
+        plan = json.loads(regular_file(path, "save journal").read_bytes())
+        names = plan["add"] + plan["remove"]
+        ok = (isinstance(plan["staging"], str) and plan["staging"].startswith(STAGING) and "/" not in plan["staging"]
+              and all(isinstance(n, str) and is_checkpoint_file(n) for n in names))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{path}: not a save journal zoo wrote; remove it if you know what wrote it")
+    return plan
+
+
+def _apply(directory: Path, plan: dict[str, Any]) -> None:
+    staging = directory / plan["staging"]
+    for name in plan["add"]:
+        if os.path.lexists(staging / name):
+            os.replace(staging / name, directory / name)
+    for name in plan["remove"]:
+        if name not in plan["add"]:
+            with contextlib.suppress(FileNotFoundError):
+                (directory / name).unlink()
+    fsync_dir(directory)
+    (directory / JOURNAL).unlink()
+    fsync_dir(directory)
+    if staging.is_dir():
+        _remove_staging(staging)
+
+
+def interrupted(directory: Path) -> bool:
+    """Whether ``directory`` holds what a killed save left (a journal, a staging directory)."""
+    names = os.listdir(directory)
+    return any(n.startswith((STAGING, JOURNAL)) for n in names)
+
+
+def recover(directory: Path) -> None:
+    """Finish a save killed after it committed; remove what one killed before that left. The caller
+    holds the directory's exclusive lock, so no live save owns what is found."""
+    if os.path.lexists(directory / JOURNAL):
+        _apply(directory, _read_journal(directory / JOURNAL))
+    with contextlib.suppress(FileNotFoundError):
+        (directory / (JOURNAL + ".tmp")).unlink()
+    for p in directory.iterdir():
+        if p.name.startswith(STAGING) and p.is_dir() and not p.is_symlink():
+            _remove_staging(p)
+
+
+@contextlib.contextmanager
+def reading(directory: Path) -> Iterator[None]:
+    """Hold ``directory`` against saves while a checkpoint is read from it, finishing an interrupted
+    save first."""
+    directory = Path(directory)
+    if interrupted(directory):
+        try:
+            with _locked(directory, exclusive=True):
+                recover(directory)
+        except PermissionError as exc:
+            raise CheckpointError(
+                f"{directory}: a save into it was interrupted, and finishing it needs write access ({exc})"
+            ) from None
+    with _locked(directory, exclusive=False):
+        yield
+
+
+@contextlib.contextmanager
+def replace_checkpoint(target: Path) -> Iterator[Path]:
+    """Yield a staging directory; the files written there replace the checkpoint in ``target``.
+
+    Only the checkpoint's own files (config.json, model.safetensors, model-NNNNN-of-NNNNN.safetensors,
+    the index) are replaced or removed; everything else in ``target`` and its mode stay as they were.
+    If anything fails before the commit, ``target`` is left exactly as it was, and a ``target`` this
+    save created is removed again. A second save into the same directory at the same time is refused.
+    """
+    target = Path(target)
+    if os.path.lexists(target) and not target.is_dir():
+        raise CheckpointError(f"{target} exists and is not a directory")
+    created = not target.exists()
+    target.mkdir(parents=True, exist_ok=True)
+    try:
+        with _locked(target, exclusive=True, saving=True):
+            recover(target)
+            staging = target / f"{STAGING}{os.getpid()}-{secrets.token_hex(4)}"
+            staging.mkdir()
+            committed = False
+            try:
+                yield staging
+                added = sorted(p.name for p in staging.iterdir())
+                for name in added:
+                    if os.path.lexists(target / name) and not (target / name).is_file():
+                        raise CheckpointError(f"{target / name} is in the way of the checkpoint file {name}: "
+                                              "it is not a file, so the save will not replace it")
+                for name in added:
+                    with open(staging / name, "rb") as f:
+                        os.fsync(f.fileno())
+                fsync_dir(staging)
+                old = sorted(n for n in os.listdir(target) if is_checkpoint_file(n) and (target / n).is_file())
+                plan = {"staging": staging.name, "add": added, "remove": old}
+                tmp = target / (JOURNAL + ".tmp")
+                with open(tmp, "w") as f:
+                    json.dump(plan, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, target / JOURNAL)  # the commit: from here on, only finishing it
+                committed = True
+                fsync_dir(target)
+            except BaseException:
+                if not committed:  # (a committed save is finished by the next load or save)
+                    with contextlib.suppress(FileNotFoundError):
+                        (target / (JOURNAL + ".tmp")).unlink()
+                    _remove_staging(staging)
+                raise
+            _apply(target, plan)
+    except BaseException:
+        if created:
+            with contextlib.suppress(OSError):
+                target.rmdir()  # only if it is still empty
+        raise

@@ -101,6 +101,10 @@ def backend_rows(model, args):
     from zoo.kernels import backend_table
 
     device = args.backends if args.backends != "here" else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--backends {device!r} is not a device; use cuda or cpu") from None
     dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(args.dtype, torch.bfloat16)
     rows = backend_table(model, device=device, dtype=dtype)
     for r in rows:

@@ -39,10 +39,16 @@ def run(args):
     ids = torch.tensor([tokenizer.encode(args.prompt)])
     stream = TextStream(tokenizer)
     out = sys.stdout
-    out.write(args.prompt)
-    out.flush()
+    shown = []
+
+    def show_prompt():  # once the inputs have passed generate's checks, so an error is not glued to it
+        if not shown:
+            out.write(args.prompt)
+            out.flush()
+            shown.append(True)
 
     def show(column):
+        show_prompt()
         piece = stream.push(int(column[0]))
         if piece:
             out.write(piece)
@@ -51,5 +57,6 @@ def run(args):
     generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                  seed=args.seed, stop=None if args.no_stop else (tokenizer.eos_token_ids or None), callback=show,
                  compile=args.compile)
+    show_prompt()
     out.write("\n")
     return 0

@@ -1,4 +1,5 @@
-"""``zoo list [KIND] [PATTERN]``: registered parts and model presets, with the plugin that provided each."""
+"""``zoo list [KIND] [PATTERN]``: registered parts and model presets, with the plugin that provided each.
+``zoo list KIND NAME`` (a name, not a pattern) also shows that part's settings: name, type, default."""
 
 import fnmatch
 import json
@@ -10,12 +11,46 @@ def add_parser(sub):
         help="list registered parts (or model presets) and which plugin provided each",
         description="KIND is a registry kind (norm, attention, family, checkpoint_format, ...) or 'model' for the "
                     "presets zoo.build accepts; PATTERN is a shell-style pattern ('gemma*'). Without KIND: every "
-                    "kind of part.",
+                    "kind of part. `zoo list KIND NAME` with an exact name also shows the part's settings (the fields "
+                    "of its Config, with their types and defaults) and its description.",
     )
     p.add_argument("kind", nargs="?", default=None, help="a registry kind, or 'model' (default: every kind of part)")
     p.add_argument("pattern", nargs="?", default="*", help="shell-style name pattern (default '*')")
     p.add_argument("--json", action="store_true", help="print JSON")
     return p
+
+
+def settings(obj):
+    """The fields of a part's ``Config``: [{name, type, default}] (the default ``None`` when required)."""
+    import dataclasses
+    import typing
+
+    config = getattr(obj, "Config", None)
+    if not dataclasses.is_dataclass(config):
+        return []
+    hints = typing.get_type_hints(config)
+    out = []
+    for f in dataclasses.fields(config):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = "(required)"
+        from zoo.spec import to_dict
+
+        tp = hints[f.name]
+        name = tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+        if "kind" in f.metadata:  # a part of another kind, by name or as a table
+            name = name.replace("zoo.spec.Part", f"{f.metadata['kind']} part").replace("Part", f"{f.metadata['kind']} part")
+        out.append({"name": f.name, "type": name, "default": to_dict(default)})
+    return out
+
+
+def describe(obj):
+    """The part's own docstring (not one it inherits, such as nn.Module's)."""
+    doc = (obj if isinstance(obj, type) else type(obj)).__dict__.get("__doc__") or ""
+    return " ".join(doc.split())
 
 
 def rows(kind, pattern):
@@ -46,6 +81,9 @@ def rows(kind, pattern):
                     row["overrides"] = e.replaced.provider
                 if k == "family":
                     row["presets"] = sorted(e.obj.presets)
+                if kind and e.name == pattern:  # one part asked for by name: its settings too
+                    row["description"] = describe(e.obj)
+                    row["settings"] = settings(e.obj)
                 out.append(row)
     return out
 
@@ -63,6 +101,13 @@ def run(args):
         if "family" in r:
             extra += f"  family {r['family']}"
         print(f"{r['kind']:<18} {r['name']:<22} {where}{extra}")
+        if "settings" in r:
+            if r["description"]:
+                print(f"  {r['description']}")
+            for f in r["settings"] or [{"name": "(no settings)", "type": "", "default": ""}]:
+                default = "" if f["name"] == "(no settings)" else (
+                    f["default"] if f["default"] == "(required)" else f"= {f['default']!r}")
+                print(f"  {f['name']:<24} {f['type']:<28} {default}")
     if not found:
         print(f"nothing matches {args.pattern!r}" + (f" in {args.kind}" if args.kind else ""))
     return 0

@@ -10,8 +10,9 @@ def add_parser(sub):
                        description="Run transformers' model and zoo's on the same inputs and report max |Δlogits|, "
                                    "mean KL, top-1 agreement and per-layer hidden-state deltas. Exits 1 on failure.")
     p.add_argument("path", nargs="?", metavar="PATH_OR_REPO", help="checkpoint directory or Hugging Face repo id")
-    p.add_argument("--tiny", metavar="FAMILY", help="make a tiny random checkpoint of each supported model_type "
-                   "('all') or of one, with transformers itself, and verify it (offline)")
+    p.add_argument("--tiny", metavar="MODEL_TYPE", help="make a tiny random checkpoint of each supported HF "
+                   "model_type ('all') or of one (a model_type such as llama or gemma2, not a family or preset "
+                   "name), with transformers itself, and verify it (offline)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--reference", metavar="FILE", help="verify against a stored reference (no transformers needed)")
     p.add_argument("--save-reference", metavar="FILE", help="store the inputs and reference outputs in FILE")

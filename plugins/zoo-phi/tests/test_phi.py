@@ -77,9 +77,13 @@ def test_parity_with_transformers(tmp_path, overrides):
         torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=1e-5, rtol=0)
 
 
-def test_unknown_phi_field_is_an_error():
-    from zoo.checkpoints import ConfigError, config_to_spec
+def test_unread_phi_field_is_kept_or_refused_on_request():
+    from zoo.checkpoints import ConfigError, config_to_spec, ignored_fields
 
     fmt = zoo.get("checkpoint_format", "phi")
+    config = {"model_type": "phi", **fmt.tiny, "resid_scale": 2.0}
+    assert ignored_fields(config) == ["resid_scale"]  # PhiConfig does not declare it: transformers ignores it
     with pytest.raises(ConfigError, match="'resid_scale'"):
-        config_to_spec({"model_type": "phi", **fmt.tiny, "resid_scale": 2.0})
+        config_to_spec(config, strict=True)
+    with pytest.raises(ConfigError, match="'qk_layernorm'.*must be a boolean"):
+        config_to_spec({**config, "qk_layernorm": "yes"})

@@ -51,7 +51,7 @@ class Falcon(CheckpointFormat):
         rules += linear_rules("transformer.ln_f", "final_norm")
         return rules + [rule("lm_head.weight", "lm_head.weight")]
 
-    def config_to_spec(self, config, *, strict=True):
+    def config_to_spec(self, config, *, strict=False):
         f = Fields(aliases(config, {"n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
                                     "n_embed": "hidden_size", "n_head_kv": "num_kv_heads"}), self.model_type)
         d, n_heads = f.require("hidden_size"), f.require("num_attention_heads")
@@ -66,7 +66,7 @@ class Falcon(CheckpointFormat):
         if new:
             n_kv = f.get("num_kv_heads", n_heads)
         elif multi_query:
-            f.get("num_kv_heads")  # unused by this layout: one k and one v head
+            f.get("num_kv_heads", kind=int)  # unused by this layout: one k and one v head
             n_kv = 1
         else:
             n_kv = f.expect("num_kv_heads", (n_heads,), "without multi_query every head has its own k and v")
@@ -75,7 +75,7 @@ class Falcon(CheckpointFormat):
         else:
             block = {"name": "parallel", "shared_norm": not (new and n_ln == 2)}
         norm = layernorm(f, "layer_norm_epsilon")
-        bias = bool(f.get("bias", False))
+        bias = f.get("bias", False)
         max_pos = f.get("max_position_embeddings", 2048)
         spec = {
             "vocab_size": f.require("vocab_size"), "d_model": d, "n_layers": f.require("num_hidden_layers"),
@@ -87,7 +87,7 @@ class Falcon(CheckpointFormat):
                         "activation": activation(f, "activation", "gelu")},
                 "norm": norm, "block": block,
             }},
-            "final_norm": norm, "head": {"tied": bool(f.get("tie_word_embeddings", True))},
+            "final_norm": norm, "head": {"tied": f.get("tie_word_embeddings", True)},
         }
         f.finish(strict)
         return ModelSpec.from_dict(spec)

@@ -37,13 +37,13 @@ class GPT2(CheckpointFormat):
             rule("lm_head.weight", "lm_head.weight"),
         ]
 
-    def config_to_spec(self, config, *, strict=True):
+    def config_to_spec(self, config, *, strict=False):
         f = Fields(config, self.model_type)
         d, n_heads = f.require("n_embd"), f.require("n_head")
         f.expect("add_cross_attention", False, "zoo builds decoder-only models")
         f.expect("scale_attn_by_inverse_layer_idx", False, "zoo's attention has no per-layer score scale")
-        f.get("reorder_and_upcast_attn")  # numerics only: zoo computes softmax in fp32 anyway
-        f.get("n_ctx")  # an old name of n_positions
+        f.get("reorder_and_upcast_attn", kind=bool)  # numerics only: zoo computes softmax in fp32 anyway
+        f.get("n_ctx", kind=int)  # an old name of n_positions
         scaled = f.get("scale_attn_weights", True)
         norm = layernorm(f, "layer_norm_epsilon")
         attention = {"name": "attention", "n_heads": n_heads, "bias": True, "out_bias": True}
@@ -58,7 +58,7 @@ class GPT2(CheckpointFormat):
                         "activation": activation(f, "activation_function", "gelu_new")},
                 "norm": norm, "block": {"name": "serial", "norm_position": "pre"},
             }},
-            "final_norm": norm, "head": {"tied": bool(f.get("tie_word_embeddings", True))},
+            "final_norm": norm, "head": {"tied": f.get("tie_word_embeddings", True)},
         }
         f.finish(strict)
         return ModelSpec.from_dict(spec)

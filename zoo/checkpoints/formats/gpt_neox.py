@@ -36,13 +36,13 @@ class GPTNeoX(CheckpointFormat):
             rule("embed_out.weight", "lm_head.weight"),
         ]
 
-    def config_to_spec(self, config, *, strict=True):
+    def config_to_spec(self, config, *, strict=False):
         f = Fields(aliases(config, {"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"}),
                    self.model_type)
         d, n_heads = f.require("hidden_size"), f.require("num_attention_heads")
-        f.get("is_decoder")
+        f.get("is_decoder", kind=bool)
         norm = layernorm(f, "layer_norm_eps")
-        bias = bool(f.get("attention_bias", True))
+        bias = f.get("attention_bias", True)
         params = rope_parameters(f)
         params.setdefault("partial_rotary_factor", 0.25)  # GPT-NeoX's default
         max_pos = f.get("max_position_embeddings", 2048)
@@ -57,7 +57,7 @@ class GPTNeoX(CheckpointFormat):
                         "activation": activation(f, "hidden_act", "gelu")},
                 "norm": norm, "block": block,
             }},
-            "final_norm": norm, "head": {"tied": bool(f.get("tie_word_embeddings", False))},
+            "final_norm": norm, "head": {"tied": f.get("tie_word_embeddings", False)},
         }
         f.finish(strict)
         return ModelSpec.from_dict(spec)

@@ -34,8 +34,10 @@ class GPTJ(CheckpointFormat):
             rule("lm_head.bias", "head_bias"),  # a tied head keeps its own bias
         ]
 
-    def config_to_spec(self, config, *, strict=True):
-        f = Fields(config, self.model_type)
+    defaults = {"rotary_dim": 64}  # GPTJConfig's, for a config without the field (null: the whole head)
+
+    def config_to_spec(self, config, *, strict=False):
+        f = Fields(config, self.model_type, self.defaults)
         d, n_heads = f.require("n_embd"), f.require("n_head")
         head_dim = d // n_heads
         rotary_dim = f.get("rotary_dim", head_dim)
@@ -52,7 +54,7 @@ class GPTJ(CheckpointFormat):
                         "activation": activation(f, "activation_function", "gelu_new")},
                 "norm": norm, "block": {"name": "parallel", "shared_norm": True},
             }},
-            "final_norm": norm, "head": {"tied": bool(f.get("tie_word_embeddings", False)), "bias": True},
+            "final_norm": norm, "head": {"tied": f.get("tie_word_embeddings", False), "bias": True},
         }
         f.finish(strict)
         return ModelSpec.from_dict(spec)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from zoo.checkpoints.common import activation, activation_name, layer_types_of, pattern, rope_parameters, rope_part, rope_to_hf
-from zoo.checkpoints.format import CheckpointFormat, Fields
+from zoo.checkpoints.format import CheckpointFormat, ConfigError, Fields
 from zoo.checkpoints.sizes import ffn_size
 from zoo.checkpoints.maps import rule
 from zoo.spec import ModelSpec
@@ -68,9 +68,9 @@ class LlamaStyle(CheckpointFormat):
     # -- config -> spec -------------------------------------------------------------------------
     def layer_types(self, f: Fields, n_layers: int) -> list[str]:
         if self.window_rule == "all":
-            return [SLIDING if f.get("sliding_window") is not None else FULL] * n_layers
+            return [SLIDING if f.get("sliding_window", kind=int) is not None else FULL] * n_layers
         if self.window_rule == "layer_types":
-            types = f.get("layer_types")
+            types = f.get("layer_types", kind=list)
             if types is None:
                 types = self.default_layer_types(f, n_layers)
             if len(types) != n_layers:
@@ -85,13 +85,13 @@ class LlamaStyle(CheckpointFormat):
         return [FULL] * n_layers
 
     def window(self, f: Fields):
-        return f.get("sliding_window")
+        return f.get("sliding_window", kind=int)
 
     def rope_for(self, f: Fields, layer_type: str, max_pos: int) -> dict[str, Any]:
         return rope_part(f, rope_parameters(f, layer_type), max_pos=max_pos)
 
-    def config_to_spec(self, config, *, strict=True):
-        f = Fields(config, self.model_type)
+    def config_to_spec(self, config, *, strict=False):
+        f = Fields(config, self.model_type, self.defaults)
         d, n_heads, L = f.require("hidden_size"), f.require("num_attention_heads"), f.require("num_hidden_layers")
         n_kv = f.get("num_key_value_heads", n_heads)
         head_dim = f.get("head_dim", d // n_heads)
@@ -100,17 +100,17 @@ class LlamaStyle(CheckpointFormat):
         for key in self.extra_fields:
             f.get(key)
         if self.qkv_bias is None:
-            bias = out_bias = bool(f.get("attention_bias", False))
+            bias = out_bias = f.get("attention_bias", False)
         else:
             bias, out_bias = self.qkv_bias, False
-        mlp_bias = bool(f.get(self.mlp_bias_key, False)) if self.mlp_bias_key else False
+        mlp_bias = f.get(self.mlp_bias_key, False) if self.mlp_bias_key else False
         attention: dict[str, Any] = {
             "name": "attention", "n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": head_dim,
             "bias": bias, "out_bias": out_bias, "qk_norm": self.qk_norm,
         }
         if self.query_scalar:
-            attention["scale_dim"] = float(f.get("query_pre_attn_scalar", head_dim))
-        if self.softcaps and f.get("attn_logit_softcapping") is not None:
+            attention["scale_dim"] = float(f.get("query_pre_attn_scalar", head_dim, float))
+        if self.softcaps and f.get("attn_logit_softcapping", kind=float) is not None:
             attention["softcap"] = float(f.get("attn_logit_softcapping"))
         ffn = {"name": "glu", "d_ff": f.require("intermediate_size"), "bias": mlp_bias,
                "activation": activation(f, self.act_key, self.act_default)}
@@ -129,8 +129,8 @@ class LlamaStyle(CheckpointFormat):
             if ropes[t] != position:
                 layer["position"] = ropes[t]
             layers[kinds[t]] = layer
-        head: dict[str, Any] = {"tied": bool(f.get("tie_word_embeddings", self.tied_default))}
-        if self.softcaps and f.get("final_logit_softcapping") is not None:
+        head: dict[str, Any] = {"tied": f.get("tie_word_embeddings", self.tied_default)}
+        if self.softcaps and f.get("final_logit_softcapping", kind=float) is not None:
             head["softcap"] = float(f.get("final_logit_softcapping"))
         if self.embed_scale:
             f.expect("use_bidirectional_attention", (None, False), "zoo's decoders are causal")
@@ -186,6 +186,8 @@ class Mistral(LlamaStyle):
     model_type, architecture = "mistral", "MistralForCausalLM"
     mlp_bias_key = None
     window_rule = "all"
+    # MistralConfig's: a config without sliding_window slides 4096 (null: no window).
+    defaults = {"sliding_window": 4096, "num_key_value_heads": 8, "max_position_embeddings": 131072}
     tiny = {**TINY, "sliding_window": 8}
 
     def windows_to_config(self, cfg, types, window):
@@ -199,20 +201,27 @@ class Qwen2(LlamaStyle):
     mlp_bias_key = None
     qkv_bias = True
     window_rule = "layer_types"
-    extra_fields = ("max_window_layers",)
+    # Qwen2Config's: the window and where it starts apply only when use_sliding_window is true.
+    defaults = {"sliding_window": 4096, "max_window_layers": 28, "num_key_value_heads": 32,
+                "max_position_embeddings": 32768}
     tiny = {**TINY, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
             "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                 "original_max_position_embeddings": 16}}
 
+    # transformers (Qwen2Config): sliding_window = sliding_window if use_sliding_window else None, and
+    # without layer_types, layer i slides when there is a window and i >= max_window_layers. Layers
+    # marked sliding get the window; with none, every layer attends fully.
     def window(self, f):
-        return f.get("sliding_window") if f.get("use_sliding_window", False) else None
+        window = f.get("sliding_window", kind=int)
+        return window if f.get("use_sliding_window", False) else None
 
     def layer_types(self, f, n_layers):
+        f.get("max_window_layers", kind=int)  # typed even where it decides nothing
         types = super().layer_types(f, n_layers)
         return types if self.window(f) is not None else [FULL] * n_layers
 
     def default_layer_types(self, f, n_layers):
-        start = f.get("max_window_layers", n_layers)
+        start = f.get("max_window_layers", kind=int)
         return [SLIDING if self.window(f) is not None and i >= start else FULL for i in range(n_layers)]
 
     def windows_to_config(self, cfg, types, window):
@@ -223,6 +232,7 @@ class Qwen2(LlamaStyle):
 
 class Qwen3(Qwen2):
     model_type, architecture = "qwen3", "Qwen3ForCausalLM"
+    defaults = {**Qwen2.defaults, "head_dim": 128}
     qkv_bias = None
     qk_norm = "head"
     tiny = {**TINY, "attention_bias": True, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
@@ -234,6 +244,7 @@ GEMMA_NORM = {"unit_offset": True, "scale_in_fp32": True}
 
 class Gemma(LlamaStyle):
     model_type, architecture = "gemma", "GemmaForCausalLM"
+    defaults = {"num_key_value_heads": 16, "head_dim": 256, "max_position_embeddings": 8192}
     mlp_bias_key = None
     norm_extra = GEMMA_NORM
     act_default = "gelu_pytorch_tanh"
@@ -243,7 +254,7 @@ class Gemma(LlamaStyle):
     tiny = {**TINY, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
             "max_position_embeddings": 16}
 
-    def config_to_spec(self, config, *, strict=True):
+    def config_to_spec(self, config, *, strict=False):
         # Old Gemma configs name the activation twice; hidden_activation wins where given. The
         # official releases say "gelu" and mean the tanh approximation (transformers reads it so).
         act = config.get("hidden_activation") or config.get("hidden_act")
@@ -253,6 +264,9 @@ class Gemma(LlamaStyle):
 
 class Gemma2(LlamaStyle):
     model_type, architecture = "gemma2", "Gemma2ForCausalLM"
+    defaults = {"num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 8192,
+                "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+                "final_logit_softcapping": 30.0}
     mlp_bias_key = None
     norm_extra = GEMMA_NORM
     norm_position = "sandwich"
@@ -276,7 +290,12 @@ class Gemma2(LlamaStyle):
 class Gemma3Text(Gemma2):
     model_type, architecture = "gemma3_text", "Gemma3ForCausalLM"
     qk_norm = "head"
-    extra_fields = ("hidden_act", "_sliding_window_pattern", "sliding_window_pattern", "rope_local_base_freq")
+    # Gemma3TextConfig's: the text_config of a released gemma3 checkpoint gives only what differs.
+    defaults = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+                "sliding_window": 4096, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0}
+    extra_fields = ("hidden_act", "sliding_window_pattern", "rope_local_base_freq")
     ignore = LlamaStyle.ignore + ("vision_tower.*", "multi_modal_projector.*", "model.vision_tower.*",
                                   "model.multi_modal_projector.*")
     tiny = {**TINY, "sliding_window": 8, "query_pre_attn_scalar": 24,
@@ -285,7 +304,7 @@ class Gemma3Text(Gemma2):
                                 FULL: {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}}
 
     def default_layer_types(self, f, n_layers):
-        every = f.get("sliding_window_pattern", f.get("_sliding_window_pattern", 6))
+        every = f.get("sliding_window_pattern", 6)
         return [SLIDING if (i + 1) % every else FULL for i in range(n_layers)]
 
     def rope_for(self, f, layer_type, max_pos):
@@ -306,19 +325,23 @@ class Gemma3(Gemma3Text):
     tiny = {}
 
     def unwrap(self, config):
-        text = dict(config.get("text_config") or {})
+        text = config.get("text_config") or {}
+        if not isinstance(text, dict):
+            raise ConfigError("text_config", f"must be a JSON object, got {type(text).__name__}", self.model_type)
+        text = dict(text)
         text.setdefault("model_type", "gemma3_text")
         renames = {"language_model.model.": "model.", "model.language_model.": "model.",
                    "language_model.lm_head.": "lm_head."}
         return text, renames
 
-    def config_to_spec(self, config, *, strict=True):
+    def config_to_spec(self, config, *, strict=False):
         text, _ = self.unwrap(config) if "text_config" in config else (config, None)
         return Gemma3Text.config_to_spec(self, text, strict=strict)
 
 
 class Olmo2(LlamaStyle):
     model_type, architecture = "olmo2", "Olmo2ForCausalLM"
+    defaults = {"rms_norm_eps": 1e-5}
     mlp_bias_key = None
     norm_extra = {"scale_in_fp32": True}
     norm_position = "output"

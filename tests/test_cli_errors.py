@@ -1,0 +1,113 @@
+"""Bad command-line input is a one-line error with exit code 2, never a traceback; zoo's own checks
+come before any output and before transformers runs."""
+
+import json
+
+import importlib
+
+import pytest
+
+from zoo.cli import main
+
+from test_cli_generate import checkpoint  # noqa: F401,E402  (a tiny llama with a byte tokenizer.json)
+
+V = importlib.import_module("zoo.verification")  # the module; `zoo.verify` is the function
+
+tiny = pytest.importorskip("zoo.checkpoints.tiny")
+pytest.importorskip("transformers")
+
+TRAIN = ["train", "llama3-8b", "--set", "n_layers=1", "--set", "d_model=32", "--set", "vocab_size=256",
+         "--set", "layers.*.attention.n_heads=4", "--set", "layers.*.attention.n_kv_heads=2", "--cpu",
+         "--no-progress"]
+
+
+@pytest.fixture
+def no_reference(monkeypatch):
+    """transformers must not run: zoo's own checks come first."""
+    monkeypatch.setattr(V, "run_reference", lambda *a, **k: pytest.fail("transformers ran first"))
+
+
+def one_line_error(capsys, argv, match):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"zoo {argv[0]}: error: "), captured.err
+    assert match in lines[0], lines[0]
+    return captured
+
+
+def test_describe_with_a_device_that_does_not_exist(capsys):
+    one_line_error(capsys, ["describe", "llama3-8b", "--set", "n_layers=1", "--backends", "tpu"],
+                   "--backends 'tpu' is not a device; use cuda or cpu")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float99"])
+def test_generate_with_a_dtype_weights_cannot_load_in(checkpoint, capsys, dtype):
+    one_line_error(capsys, ["generate", str(checkpoint), "--prompt", "Hi", "--dtype", dtype],
+                   f"dtype {dtype!r} is not a floating-point dtype")
+
+
+def test_generate_validates_before_printing_the_prompt(checkpoint, capsys):
+    out = one_line_error(capsys, ["generate", str(checkpoint), "--prompt", "Hello", "-n", "100000000"],
+                         "beyond zoo's limit on a context")
+    assert out.out == ""
+
+
+def test_train_with_an_unreadable_tokenizer(tmp_path, capsys):
+    (tmp_path / "tokenizer.json").write_text("this is not json")
+    one_line_error(capsys, TRAIN + ["--tokenizer", str(tmp_path / "tokenizer.json"), "--out-dir", str(tmp_path)],
+                   "tokenizer.json is not a tokenizer.json that the tokenizers library can read")
+
+
+def test_train_with_fsdp_in_a_single_process(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(importlib.import_module("zoo.training"), "build_model",
+                        lambda *a, **k: pytest.fail("built a model before the FSDP check"))
+    one_line_error(capsys, TRAIN + ["--fsdp", "--out-dir", str(tmp_path)], "fsdp: FSDP2 needs a process group")
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--seq-len", "0"], "seq_len must be a positive integer, got 0"),
+    (["--seq-len", "-1"], "seq_len must be a positive integer, got -1"),
+    (["--batch-size", "0"], "batch_size must be a positive integer, got 0"),
+    (["--seq-len", "100000000"], "seq_len 100000000 is beyond the checkpoint's max_seq_len 64"),
+    (["--batch-size", "10000000"], "seq_len 32 x batch_size 10000000 would hold about"),
+])
+def test_verify_sizes_are_checked_before_transformers_runs(checkpoint, capsys, no_reference, args, match):
+    one_line_error(capsys, ["verify", str(checkpoint), *args], match)
+
+
+def test_verify_with_a_malformed_reference_file(checkpoint, tmp_path, capsys, no_reference):
+    from safetensors.torch import save_file
+    import torch
+
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file at all")
+    one_line_error(capsys, ["verify", str(checkpoint), "--reference", str(tmp_path / "junk.safetensors")],
+                   "junk.safetensors is not a safetensors file")
+    save_file({"input_ids": torch.zeros(2, 4, dtype=torch.long)}, str(tmp_path / "partial.safetensors"))
+    one_line_error(capsys, ["verify", str(checkpoint), "--reference", str(tmp_path / "partial.safetensors")],
+                   "partial.safetensors lacks logits")
+    save_file({"input_ids": torch.full((2, 4), 999), "logits": torch.zeros(2, 4, 256)}, str(tmp_path / "ids.safetensors"))
+    one_line_error(capsys, ["verify", str(checkpoint), "--reference", str(tmp_path / "ids.safetensors")],
+                   "input_ids hold ids outside this checkpoint's vocabulary [0, 256)")
+
+
+def test_verify_saving_a_reference_into_a_missing_directory(checkpoint, tmp_path, capsys, no_reference):
+    one_line_error(capsys, ["verify", str(checkpoint), "--save-reference", str(tmp_path / "nope" / "ref.safetensors")],
+                   "save_reference: the directory of")
+
+
+def test_verify_refuses_a_config_zoo_cannot_read_before_transformers_runs(checkpoint, tmp_path, capsys,
+                                                                          no_reference):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(checkpoint, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "hidden_act": "no_such_activation"}))
+    one_line_error(capsys, ["verify", str(bad)], "no_such_activation")
+
+
+def test_verify_tiny_help_says_it_takes_a_model_type(capsys):
+    with pytest.raises(SystemExit):
+        main(["verify", "--help"])
+    assert "--tiny MODEL_TYPE" in capsys.readouterr().out

@@ -1,0 +1,152 @@
+"""Released config.json files (tests/data/configs, sources in SOURCES.md) read as released: zoo
+builds what transformers builds from the same file, keeps what transformers ignores, and refuses
+mistyped fields by name."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import zoo
+from zoo.checkpoints import ConfigError, config_to_spec, ignored_fields
+
+CONFIGS = sorted((Path(__file__).parent / "data" / "configs").glob("*.json"))
+transformers = pytest.importorskip("transformers")
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def needs_format(config: dict) -> None:
+    if config["model_type"] not in zoo.list_components("checkpoint_format"):
+        pytest.skip(f"no {config['model_type']} format installed (a plugin provides it)")
+
+
+def hf_text_config(config: dict):
+    hc = transformers.AutoConfig.for_model(**config)
+    return hc.text_config if config["model_type"] == "gemma3" else hc
+
+
+def test_every_supported_model_type_has_a_released_config():
+    have = {load(p)["model_type"] for p in CONFIGS}
+    assert set(zoo.list_components("checkpoint_format")) <= have
+    sources = (CONFIGS[0].parent / "SOURCES.md").read_text()
+    assert all(f"`{p.name}`" in sources for p in CONFIGS)
+
+
+ROPE_TYPES = {"default": "default", "linear": "linear", "dynamic": "dynamic_ntk", "yarn": "yarn", "llama3": "llama3"}
+
+
+def same_as_transformers(config: dict) -> None:
+    """zoo builds, on the meta device, what transformers builds from ``config``: the parameter count,
+    the context length, which layers slide and how far, each layer's RoPE, the score scale and soft-caps."""
+    spec = config_to_spec(config)
+    model = zoo.build_model(spec, device="meta")
+    hc = hf_text_config(config)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hc)
+    assert model.num_parameters() == sum(p.numel() for p in hf.parameters())
+    assert spec.max_seq_len == hc.max_position_embeddings
+    window = getattr(hc, "sliding_window", None)
+    types = getattr(hc, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * hc.num_hidden_layers
+    want = [window if t == "sliding_attention" else None for t in types]
+    assert [spec.layer(i).attention.window for i in range(spec.n_layers)] == want
+    params = getattr(hc, "rope_parameters", None)
+    for i, t in enumerate(types if params else []):  # each layer's RoPE as transformers sets it up
+        p = params[t] if isinstance(params.get(t), dict) else params
+        pos = spec.position_for(i)
+        assert pos.theta == p["rope_theta"]
+        assert (pos.scaling.name if pos.scaling else "default") == ROPE_TYPES[p.get("rope_type", "default")]
+        if pos.scaling is not None and p.get("factor") is not None:
+            assert pos.scaling.factor == p["factor"]
+        assert pos.rotary_fraction == p.get("partial_rotary_factor", 1.0)
+    if getattr(hc, "rotary_dim", None):  # GPT-J: a rotary width in channels
+        assert spec.position.rotary_dim == hc.rotary_dim
+    if hasattr(hc, "query_pre_attn_scalar"):  # Gemma 2/3 scale scores by this, not by head_dim
+        assert {spec.layer(i).attention.scale_dim for i in range(spec.n_layers)} == {hc.query_pre_attn_scalar}
+    if hasattr(hc, "final_logit_softcapping"):
+        assert spec.head.softcap == hc.final_logit_softcapping
+        assert {spec.layer(i).attention.softcap for i in range(spec.n_layers)} == {hc.attn_logit_softcapping}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_released_config_builds_what_transformers_builds(path):
+    config = load(path)
+    needs_format(config)
+    same_as_transformers(config)
+
+
+SIZES = ("vocab_size", "hidden_size", "n_embd", "intermediate_size", "num_hidden_layers", "n_layer",
+         "num_attention_heads", "n_head")
+
+
+@pytest.mark.parametrize("model_type", sorted({load(p)["model_type"] for p in CONFIGS} - {"gemma3"}))
+def test_absent_fields_take_transformers_defaults(model_type):
+    # Only the sizes given: heads, head_dim, windows, context and eps come from the config class.
+    needs_format({"model_type": model_type})
+    defaults = transformers.CONFIG_MAPPING[model_type]().to_dict()
+    same_as_transformers({"model_type": model_type, **{k: defaults[k] for k in SIZES if k in defaults}})
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_fields_transformers_declares_are_read_and_the_rest_kept(path):
+    config = load(path)
+    needs_format(config)
+    model_type = config["model_type"] if config["model_type"] != "gemma3" else "gemma3_text"
+    declared = {f.name for f in dataclasses.fields(transformers.CONFIG_MAPPING[model_type])}
+    ignored = ignored_fields(config)
+    assert not set(ignored) & declared  # each one transformers reads, zoo reads (or refuses)
+    assert set(ignored) <= set(config)
+    if ignored:  # strict=True is the way to hear of them
+        with pytest.raises(ConfigError, match=repr(ignored[0])):
+            config_to_spec(config, strict=True)
+
+
+def test_vendor_extras_are_ignored_as_transformers_ignores_them():
+    qwen = load(CONFIGS[0].parent / "Qwen--Qwen2.5-0.5B.json")
+    smol = load(CONFIGS[0].parent / "HuggingFaceTB--SmolLM2-135M.json")
+    assert ignored_fields(qwen) == ["use_mrope"]
+    assert ignored_fields(smol) == ["is_llama_config", "rope_interleaved"]
+    assert ignored_fields(load(CONFIGS[0].parent / "google--gemma-2-27b.json")) == ["sliding_window_size"]
+
+
+@pytest.mark.parametrize("use, start, window", [(False, 21, 4096), (True, 21, 4096), (True, 0, 512), (True, None, None)])
+def test_qwen_window_rule_is_transformers_rule(use, start, window):
+    config = {**load(CONFIGS[0].parent / "Qwen--Qwen2.5-0.5B.json"), "use_sliding_window": use}
+    for key, value in (("max_window_layers", start), ("sliding_window", window)):
+        if value is None:
+            config.pop(key)  # absent: transformers' defaults (28, 4096)
+        else:
+            config[key] = value
+    hc = transformers.AutoConfig.for_model(**config)
+    spec = config_to_spec(config)
+    want = [hc.sliding_window if t == "sliding_attention" else None for t in hc.layer_types]
+    assert [spec.layer(i).attention.window for i in range(spec.n_layers)] == want
+    assert any(want) == (use and (28 if start is None else start) < spec.n_layers)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tie_word_embeddings", "no"), ("tie_word_embeddings", 0), ("hidden_size", "896"), ("num_hidden_layers", True),
+    ("rms_norm_eps", "1e-6"), ("rope_theta", "1000000.0"), ("use_sliding_window", "false"),
+    ("sliding_window", 4096.5), ("rope_scaling", ["linear"]), ("max_window_layers", "24"),
+])
+def test_typed_fields_are_typed(field, value):
+    config = {**load(CONFIGS[0].parent / "Qwen--Qwen2.5-0.5B.json"), "use_sliding_window": True, field: value}
+    with pytest.raises(ConfigError, match=f"'{field}'.*must be"):
+        config_to_spec(config)
+
+
+def test_rope_values_are_typed_and_a_config_is_an_object():
+    config = load(CONFIGS[0].parent / "meta-llama--Llama-3.1-8B.json")
+    config["rope_scaling"] = {**config["rope_scaling"], "factor": "8"}
+    with pytest.raises(ConfigError, match=r"'rope_parameters\.factor'.*must be a number"):
+        config_to_spec(config)
+    for bad in ([config], "llama", 3):
+        with pytest.raises(ConfigError, match="'config'.*JSON object"):
+            config_to_spec(bad)
+    gemma3 = load(CONFIGS[0].parent / "google--gemma-3-4b-pt.json")
+    with pytest.raises(ConfigError, match="'text_config'.*JSON object"):
+        config_to_spec({**gemma3, "text_config": [1]})

@@ -1,0 +1,136 @@
+"""Runs that cannot lose or mix: fresh runs beside old ones, changed settings on resume, corrupt
+checkpoints, torn metrics, pruning by step, fsynced checkpoints."""
+
+import importlib
+import json
+import os
+
+import pytest
+
+T = importlib.import_module("zoo.training")
+
+TINY = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.attention.n_heads": 4,
+        "layers.*.attention.n_kv_heads": 2, "layers.*.ffn.d_ff": 64}
+QUIET = dict(progress=False, plot=False, export=False, cpu=True)
+KW = dict(overrides=TINY, steps=8, seq_len=32, global_batch=8, micro_batch=4, lr=3e-3, warmup_steps=3, **QUIET)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def metrics(out_dir):
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def no_compute(monkeypatch):
+    monkeypatch.setattr(T, "build_model", lambda *a, **k: pytest.fail("a model was built: the error came too late"))
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """A run of 8 steps stopped after 4, with checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("stopped")
+    T.train("llama3-8b", out_dir=str(out), stop_after=4, save_every=2, **KW)
+    return out
+
+
+def test_fresh_run_refuses_a_directory_holding_another_run_and_leaves_it_alone(stopped_run, no_compute):
+    before = sorted(p.name for p in (stopped_run / "checkpoints").iterdir())
+    with pytest.raises(ValueError, match=r"already holds a run \(checkpoints step-0000002, step-0000004\).*"
+                                          r"resume=None.*another out_dir"):
+        T.train("llama3-8b", out_dir=str(stopped_run), resume=None, **KW)
+    assert sorted(p.name for p in (stopped_run / "checkpoints").iterdir()) == before
+
+
+def test_checkpoints_are_ordered_by_step_not_by_name(tmp_path):
+    for step in (9_999_999, 10_000_000, 2):
+        d = tmp_path / "checkpoints" / (f"step-{step:07d}")
+        d.mkdir(parents=True)
+        (d / "state.json").write_text("{}")
+    (tmp_path / "checkpoints" / "step-final").mkdir()
+    assert [p.name for p in T.checkpoints(tmp_path)] == ["step-0000002", "step-9999999", "step-10000000"]
+
+
+@pytest.mark.parametrize("field, value", [("lr", 1e-3), ("seq_len", 16), ("global_batch", 16), ("seed", 1),
+                                          ("data", ("corpus.txt",)), ("weight_decay", 0.0)])
+def test_resume_with_a_changed_setting_is_refused_naming_it(stopped_run, no_compute, field, value, tmp_path):
+    if field == "data":
+        (tmp_path / "corpus.txt").write_text("some text to learn from\n" * 50)
+        value = (str(tmp_path / "corpus.txt"),)
+    with pytest.raises(ValueError, match=rf"other training settings \({field}: .* in the checkpoint, .* now\)"):
+        T.train("llama3-8b", out_dir=str(stopped_run), **{**KW, field: value})
+
+
+def test_resume_applies_a_changed_step_count_and_says_so(tmp_path, capsys):
+    out = tmp_path / "run"
+    T.train("llama3-8b", out_dir=str(out), stop_after=2, **KW)
+    capsys.readouterr()
+    result = T.train("llama3-8b", out_dir=str(out), **{**KW, "steps": 5})
+    assert result.step == 5
+    assert "changed settings, which apply from here: steps: 8 in the checkpoint, 5 now" in capsys.readouterr().out
+
+
+def test_corrupt_last_checkpoint_and_torn_metrics_line_fall_back_to_the_last_complete_one(stopped_run, tmp_path):
+    """Resume skips the truncated step-4 checkpoint for step 2 (naming it), drops the torn metrics
+    line, and still follows the trajectory of a run never interrupted."""
+    import shutil
+
+    whole = T.train("llama3-8b", out_dir=str(tmp_path / "whole"), **KW)
+    out = tmp_path / "broken"
+    shutil.copytree(stopped_run, out)
+    opt = out / "checkpoints" / "step-0000004" / "optimizer.safetensors"
+    opt.write_bytes(opt.read_bytes()[:100])
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "lo')
+    with pytest.warns(UserWarning) as caught:
+        rest = T.train("llama3-8b", out_dir=str(out), save_every=2, **KW)
+    messages = [str(w.message) for w in caught]
+    assert any("step-0000004 is incomplete or corrupt (optimizer.safetensors" in m for m in messages), messages
+    assert any("metrics.jsonl, line 5: not a complete record" in m for m in messages), messages
+    assert rest.step == 8 and len(rest.losses) == 6  # from step 2
+    assert [m["step"] for m in metrics(out)] == list(range(1, 9))
+    assert [m["loss"] for m in metrics(out)] == pytest.approx(
+        [m["loss"] for m in metrics(tmp_path / "whole")], rel=1e-6, abs=0)
+    assert whole.step == 8
+    assert [p.name for p in T.checkpoints(out)] == ["step-0000006", "step-0000008"]
+
+
+def test_explicit_resume_refuses_a_corrupt_checkpoint_or_a_directory_with_later_ones(stopped_run, tmp_path, no_compute):
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(stopped_run, out)
+    with pytest.raises(ValueError, match=r"holds checkpoints after step-0000002 \(step-0000004\)"):
+        T.train("llama3-8b", out_dir=str(out), resume=str(out / "checkpoints" / "step-0000002"), **KW)
+    (out / "checkpoints" / "step-0000004" / "state.json").write_text('{"step": 4, "spe')
+    with pytest.raises(ValueError, match=r"step-0000004 is incomplete or corrupt: state.json is unreadable"):
+        T.train("llama3-8b", out_dir=str(out), resume=str(out / "checkpoints" / "step-0000004"), **KW)
+    (out / "checkpoints" / "step-0000002" / "model.safetensors").unlink()
+    with pytest.warns(UserWarning) as caught, \
+            pytest.raises(ValueError, match="no complete checkpoint in .*every one is corrupt"):
+        T.train("llama3-8b", out_dir=str(out), **KW)
+    assert [str(w.message).split(" is ")[0].rsplit("/", 1)[-1] for w in caught] == ["step-0000004", "step-0000002"]
+
+
+def test_training_checkpoints_are_fsynced_before_they_are_renamed_into_place(tmp_path, monkeypatch):
+    synced = []
+    real = os.fsync
+
+    def record(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    result = T.train("llama3-8b", out_dir=str(tmp_path), steps=1, seq_len=16, global_batch=2, micro_batch=2,
+                     overrides=TINY, **QUIET)
+    files = sorted(p.name for p in result.checkpoint.iterdir())
+    tmp = tmp_path / "checkpoints" / ".tmp-step-0000001"
+    assert set(files) <= {os.path.basename(s) for s in synced if s.startswith(str(tmp) + "/")}
+    assert str(tmp) in synced and str(tmp_path / "checkpoints") in synced
+
+
+@pytest.mark.parametrize("field", ["lr", "weight_decay", "grad_clip", "min_lr_ratio", "eps", "z_loss"])
+def test_non_finite_training_settings_are_refused_by_name(tmp_path, no_compute, field):
+    with pytest.raises(ValueError, match=rf"TrainConfig.{field} must be a finite number, got nan"):
+        T.train("llama3-8b", out_dir=str(tmp_path), **{**KW, field: float("nan")})
+
