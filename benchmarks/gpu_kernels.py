@@ -1,10 +1,12 @@
 """zoo's fast kernels against eager PyTorch and torch.compile, side by side in one process.
 
 For each kernel (forward + backward): median time and peak memory above the inputs, for the
-eager reference, the reference under ``torch.compile``, and zoo's fast path; then a training step
-(forward, backward, AdamW) of a Llama-3-8B-shaped model with the fast paths off and on. Outputs
-and gradients of the fast paths are compared with the reference first. Ratios are what to read;
-absolute times depend on the machine.
+eager reference, the reference under ``torch.compile``, and zoo's fast path, after several
+warm-ups; long-context attention with its masks looked up or rebuilt every step, as training
+does; then a training step (forward, backward, AdamW) of a Llama-3-8B-shaped model in zoo's
+training setup (fp32 weights under autocast, backward outside it) with the fast paths off and on.
+Outputs and gradients of the fast paths are compared with the reference first, and a mismatch
+stops the run. Ratios are what to read; absolute times depend on the machine.
 
     python benchmarks/gpu_kernels.py                 # on a CUDA device (an H200 for the targets)
     python benchmarks/gpu_kernels.py --dry-run       # tiny sizes on the CPU, Triton interpreter
@@ -35,6 +37,9 @@ def parse_args(argv=None):
                    help="layers of the Llama-3-8B-shaped model in the training step (default 8 of 32, to fit one GPU with AdamW)")
     p.add_argument("--seq", type=int, default=4096, help="sequence length of the training step (default 4096)")
     p.add_argument("--repeats", type=int, default=None, help="timed repetitions per measurement, median reported (default 20; 2 in a dry run)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed runs before each measurement (compilation, autotuning, caches; default 3)")
+    p.add_argument("--long", type=int, default=16384,
+                   help="tokens of the long-context attention cases (default 16384: the eager reference must fit)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
     p.add_argument("--only", default=None, help="comma-separated subset: rmsnorm,layernorm,rope,swiglu,loss,attention,train")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
@@ -57,8 +62,8 @@ from zoo.model import lm_loss  # noqa: E402
 
 
 class Bench:
-    def __init__(self, device, repeats):
-        self.device, self.repeats = torch.device(device), repeats
+    def __init__(self, device, repeats, warmup):
+        self.device, self.repeats, self.warmup = torch.device(device), repeats, warmup
         self.cuda = self.device.type == "cuda"
 
     def sync(self):
@@ -68,7 +73,8 @@ class Bench:
     def measure(self, fn):
         """Median seconds of ``fn()`` and its peak memory above what was allocated before (bytes;
         None off CUDA)."""
-        fn()  # warm-up (compilation, autotuning)
+        for _ in range(self.warmup):  # compilation, autotuning, caches: more than one call settles them
+            fn()
         getattr(fn, "reset", lambda: None)()  # the warm-up's gradients are not part of the baseline
         self.sync()
         if self.cuda:
@@ -128,6 +134,9 @@ def compare(name, fast, ref, inputs, tol):
     err = max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-12)) for a, b in zip(*results))
     status = "ok" if err <= tol else "MISMATCH"
     print(f"  check {name:<24} max error / max |ref| = {err:.2e}  ({status}, tolerance {tol:g})")
+    if err > tol:
+        raise SystemExit(f"{name}: the fast path disagrees with the reference (max error / max |ref| {err:.2e} > {tol:g}); "
+                         "nothing was timed. Fix the kernel before measuring it.")
     return err
 
 
@@ -176,6 +185,27 @@ def kernel_cases(a, dev, dtype):
     va = torch.randn(1, attn.n_kv_heads, aseq, attn.head_dim, **mk, requires_grad=not tiny)
     cases.append(("attention (softcap+window)", f"q {tuple(qa.shape)}, window {attn.window}", "attention:flex",
                   lambda q, k, v: attn.attend(q, k, v, idx, idx), [qa, ka, va]))
+
+    # Long context as training runs it: every step has new slot tensors (and, with padding, a new
+    # key mask), so the masks are looked up or rebuilt per step, not built once outside the timing.
+    lseq = 2 * seq if tiny else a.long
+    lq = torch.randn(1, attn.n_heads, lseq, attn.head_dim, **mk, requires_grad=not tiny)
+    lk = torch.randn(1, attn.n_kv_heads, lseq, attn.head_dim, **mk, requires_grad=not tiny)
+    lv = torch.randn(1, attn.n_kv_heads, lseq, attn.head_dim, **mk, requires_grad=not tiny)
+
+    def per_step(padded):
+        def run(q, k, v):
+            slots = torch.arange(lseq, device=dev)
+            key_mask = None
+            if padded:
+                key_mask = torch.ones(1, lseq, dtype=torch.bool, device=dev)
+                key_mask[:, : lseq // 8] = False  # left padding
+            return attn.attend(q, k, v, slots, slots, key_mask)
+        return run
+
+    for padded in (False, True):
+        cases.append((f"attention long{' padded' if padded else ''} (masks per step)",
+                      f"q {tuple(lq.shape)}, window {attn.window}", "attention:flex", per_step(padded), [lq, lk, lv]))
     return cases
 
 
@@ -237,26 +267,39 @@ def run_training(a, bench, dtype):
     if a.dry_run:
         over.update({"d_model": 64, "layers.*.attention.n_heads": 4, "layers.*.attention.n_kv_heads": 2,
                      "layers.*.ffn.d_ff": 160})
-    model = zoo.build("llama3-8b", device=dev, dtype=dtype, seed=0, **over)
+    model = zoo.build("llama3-8b", device=dev, dtype=torch.float32, seed=0, **over)  # fp32 master weights
     seq = min(a.seq, 8) if a.dry_run else a.seq
     batch = max(1, a.tokens // seq)
     ids = torch.randint(0, a.vocab, (batch, seq), device=dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if bench.cuda else {}))
+    mixed = dtype != torch.float32
     print(f"training step: llama3-8b shape, {a.layers} layers, {model.num_parameters():,} parameters, "
-          f"batch {batch} x {seq}, {dtype}")
-    print(kernels.format_table(kernels.backend_table(model)))
+          f"batch {batch} x {seq}, fp32 weights" + (f" under {dtype} autocast" if mixed else ""))
+    print(kernels.format_table(kernels.backend_table(model, dtype=dtype)))
+
+    def forward(setting, loss_fn=None):
+        with kernels.using(setting), torch.autocast(dev.type, dtype=dtype, enabled=mixed):
+            return (loss_fn or (lambda: model.loss(ids).loss))()
+
+    fast_setting = "triton" if a.dry_run else None  # auto picks the fast paths on CUDA; the CPU has to force them
+    with torch.no_grad():
+        ref, fast = forward("off"), forward(fast_setting)
+    err = float((fast - ref).abs() / ref.abs())
+    tol = 2e-5 if not mixed else 2e-2
+    print(f"  check training loss             relative error {err:.2e}  (tolerance {tol:g})")
+    if not err <= tol:
+        raise SystemExit(f"training step: the fast paths' loss {float(fast):.6g} disagrees with the reference's "
+                         f"{float(ref):.6g}; nothing was timed.")
 
     def step_with(setting, loss_fn=None):
         def step():
-            with kernels.using(setting):
-                loss = (loss_fn or (lambda: model.loss(ids).loss))()
-            loss.backward()
+            loss = forward(setting, loss_fn)
+            loss.backward()  # outside autocast, as in zoo.train
             opt.step()
             opt.zero_grad(set_to_none=True)
         return step
 
-    # auto picks the fast paths on CUDA; the dry run on the CPU has to force them
-    variants = [("eager", step_with("off")), ("zoo", step_with("triton" if a.dry_run else None))]
+    variants = [("eager", step_with("off")), ("zoo", step_with(fast_setting))]
     if not a.no_compile:
         compiled = torch.compile(lambda: model.loss(ids).loss)
         variants.insert(1, ("compile", step_with("off", compiled)))
@@ -298,7 +341,7 @@ def main(a):
         sys.exit("gpu_kernels.py needs a CUDA device (or --dry-run to exercise it on the CPU)")
     else:
         dev = "cuda"
-    bench = Bench(dev, a.repeats)
+    bench = Bench(dev, a.repeats, max(a.warmup, 2))
     name = torch.cuda.get_device_name() if bench.cuda else "cpu (dry run: Triton interpreter, numbers mean nothing)"
     print(f"device: {name}; torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"kernels: {kernels.available()}")

@@ -16,6 +16,7 @@ from torch import nn
 
 from zoo import kernels
 from zoo.interfaces import Cost
+from zoo.components.masks import per_forward
 from zoo.registry import register
 from zoo.spec import SpecError, positive
 from zoo.state import KVState
@@ -33,6 +34,11 @@ def causal_mask(q_idx, k_idx, window: Optional[int], key_mask=None):
     if key_mask is not None:
         allowed = allowed[None, None] & key_mask[:, None, None, :]
     return allowed | ~allowed.any(-1, keepdim=True)
+
+
+def dense_mask(q_idx, k_idx, window: Optional[int], key_mask=None):
+    """:func:`causal_mask`, built once per forward and window and shared by the layers."""
+    return per_forward((q_idx, k_idx, key_mask), ("dense", window), lambda: causal_mask(q_idx, k_idx, window, key_mask))
 
 
 def attention_kind(n_heads: int, n_kv_heads: int) -> str:
@@ -176,7 +182,9 @@ class Attention(nn.Module):
         q_idx = k_idx = ctx.slots
         if ctx.state is not None:
             k, v, k_idx = ctx.state.layers[self.index].update(k, v, q_idx)
-        key_mask = ctx.key_mask[:, k_idx] if ctx.key_mask is not None else None
+        key_mask = ctx.key_mask
+        if key_mask is not None and k_idx is not q_idx:  # else the same tensor for every layer: masks built once
+            key_mask = key_mask[:, k_idx]
         bias = pos.score_bias(q_idx, k_idx, self.n_heads) if pos is not None else None
         out = self.attend(q, k, v, q_idx, k_idx, key_mask, bias)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
@@ -198,6 +206,9 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, q_idx, k_idx, key_mask=None, bias=None):
         """(B, H, Tq, D) queries against (B, Hkv, Tk, D) keys/values -> (B, H, Tq, D)."""
+        # Under autocast over fp32 weights RoPE leaves q and k in fp32 while v is in the autocast
+        # dtype; SDPA and matmuls would cast them, FlexAttention and fused kernels need one dtype.
+        q, k = q.to(v.dtype), k.to(v.dtype)
         backend = self.backend
         if backend == "auto":
             backend = kernels.select(self, q) or self.reference_backend()
@@ -212,15 +223,18 @@ class Attention(nn.Module):
     def _sdpa(self, q, k, v, q_idx, k_idx, key_mask, bias):
         Tq, Tk = q.shape[2], k.shape[2]
         plain = key_mask is None and bias is None
-        # Cache rings are unordered; only asked when the mask could be skipped (keeps a compiled step branch-free).
-        windowed = plain and self.window is not None and int(q_idx[-1] - k_idx.min()) >= self.window
+        own = k_idx is q_idx  # no cache: a sequence's own consecutive slots, known without reading them (no sync)
+        if own:
+            windowed = self.window is not None and Tq > self.window
+        else:  # cache rings are unordered; only asked when the mask could be skipped
+            windowed = plain and self.window is not None and int(q_idx[-1] - k_idx.min()) >= self.window
         mask, is_causal = None, False
-        if plain and not windowed and Tq == Tk and bool((q_idx == k_idx).all()):
+        if plain and not windowed and (own or (Tq == Tk and bool((q_idx == k_idx).all()))):
             is_causal = True
         elif plain and not windowed and Tq == 1:
             mask = None  # one new token sees every cached key
         else:
-            mask = causal_mask(q_idx, k_idx, self.window, key_mask)
+            mask = dense_mask(q_idx, k_idx, self.window, key_mask)
             if bias is not None:
                 mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
         return F.scaled_dot_product_attention(
@@ -239,7 +253,7 @@ class Attention(nn.Module):
             scores = softcap(scores, self.cfg.softcap)
         if bias is not None:
             scores = scores + bias
-        mask = causal_mask(q_idx, k_idx, self.window, key_mask)
+        mask = dense_mask(q_idx, k_idx, self.window, key_mask)
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         probs = F.dropout(probs, self.dropout, self.training)

@@ -47,6 +47,7 @@ class Backend:
     needs: str = "triton"
     devices: tuple[str, ...] = ("cuda",)
     dtypes: tuple[str, ...] = FLOAT_DTYPES
+    traced: bool = False  # runs inside torch.compile (traced and fused with the model); others step aside there
 
     def load(self) -> Callable:
         module, _, attr = self.target.partition(":")
@@ -162,6 +163,8 @@ def components() -> dict[str, dict[str, Backend]]:
         for name in reg.names() if reg is not None else []:
             b = reg.get(name)
             out.setdefault(b.component, {})[b.name] = b
+            if b.traced:  # imported now (no Triton in them), so torch.compile never traces an import
+                _cache[("impl", b.component, b.name)] = b.load()
         _cache["components"] = out
     return _cache["components"]
 
@@ -274,9 +277,12 @@ def select(module: Any, x: torch.Tensor) -> Optional[str]:
         return None
     if not _setting_text() and x.device.type != "cuda":
         return None  # the common CPU case, decided without looking anything up
-    if torch.compiler.is_compiling():
-        return None  # under torch.compile the reference is traced and fused by the compiler
-    return decide(module, x.device, x.dtype, x).backend
+    name = decide(module, x.device, x.dtype, x).backend
+    if name is not None and torch.compiler.is_compiling():
+        backend = components().get(key, {}).get(name)
+        if backend is not None and not backend.traced:
+            return None  # under torch.compile the reference is traced and fused by the compiler
+    return name
 
 
 def implementation(component: str, backend: str) -> Callable:

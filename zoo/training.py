@@ -482,9 +482,10 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
             sync = m == accum - 1
             if use_fsdp:
                 wrapped.set_requires_gradient_sync(sync)
-            with (acc.no_sync(wrapped) if not (sync or use_fsdp) else nullcontext()), acc.autocast():
-                out = wrapped(ids, labels=ids)  # the model's own loss: fused where a fast path runs
-                acc.backward(out.loss / accum)
+            with acc.no_sync(wrapped) if not (sync or use_fsdp) else nullcontext():
+                with acc.autocast():
+                    out = wrapped(ids, labels=ids)  # the model's own loss: fused where a fast path runs
+                acc.backward(out.loss / accum)  # outside autocast, as PyTorch advises
             for name, value in out.terms().items():
                 sums[name] = sums.get(name, 0.0) + value.detach().float() / accum
         grad_norm = acc.clip_grad_norm_(wrapped.parameters(), config.grad_clip or math.inf)  # inf: measure only

@@ -5,8 +5,18 @@ Importing this package imports neither Triton nor any kernel: it registers each 
 registry kind ``kernel`` by import path, and :mod:`zoo.kernels` loads one when it is chosen.
 """
 
+import contextlib
+
+import torch
+
 from zoo.kernels import KIND, Backend
 from zoo.registry import manager
+
+
+def on_device(t: torch.Tensor):
+    """Launch kernels on ``t``'s GPU rather than the current one (a model on ``cuda:1`` while
+    ``cuda:0`` is current would otherwise read foreign memory); nothing to do off CUDA."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 BACKENDS = (
     Backend("rmsnorm", "triton", "zoo.components.kernels.norms:rms_norm_module"),
@@ -14,7 +24,7 @@ BACKENDS = (
     Backend("rope", "triton", "zoo.components.kernels.rope:rope_module"),
     Backend("glu", "triton", "zoo.components.kernels.glu:glu_module"),
     Backend("loss", "triton", "zoo.components.kernels.cross_entropy:decoder_loss"),
-    Backend("attention", "flex", "zoo.components.kernels.attention:flex_attend", needs="flex"),
+    Backend("attention", "flex", "zoo.components.kernels.attention:flex_attend", needs="flex", traced=True),
 )
 
 manager().add_kind(KIND)

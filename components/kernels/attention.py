@@ -2,13 +2,30 @@
 fused: tanh soft-capping of the scores (Gemma 2) as a ``score_mod`` and the causal sliding
 window as a block-sparse ``mask_mod``, with GQA (no repeated K/V). Same semantics as the eager
 reference in ``components/attention.py``; on CUDA the kernel is compiled once and reused.
+
+Block masks are built from the slots' per-block bounds, never from a (Tq, Tk) mask: memory is
+O(Tq Tk / 128^2), about 1 MiB of indices at 128k tokens where a dense mask is over 100 GiB.
+
+- Without padding and without a cache (training, a plain prefill), the queries' own slots are the
+  keys (``k_idx is q_idx``, consecutive by construction), so the mask depends only on
+  (Tq, Tk, window, device): it is built once per shape and reused across layers and steps, and its
+  ``mask_mod`` works on indices alone.
+- With padding or cached keys it depends on the data: it is built once per forward and window
+  (:func:`zoo.components.masks.per_forward`) and dropped with the forward's tensors.
 """
 
-import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from collections import OrderedDict
+from typing import Optional
 
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from zoo.components.masks import per_forward
+
+BLOCK = 128  # FlexAttention's default block size, both ways
 _compiled = None
-_masks: dict = {}
+_by_shape: "OrderedDict[tuple, BlockMask]" = OrderedDict()  # (Tq, Tk, window, device) -> mask
+builds = 0  # block masks built so far in this process (the tests count rebuilds with it)
 
 
 def _flex():
@@ -18,32 +35,126 @@ def _flex():
     return _compiled
 
 
-def _block_mask(q_idx, k_idx, window, allowed, batch, device):
-    """A block mask for slots ``q_idx`` x ``k_idx``; ``allowed`` (B, 1, Tq, Tk) when padding
-    makes it data-dependent (then it is not cached). Otherwise it is built once per forward and
-    window: every layer of a forward gets the same slot tensors, recognised by identity (no sync)."""
+def _kernel(device: torch.device):
+    """Compiled FlexAttention on CUDA (fused; no (Tq, Tk) scores); eager elsewhere, where it is
+    only chosen when forced and the tests' tiny shapes do not repay compiling. Inside a compiled
+    model the outer compile fuses it."""
+    if torch.compiler.is_compiling() or device.type != "cuda":
+        return flex_attention
+    return _flex()
+
+
+def _bounds(idx: torch.Tensor):
+    """Smallest and largest slot in each block of ``BLOCK`` positions (the last one may be short)."""
+    pad = -len(idx) % BLOCK
+    if pad:
+        idx = torch.cat([idx, idx[-1:].expand(pad)])  # a repeated slot changes neither bound
+    blocks = idx.view(-1, BLOCK)
+    return blocks.amin(-1), blocks.amax(-1)
+
+
+def _sees(q, k, window: Optional[int]):
+    ok = k <= q
+    if window is not None:
+        ok = ok & (q - k < window)
+    return ok
+
+
+def _nothing_visible(q_idx, k_idx, window, key_mask):
+    """(B, Tq): queries that see no real key (padding queries; they then see every key, as in the
+    reference). Counted with a prefix sum over keys sorted by slot, without a (Tq, Tk) mask."""
+    order = torch.argsort(k_idx)
+    slots = k_idx[order].contiguous()
+    real = key_mask[:, order].to(torch.int32).cumsum(-1)
+    real = torch.cat([real.new_zeros(real.shape[0], 1), real], dim=-1)  # real[:, j]: real keys among the first j
+    upto = torch.searchsorted(slots, q_idx.contiguous(), right=True)  # keys with slot <= q
+    before = torch.searchsorted(slots, (q_idx - window).contiguous(), right=True) if window is not None \
+        else torch.zeros_like(upto)  # keys with slot <= q - window: out of the window
+    B = key_mask.shape[0]
+    return real.gather(1, upto.expand(B, -1)) == real.gather(1, before.expand(B, -1))
+
+
+def _ordered(blocks: torch.Tensor):
+    """(B, H, nQ, nK) booleans -> per row the count of true blocks and their indices, first."""
+    count = blocks.sum(-1, dtype=torch.int32)
+    indices = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return count, indices
+
+
+def build_block_mask(q_idx, k_idx, window: Optional[int], key_mask=None, mask_mod=None) -> BlockMask:
+    """The block mask of ``causal_mask(q_idx, k_idx, window, key_mask)`` with ``mask_mod`` (by
+    default one reading the slot tensors), from per-block slot bounds: a block is skipped when no
+    query of it can see a key of it, and full (no mask_mod applied) when every query sees every key."""
+    global builds
+    builds += 1
     Tq, Tk = len(q_idx), len(k_idx)
-    if allowed is not None:
+    q_lo, q_hi = _bounds(q_idx)
+    k_lo, k_hi = _bounds(k_idx)
+    some = _sees(q_hi[:, None], k_lo[None, :], None)  # the latest query sees the earliest key
+    some = some & ((q_lo[:, None] - k_hi[None, :] < window) if window is not None else True)
+    every = _sees(q_lo[:, None], k_hi[None, :], None)
+    every = every & ((q_hi[:, None] - k_lo[None, :] < window) if window is not None else True)
+    # A block cut short by the end of the sequence is never full (as create_block_mask has it).
+    whole = lambda n, length: (torch.arange(1, n + 1, device=q_idx.device) * BLOCK <= length)  # noqa: E731
+    every = every & whole(len(q_lo), Tq)[:, None] & whole(len(k_lo), Tk)[None, :]
+    some, every = some[None, None], every[None, None]  # (1, 1, nQ, nK)
+    blind = None
+    if key_mask is not None:
+        key_mask = key_mask.bool()
+        blind = _nothing_visible(q_idx, k_idx, window, key_mask)  # (B, Tq)
+        pad = -Tk % BLOCK
+        real = torch.nn.functional.pad(key_mask, (0, pad), value=False).view(key_mask.shape[0], -1, BLOCK)
+        any_real, all_real = real.any(-1), torch.nn.functional.pad(key_mask, (0, pad), value=True).view(
+            key_mask.shape[0], -1, BLOCK).all(-1)
+        any_blind = torch.nn.functional.pad(blind, (0, -Tq % BLOCK), value=False).view(blind.shape[0], -1, BLOCK).any(-1)
+        some = (some & any_real[:, None, None, :]) | any_blind[:, None, :, None]
+        every = every & all_real[:, None, None, :]
+    if mask_mod is None:
+        mask_mod = _slots_mask_mod(q_idx, k_idx, window, key_mask, blind)
+    partial = some & ~every
+    return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(every), BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(Tq, Tk))
+
+
+def _slots_mask_mod(q_idx, k_idx, window, key_mask, blind):
+    """The mask read from the slot tensors (and the key mask, with its rule for blind queries)."""
+    if key_mask is None:
         def mask_mod(b, h, qi, ki):
-            return allowed[b, 0, qi, ki]
-        return create_block_mask(mask_mod, batch, None, Tq, Tk, device=device)
-    key = (id(q_idx), id(k_idx), window)
-    hit = _masks.get(key)
-    if hit is not None and hit[0] is q_idx and hit[1] is k_idx:
-        return hit[2]
+            return _sees(q_idx[qi], k_idx[ki], window)
+    else:
+        def mask_mod(b, h, qi, ki):
+            return (_sees(q_idx[qi], k_idx[ki], window) & key_mask[b, ki]) | blind[b, qi]
+    return mask_mod
 
+
+def _own_slots_mask_mod(window: Optional[int]):
+    """The mask on a sequence's own consecutive slots: it reads nothing but the indices."""
     def mask_mod(b, h, qi, ki):
-        q, k = q_idx[qi], k_idx[ki]
-        ok = k <= q
-        if window is not None:
-            ok = ok & (q - k < window)
-        return ok
+        return _sees(qi, ki, window)
+    return mask_mod
 
-    mask = create_block_mask(mask_mod, None, None, Tq, Tk, device=device)
-    if len(_masks) >= 8:
-        _masks.clear()
-    _masks[key] = (q_idx, k_idx, mask)  # holding the tensors keeps their ids from being reused
-    return mask
+
+def block_mask(q_idx, k_idx, window: Optional[int], key_mask=None) -> BlockMask:
+    """The block mask for queries at slots ``q_idx`` and keys at ``k_idx`` (``key_mask`` (B, Tk)
+    marks real keys, ``None`` without padding), from a cache when it has been built before."""
+    if torch.compiler.is_compiling():  # traced: the compiler fuses the build; no Python caches
+        return build_block_mask(q_idx, k_idx, window, key_mask)
+    if key_mask is None and k_idx is q_idx:
+        key = (len(q_idx), window, q_idx.device)
+        hit = _by_shape.get(key)
+        if hit is None:
+            own = torch.arange(len(q_idx), device=q_idx.device)
+            hit = _by_shape[key] = build_block_mask(own, own, window, mask_mod=_own_slots_mask_mod(window))
+            while len(_by_shape) > 16:
+                _by_shape.popitem(last=False)
+        _by_shape.move_to_end(key)
+        return hit
+    # The mask's mask_mod reads copies: holding the forward's own tensors would keep them, and the
+    # entry keyed on them, alive for good.
+    def build():
+        return build_block_mask(q_idx.clone(), k_idx.clone(), window, key_mask.clone() if key_mask is not None else None)
+
+    return per_forward((q_idx, k_idx, key_mask), ("flex", window), build)
 
 
 def flex_attend(module, q, k, v, q_idx, k_idx, key_mask=None, bias=None):
@@ -51,12 +162,7 @@ def flex_attend(module, q, k, v, q_idx, k_idx, key_mask=None, bias=None):
     if bias is not None or (module.training and module.dropout):
         # Score biases and attention dropout stay on the reference path.
         return module._eager(q, k, v, q_idx, k_idx, key_mask, bias)
-    allowed = None
-    if key_mask is not None:
-        from zoo.components.attention import causal_mask
-
-        allowed = causal_mask(q_idx, k_idx, module.window, key_mask)
-    block_mask = _block_mask(q_idx, k_idx, module.window, allowed, q.shape[0], q.device)
+    mask = block_mask(q_idx, k_idx, module.window, key_mask)
     cap = module.cfg.softcap
     score_mod = None
     if cap is not None:
@@ -64,6 +170,5 @@ def flex_attend(module, q, k, v, q_idx, k_idx, key_mask=None, bias=None):
 
         def score_mod(score, b, h, qi, ki):
             return softcap(score, cap)
-    fn = _flex() if q.device.type == "cuda" else flex_attention
-    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=module.scale,
-              enable_gqa=module.n_kv_heads != module.n_heads)
+    return _kernel(q.device)(q, k, v, score_mod=score_mod, block_mask=mask, scale=module.scale,
+                             enable_gqa=module.n_kv_heads != module.n_heads)

@@ -9,8 +9,10 @@ Two more matmuls, which also apply the mean's 1/n, turn that into the chunk's hi
 gradient and its share of the weight gradient, so the backward only scales what the forward
 already computed.
 
-The weight gradient is accumulated across chunks in the weight's dtype (``accumulate_dtype``
-changes that). Ignored labels (``ignore_index``) count neither in the mean nor in z.
+The weight gradient is accumulated across chunks in fp32 for bf16/fp16 weights (in the weight's
+dtype otherwise; ``accumulate_dtype`` changes that). Ignored labels (``ignore_index``) count
+neither in the mean nor in z; any other label outside [0, V) is refused. Nothing waits for the
+device: the mean's 1/n stays a tensor.
 """
 
 import math
@@ -18,6 +20,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from zoo.components.kernels import on_device
 
 BLOCK_V = 1024
 
@@ -82,12 +86,16 @@ class _FusedLinearCE(torch.autograd.Function):
     def forward(ctx, h, weight, bias, labels, softcap, z_loss, ignore_index, want_grad, acc_dtype):
         n, d = h.shape
         v = weight.shape[0]
-        n_valid = int((labels != ignore_index).sum())
-        scale = 1.0 / max(n_valid, 1)
+        valid = labels != ignore_index
+        # The kernel reads each label's logit: one outside [0, V) would read out of bounds. Checked
+        # on the device, without a sync (on CUDA a failure is a device-side assert).
+        torch._assert_async(((labels >= 0) & (labels < v) | ~valid).all(),
+                            f"labels must lie in [0, {v}) (the vocabulary) or equal ignore_index {ignore_index}")
+        scale = 1.0 / valid.sum().clamp(min=1).float()  # a tensor: no host sync for the mean's 1/n
         loss_rows = torch.empty(n, dtype=torch.float32, device=h.device)
         lse_rows = torch.empty(n, dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if want_grad and h.requires_grad else None
-        grad_w = torch.zeros(weight.shape, dtype=acc_dtype or weight.dtype, device=h.device) \
+        grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=h.device) \
             if want_grad and weight.requires_grad else None
         grad_b = torch.zeros(v, dtype=torch.float32, device=h.device) \
             if want_grad and bias is not None and bias.requires_grad else None
@@ -99,19 +107,21 @@ class _FusedLinearCE(torch.autograd.Function):
                 logits += bias
             logits = logits.contiguous()
             # The rows get the per-token gradient (entries in [-1, 1]); the 1/n of the mean is applied
-            # in the matmuls below, so that fp16 rows do not underflow at large n.
+            # after the matmuls below, so that fp16 rows do not underflow at large n.
             _ce_rows[(hc.shape[0],)](
                 logits, logits.stride(0), labels[start:start + rows], loss_rows[start:], lse_rows[start:], v,
                 float(softcap or 1.0), 1.0, z_loss, ignore_index,
                 HAS_CAP=softcap is not None, WANT_GRAD=want_grad, BLOCK_V=min(BLOCK_V, triton.next_power_of_2(v)),
             )
             if grad_h is not None:
-                out = grad_h[start:start + rows]
-                torch.addmm(out, logits, weight, beta=0, alpha=scale, out=out)
+                torch.mm(logits, weight, out=grad_h[start:start + rows])
             if grad_w is not None:
-                grad_w.addmm_(logits.t().to(grad_w.dtype), hc.to(grad_w.dtype), alpha=scale)
+                grad_w.addmm_(logits.t().to(grad_w.dtype), hc.to(grad_w.dtype))
             if grad_b is not None:
-                grad_b += logits.float().sum(0) * scale
+                grad_b += logits.float().sum(0)
+        for g in (grad_h, grad_w, grad_b):
+            if g is not None:
+                g.mul_(scale.to(g.dtype))
         ce = loss_rows.sum() * scale
         z = lse_rows.pow(2).sum() * scale
         loss = ce + z_loss * z  # a tensor of its own: ce and z are marked non-differentiable
@@ -122,14 +132,17 @@ class _FusedLinearCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _ce, _z):
+        # The gradients were computed in the forward; scale them in place (no second full-size
+        # copy under gradient accumulation). A second backward through the same graph
+        # (retain_graph) is refused by autograd: the saved tensors have changed.
         grad_h, grad_w, grad_b = ctx.saved_tensors
         w_dtype, b_dtype = ctx.dtypes
 
         def scaled(g, dtype):
             if g is None:
                 return None
-            g = g if dtype is None or g.dtype == dtype else g.to(dtype)
-            return g if bool(grad_loss == 1) else g * grad_loss.to(g.dtype)
+            g = g.mul_(grad_loss.to(g.dtype))
+            return g if dtype is None or g.dtype == dtype else g.to(dtype)
 
         return scaled(grad_h, None), scaled(grad_w, w_dtype), scaled(grad_b, b_dtype), None, None, None, None, None, None
 
@@ -138,8 +151,10 @@ def fused_linear_cross_entropy(h, weight, labels, *, bias=None, softcap=None, z_
                                accumulate_dtype=None):
     """``lm_loss(softcap(h @ weight.T + bias), labels, z_loss)`` without materialising the logits.
 
-    ``h`` is (..., d), ``labels`` the matching (...) targets. Returns ``(loss, ce, z)``; only
-    ``loss`` carries gradients.
+    ``h`` is (..., d), ``labels`` the matching (...) targets in [0, V) or ``ignore_index``.
+    Returns ``(loss, ce, z)``; only ``loss`` carries gradients. The weight gradient is summed
+    over chunks in ``accumulate_dtype``: by default fp32 for bf16 and fp16 weights (summing
+    chunk by chunk in bf16 loses several times a single matmul's precision), else the weight's.
     """
     d = h.shape[-1]
     h2, labels2 = h.reshape(-1, d), labels.reshape(-1)
@@ -151,7 +166,9 @@ def fused_linear_cross_entropy(h, weight, labels, *, bias=None, softcap=None, z_
     if torch.is_autocast_enabled(device):  # cast as autocast would for the head matmul, then run without it
         dt = torch.get_autocast_dtype(device)
         h2, weight, bias = (t.to(dt) if t is not None else None for t in (h2, weight, bias))
-    with torch.autocast(device, enabled=False):
+    if accumulate_dtype is None:
+        accumulate_dtype = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
+    with torch.autocast(device, enabled=False), on_device(h2):
         return _FusedLinearCE.apply(h2.contiguous(), weight, bias, labels2.contiguous(), softcap, float(z_loss),
                                     ignore_index, want_grad, accumulate_dtype)
 

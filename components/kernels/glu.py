@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from zoo.components.kernels import on_device
+
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 BLOCK = 1024
 
@@ -64,7 +66,8 @@ class _GatedProduct(torch.autograd.Function):
         gate, up = gate.contiguous(), up.contiguous()
         y = torch.empty_like(gate)
         n = gate.numel()
-        _glu_fwd[(triton.cdiv(n, BLOCK),)](gate, up, y, n, ACT=act, BLOCK=BLOCK)
+        with on_device(gate):
+            _glu_fwd[(triton.cdiv(n, BLOCK),)](gate, up, y, n, ACT=act, BLOCK=BLOCK)
         ctx.save_for_backward(gate, up)
         ctx.act = act
         return y
@@ -75,7 +78,8 @@ class _GatedProduct(torch.autograd.Function):
         dy = dy.contiguous()
         dg, du = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
-        _glu_bwd[(triton.cdiv(n, BLOCK),)](gate, up, dy, dg, du, n, ACT=ctx.act, BLOCK=BLOCK)
+        with on_device(gate):
+            _glu_bwd[(triton.cdiv(n, BLOCK),)](gate, up, dy, dg, du, n, ACT=ctx.act, BLOCK=BLOCK)
         return dg, du, None
 
 

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from zoo.components.kernels import on_device
+
 MAX_DIM = 65536  # one row must fit one block
 
 
@@ -103,9 +105,10 @@ class _Norm(torch.autograd.Function):
         mean = torch.empty(M, dtype=torch.float32, device=x.device) if center else None
         rstd = torch.empty(M, dtype=torch.float32, device=x.device)
         BLOCK = triton.next_power_of_2(N)
-        _norm_fwd[(M,)](x2, weight, bias, y, mean, rstd, x2.stride(0), y.stride(0), N, eps,
-                        CENTER=center, HAS_B=bias is not None, UNIT_OFFSET=unit_offset, ROUND_H=round_h,
-                        BLOCK=BLOCK, num_warps=min(max(BLOCK // 256, 1), 16))
+        with on_device(x2):
+            _norm_fwd[(M,)](x2, weight, bias, y, mean, rstd, x2.stride(0), y.stride(0), N, eps,
+                            CENTER=center, HAS_B=bias is not None, UNIT_OFFSET=unit_offset, ROUND_H=round_h,
+                            BLOCK=BLOCK, num_warps=min(max(BLOCK // 256, 1), 16))
         ctx.save_for_backward(x2, weight, bias, mean, rstd)
         ctx.flags = (center, unit_offset, round_h, shape)
         return y.view(shape)
@@ -123,10 +126,11 @@ class _Norm(torch.autograd.Function):
         dw = torch.empty((P, N), dtype=torch.float32, device=x2.device)
         db = torch.empty((P, N), dtype=torch.float32, device=x2.device) if bias is not None else None
         BLOCK = triton.next_power_of_2(N)
-        _norm_bwd[(P,)](x2, weight, dy2, dx, dw, db, mean, rstd, x2.stride(0), dy2.stride(0), dx.stride(0),
-                        M, N, triton.cdiv(M, P), CENTER=center, HAS_B=bias is not None,
-                        UNIT_OFFSET=unit_offset, ROUND_H=round_h, BLOCK=BLOCK,
-                        num_warps=min(max(BLOCK // 256, 1), 16))
+        with on_device(x2):
+            _norm_bwd[(P,)](x2, weight, dy2, dx, dw, db, mean, rstd, x2.stride(0), dy2.stride(0), dx.stride(0),
+                            M, N, triton.cdiv(M, P), CENTER=center, HAS_B=bias is not None,
+                            UNIT_OFFSET=unit_offset, ROUND_H=round_h, BLOCK=BLOCK,
+                            num_warps=min(max(BLOCK // 256, 1), 16))
         dbias = db.sum(0).to(bias.dtype) if bias is not None else None
         return dx.view(shape), dw.sum(0).to(weight.dtype), dbias, None, None, None, None, None
 

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from zoo.components.kernels import on_device
+
 BLOCK_T = 16
 
 
@@ -67,12 +69,13 @@ def _launch(x, cos, sin, rot, interleaved, backward, dtype):
     if cos.stride(-1) != 1 or cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     rest = D - rot
-    _rope[(B * H, triton.cdiv(T, BLOCK_T))](
-        x, cos, sin, y, H, T, D, rot,
-        x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), cos.stride(0), cos.stride(2),
-        INTERLEAVED=interleaved, BACKWARD=backward, BLOCK_T=BLOCK_T,
-        BLOCK_P=triton.next_power_of_2(max(rot // 2, 1)), BLOCK_REST=triton.next_power_of_2(rest) if rest else 0,
-    )
+    with on_device(x):
+        _rope[(B * H, triton.cdiv(T, BLOCK_T))](
+            x, cos, sin, y, H, T, D, rot,
+            x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), cos.stride(0), cos.stride(2),
+            INTERLEAVED=interleaved, BACKWARD=backward, BLOCK_T=BLOCK_T,
+            BLOCK_P=triton.next_power_of_2(max(rot // 2, 1)), BLOCK_REST=triton.next_power_of_2(rest) if rest else 0,
+        )
     return y
 
 

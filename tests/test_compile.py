@@ -1,0 +1,50 @@
+"""A compiled training step traces in one graph: no host-device syncs or data-dependent Python
+branches on the paths a step takes (each one would be a graph break, and a stall on a GPU), and
+FlexAttention stays on inside torch.compile. Traced with ``torch._dynamo.explain`` on the CPU;
+nothing is compiled, so this is quick."""
+
+import pytest
+import torch
+
+import zoo
+from zoo import kernels, registry
+from zoo.testing import shrink
+
+FAMILIES = sorted(zoo.list_components("family"))
+
+
+def breaks(fn, *args):
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fn)(*args)
+    return [str(b.reason).splitlines()[0] for b in explained.break_reasons]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_training_step_of_each_family_traces_without_graph_breaks(name, one_thread):
+    fam = registry.get("family", name)
+    model = zoo.build_model(shrink(fam.spec(next(iter(fam.presets)))), seed=0).train()
+    ids = torch.randint(0, model.spec.vocab_size, (2, 9))  # longer than the shrunk windows (4)
+    assert breaks(lambda ids: model(ids, labels=ids).loss, ids) == []
+
+
+def test_flex_attention_stays_on_and_traces_inside_torch_compile(monkeypatch, one_thread):
+    from zoo.components.kernels import attention as flex
+
+    model = zoo.build("gemma2-2b", n_layers=2, d_model=32, vocab_size=150, seed=0,
+                      overrides={"layers.*.attention.head_dim": 16, "layers.*.ffn.d_ff": 48,
+                                 "layers.local.attention.window": 4}).eval()
+    ids = torch.randint(0, 150, (2, 9))
+    ran = []
+    real = flex.flex_attend
+    monkeypatch.setattr(flex, "flex_attend", lambda *a, **k: ran.append(torch.compiler.is_compiling()) or real(*a, **k))
+    kernels.refresh()  # a cold process: nothing imported yet but what configuring the setting loads
+    with torch.no_grad(), kernels.using("attention:flex"):
+        assert breaks(lambda ids: model(ids, labels=ids).loss, ids) == []
+    assert ran and all(ran)  # both layers, while tracing
+    kernels.refresh()
