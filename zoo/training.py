@@ -32,7 +32,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -363,10 +363,12 @@ def _shard(model: nn.Module, accelerator) -> None:
 
 
 def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides: Optional[dict[str, Any]] = None,
-          **fields: Any) -> TrainResult:
+          on_step: Optional[Callable[[dict[str, Any], nn.Module], None]] = None, **fields: Any) -> TrainResult:
     """Train a preset name, recipe file, dict or :class:`ModelSpec` (with spec ``overrides``), from
     random weights or from a checkpoint's (``init_from=``; the model may then be omitted).
 
+    ``on_step(metrics, model)`` is called after every optimizer step, on every process, with the
+    step's metrics dict (it may add entries, which are logged with the rest; raising stops the run).
     Keyword ``fields`` set :class:`TrainConfig` fields (``steps=300``). Run under
     ``accelerate launch`` or ``torchrun`` for several processes; every process calls this.
     """
@@ -486,8 +488,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
                 acc.backward(out.loss / accum)  # outside autocast, as PyTorch advises
             for name, value in out.terms().items():
                 sums[name] = sums.get(name, 0.0) + value.detach().float() / accum
-        if config.grad_clip:
-            acc.clip_grad_norm_(wrapped.parameters(), config.grad_clip)
+        grad_norm = acc.clip_grad_norm_(wrapped.parameters(), config.grad_clip or math.inf)  # inf: measure only
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
@@ -500,9 +501,13 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
         tps = tokens_per_step / max(time.perf_counter() - t0, 1e-9)
         result.losses.append(loss), result.ce.append(ce), result.z.append(z)
         result.terms.append(terms)
+        row = {"step": step, **terms, "lr": schedule.get_last_lr()[0], "tokens_per_s": tps,
+               "grad_norm": float(grad_norm)}
+        if on_step is not None:
+            on_step(row, net)
         if acc.is_main_process:
             with metrics_file.open("a") as f:
-                f.write(json.dumps({"step": step, **terms, "lr": schedule.get_last_lr()[0], "tokens_per_s": tps}) + "\n")
+                f.write(json.dumps(row) + "\n")
         bar.update(1)
         if step % config.log_every == 0 or step == last:
             bar.set_postfix(loss=f"{loss:.4f}", z=f"{z:.3g}", tok_s=f"{tps:,.0f}")
