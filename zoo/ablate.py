@@ -176,7 +176,9 @@ def check(ablation: Ablation) -> dict[str, ModelSpec]:
     """Every variant's spec, after building each on the meta device; refuses (naming the variant and
     the field) an unknown override path, a wrong value, a variant that fails to build, or training
     settings that cannot run. Nothing is trained."""
-    import zoo
+    from zoo.recipes import build, get_spec
+    from zoo.registry import RegistryError
+    from zoo.spec import SpecError
     from zoo.training import TrainConfig
 
     where = _where(ablation.path)
@@ -189,9 +191,9 @@ def check(ablation: Ablation) -> dict[str, ModelSpec]:
         except ValueError as exc:
             raise AblationError(f"{where}variant {variant!r}: {exc}") from None
         try:
-            spec = zoo.get_spec(ablation.base, ablation.overrides(variant))
-            zoo.build(spec, device="meta")
-        except (zoo.SpecError, zoo.RegistryError, ValueError, TypeError) as exc:
+            spec = get_spec(ablation.base, ablation.overrides(variant))
+            build(spec, device="meta")
+        except (SpecError, RegistryError, ValueError, TypeError) as exc:
             raise AblationError(f"{where}variant {variant!r}: {exc}") from None
         if config.seq_len > spec.max_seq_len:
             raise AblationError(f"{where}variant {variant!r}: max_seq_len {spec.max_seq_len} is below "
