@@ -20,10 +20,11 @@ from zoo.checkpoints import CheckpointError, _architecture, config_to_spec
 from zoo.interfaces import ForwardContext
 from zoo.spec import SpecError
 
+from test_conformance import D_MOE as D, E, moe, router  # the shared MoE helpers
+
 transformers = pytest.importorskip("transformers")
 tiny = pytest.importorskip("zoo.checkpoints.tiny")
 
-D, E = 32, 8
 CONFIGS = Path(__file__).parent / "data" / "configs"
 RELEASED = {
     "mixtral-8x7b": "mistralai--Mixtral-8x7B-v0.1.json",
@@ -34,22 +35,6 @@ RELEASED = {
     "olmoe-1b-7b": "allenai--OLMoE-1B-7B-0924.json",
 }
 MOE_FORMATS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-
-
-def router(name, k=2, **cfg):
-    torch.manual_seed(0)
-    r = zt.part("router", name, cfg).build(d_model=D, n_experts=E, top_k=k)
-    with torch.no_grad():
-        r.weight.normal_(0, 1.0)
-    return r
-
-
-def moe(**cfg):
-    torch.manual_seed(0)
-    m = zt.part("ffn", "moe", {"n_experts": E, "top_k": 2, "d_ff": 16, **cfg}).build(d_model=D)
-    with torch.no_grad():
-        m.router.weight.normal_(0, 1.0)
-    return m
 
 
 def ctx_for(B, T):
@@ -286,3 +271,65 @@ def test_first_k_dense_is_a_full_length_pattern():
     spec = config_to_spec(config)
     assert spec.layer_pattern == ("dense", "dense", "moe")
     assert spec.layer(0).ffn.name == "glu" and spec.layer(2).ffn.name == "moe"
+
+
+# ----------------------------------------------------------------------------- accounting
+
+# Each vendor's headline active count (billions, rounded; Qwen writes 3.3B for Qwen3-30B-A3B's 3.35B)
+# is the count with embeddings and head.
+HEADLINES = {"mixtral-8x7b": 12.9, "qwen1.5-moe-a2.7b": 2.7, "qwen3-30b-a3b": 3.4, "qwen3-235b-a22b": 22.2,
+             "olmoe-1b-7b": 1.3}
+
+
+@pytest.mark.parametrize("preset", sorted(HEADLINES))
+def test_active_parameters_under_the_three_conventions(preset):
+    from zoo.accounting import account
+
+    a = account(preset)
+    spec = zoo.get_spec(preset)
+    c = a["params"]["active_conventions"]
+    assert round(c["with_embeddings_and_head"] / 1e9, 1) == HEADLINES[preset]
+    matrix = spec.vocab_size * spec.d_model
+    assert c["without_input_embedding"] == c["with_embeddings_and_head"] - matrix
+    assert c["without_embeddings_and_head"] == c["with_embeddings_and_head"] - 2 * matrix
+    assert a["flops"]["forward_per_token_2n"] == 2 * c["without_input_embedding"]
+
+
+def test_mixtral_active_parameters_by_hand():
+    from zoo.accounting import account
+
+    d, f, L = 4096, 14336, 32
+    attention = 2 * d * d + 2 * d * 1024
+    per_layer = attention + 2 * 3 * d * f + 8 * d + 2 * d  # two experts, the router, two norms
+    assert account("mixtral-8x7b")["params"]["active"] == L * per_layer + 2 * 32000 * d + d
+
+
+# ------------------------------------------------------------------------------ upcycling
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("ffn", ["swiglu", "mlp_nobias"])
+def test_upcycled_model_equals_the_dense_one_and_trains(shared, ffn):
+    part = {"name": "swiglu", "d_ff": 48} if ffn == "swiglu" else {"name": "mlp", "d_ff": 48, "bias": False}
+    dense = zt.tiny_model(zt.tiny_spec({"layers.default.ffn": part}))
+    moe_model = zoo.upcycle(dense, n_experts=4, top_k=2, shared=shared, seed=3)
+    assert moe_model.spec.layer(0).ffn.name == "moe"
+    ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(moe_model(ids), dense(ids), atol=1e-5, rtol=1e-5)
+    routers = [layer.ffn.router.weight for layer in moe_model.layers]
+    assert routers[0].std() > 0  # a real router, not a constant one
+    moe_model.train()
+    opt = torch.optim.SGD(moe_model.parameters(), lr=0.5)
+    before = moe_model.loss(ids).loss
+    before.backward()
+    assert moe_model.layers[0].ffn.w_down.grad.abs().sum() > 0
+    opt.step()
+    with torch.no_grad():
+        assert moe_model.loss(ids).loss < before
+
+
+def test_upcycle_a_spec_and_refuse_biased_ffns():
+    spec = zoo.upcycle(zt.tiny_spec(), n_experts=8, top_k=2)
+    assert spec.layer(0).ffn.n_experts == 8 and spec.layer(0).ffn.norm_topk_prob
+    with pytest.raises(SpecError, match=r"layers\.default\.ffn"):
+        zoo.upcycle(zt.tiny_spec({"layers.default.ffn": {"name": "mlp"}}), n_experts=4, top_k=2)
