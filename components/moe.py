@@ -238,13 +238,16 @@ def _experts_grouped(xs, counts, w_gate, w_up, w_down, act, gated):
 
 
 def _experts_loop(xs, counts, w_gate, w_up, w_down, act, gated):
+    # unbind once: indexing w[e] per expert would make backward allocate a whole (E, ...) gradient per expert
+    ups, downs = w_up.unbind(0), w_down.unbind(0)
+    gates = w_gate.unbind(0) if gated else None
     outs = []
     for e, chunk in enumerate(torch.split(xs, counts.tolist())):
         if chunk.shape[0] == 0:
             continue
-        h = F.linear(chunk, w_up[e])
-        h = act(F.linear(chunk, w_gate[e])) * h if gated else act(h)
-        outs.append(F.linear(h, w_down[e]))
+        h = F.linear(chunk, ups[e])
+        h = act(F.linear(chunk, gates[e])) * h if gated else act(h)
+        outs.append(F.linear(h, downs[e]))
     return torch.cat(outs) if outs else xs.new_zeros(0, w_down.shape[1])
 
 
@@ -377,7 +380,7 @@ class MoE(nn.Module):
         order = indices.reshape(-1).argsort(stable=True)
         token = order // k
         counts = torch.bincount(indices.reshape(-1), minlength=E)
-        xs = flat[token]
+        xs = flat.index_select(0, token)
         mode = self.cfg.dispatch
         if mode == "grouped" or (mode == "auto" and _grouped_mm_ok(flat.device.type, flat.dtype)):
             ys = _experts_grouped(xs, counts, self.w_gate, self.w_up, self.w_down, self.act, self.gated)
