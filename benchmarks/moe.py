@@ -40,14 +40,10 @@ def make(args, directory):
     return hf
 
 
-def timed(fn, repeat):
-    fn()  # warm up
-    out = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
+def timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def main() -> None:
@@ -60,7 +56,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=256, help="tokens per row (batch 2)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--dispatch", default="auto", choices=("auto", "grouped", "loop"), help="zoo's expert dispatch")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -70,6 +67,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         hf = make(args, d)
         ours = zoo.from_pretrained(d, progress=False)
+    if args.dispatch != "auto":
+        state = ours.state_dict()
+        ours = zoo.build_model(ours.spec.with_overrides({"layers.*.ffn.dispatch": args.dispatch}))
+        ours.load_state_dict(state)
     ids = torch.randint(0, args.vocab, (2, args.tokens), generator=torch.Generator().manual_seed(0))
     n = ids.numel()
     with torch.no_grad():  # same function before timing anything
@@ -101,10 +102,11 @@ def main() -> None:
         hf.set_experts_implementation(impl)
         for what, make_fn in (("forward", forward), ("train_step", train_step)):
             a, b = make_fn(ours, True), make_fn(hf, False)
+            a(), b()  # warm up
             za, hb = [], []
             for _ in range(args.repeat):  # interleaved
-                za += timed(a, 1)
-                hb += timed(b, 1)
+                za.append(timed(a))
+                hb.append(timed(b))
             z, h = n / statistics.median(za), n / statistics.median(hb)
             results[f"{what}/{impl}"] = {"zoo_tokens_per_s": z, "transformers_tokens_per_s": h, "ratio": z / h}
             print(f"{what:10s} vs transformers {impl:10s}: zoo {z:9.0f} tok/s   transformers {h:9.0f} tok/s   "

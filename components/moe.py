@@ -32,8 +32,9 @@ Metrics: each MoE layer's load (the largest expert's share over the mean share, 
 and per layer ``moe_load_max.<j>``) and the router's entropy (``router_entropy``).
 
 Dispatch sorts the token copies by expert and runs each expert on its contiguous run: as one
-grouped matmul (``torch._grouped_mm``) where it is fast (CUDA), else expert by expert (the
-reference path, always available; ``dispatch = "loop"`` forces it).
+grouped matmul (``torch._grouped_mm``) where torch has it for the device and dtype and the widths
+are 16-byte aligned, else expert by expert (the reference path, always available; ``dispatch =
+"loop"`` forces it).
 """
 
 from __future__ import annotations
@@ -217,13 +218,13 @@ class GreedyGroup(_Grouped):
 
 @functools.lru_cache(maxsize=None)
 def _grouped_mm_ok(device_type: str, dtype: torch.dtype) -> bool:
-    """``torch._grouped_mm`` runs here and is the faster path: on CUDA (on the CPU it exists but
-    is slower than running the experts one by one)."""
-    if device_type != "cuda" or not hasattr(torch, "_grouped_mm"):
+    """``torch._grouped_mm`` runs here for this dtype (it needs rows aligned to 16 bytes: see
+    :meth:`MoE.experts`)."""
+    if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        x = torch.randn(8, 16, device=device_type, dtype=dtype)
-        w = torch.randn(2, 16, 16, device=device_type, dtype=dtype)
+        x = torch.randn(8, 16, device=device_type).to(dtype)
+        w = torch.randn(2, 16, 16, device=device_type).to(dtype)
         torch._grouped_mm(x, w, offs=torch.tensor([3, 8], device=device_type, dtype=torch.int32))
         return True
     except (RuntimeError, TypeError, NotImplementedError):
@@ -382,7 +383,8 @@ class MoE(nn.Module):
         counts = torch.bincount(indices.reshape(-1), minlength=E)
         xs = flat.index_select(0, token)
         mode = self.cfg.dispatch
-        if mode == "grouped" or (mode == "auto" and _grouped_mm_ok(flat.device.type, flat.dtype)):
+        aligned = all(n * flat.element_size() % 16 == 0 for n in (self.d_model, self.cfg.d_ff))
+        if mode == "grouped" or (mode == "auto" and aligned and _grouped_mm_ok(flat.device.type, flat.dtype)):
             ys = _experts_grouped(xs, counts, self.w_gate, self.w_up, self.w_down, self.act, self.gated)
         else:
             ys = _experts_loop(xs, counts, self.w_gate, self.w_up, self.w_down, self.act, self.gated)
