@@ -8,6 +8,7 @@ Released config.json files (tests/data/configs) are as published on the hub unde
 the file name."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 import zoo
 import zoo.testing as zt
 from zoo.checkpoints import CheckpointError, _architecture, config_to_spec
+from zoo.data import TokenData, load_tokens
 from zoo.interfaces import ForwardContext
 from zoo.spec import SpecError
 
@@ -333,3 +335,16 @@ def test_upcycle_a_spec_and_refuse_biased_ffns():
     assert spec.layer(0).ffn.n_experts == 8 and spec.layer(0).ffn.norm_topk_prob
     with pytest.raises(SpecError, match=r"layers\.default\.ffn"):
         zoo.upcycle(zt.tiny_spec({"layers.default.ffn": {"name": "mlp"}}), n_experts=4, top_k=2)
+
+
+def test_an_upcycled_model_trains_with_zoo_train(tmp_path, one_thread):
+    dense = zt.tiny_model(zt.tiny_spec({"vocab_size": 256, "layers.default.mixer.qk_norm": "head",
+                                        "layers.default.ffn": {"name": "swiglu", "d_ff": 64}}))
+    upcycled = zoo.upcycle(dense, n_experts=4, top_k=2)
+    zoo.save_pretrained(upcycled, tmp_path / "moe", model_type="qwen3_moe")  # a Qwen3-MoE checkpoint
+    r = zoo.train(init_from=str(tmp_path / "moe"), steps=3, seq_len=16, global_batch=4, micro_batch=4, lr=1e-3,
+                  out_dir=str(tmp_path / "run"), progress=False, plot=False, export=False, cpu=True)
+    assert len(r.losses) == 3 and all(math.isfinite(x) for x in r.losses)
+    with torch.no_grad():  # the first step saw the upcycled model, which computes what the dense one does
+        first = TokenData(load_tokens(), 16, seed=0).batch(0, 4)
+        assert r.losses[0] == pytest.approx(float(dense.loss(first).loss), rel=1e-4)

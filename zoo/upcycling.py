@@ -17,6 +17,10 @@ import torch
 from zoo.spec import ModelSpec, SpecError
 
 
+# An expert's width is the moe's d_ff: the FFN's own width settings do not carry over.
+WIDTH = ("d_ff", "d_ff_rule", "multiple_of", "ffn_dim_multiplier")
+
+
 def upcycle_spec(spec: ModelSpec, *, n_experts: int, top_k: int, shared: bool = False) -> ModelSpec:
     """The MoE spec of a dense ``spec``: each layer kind's FFN replaced by an ``moe`` of copies of it."""
     from zoo.checkpoints.sizes import ffn_size
@@ -30,7 +34,7 @@ def upcycle_spec(spec: ModelSpec, *, n_experts: int, top_k: int, shared: bool = 
         i = spec.layer_pattern.index(kind)
         width = ffn_size(spec, i)
         moe: dict[str, Any] = {"name": "moe", "n_experts": n_experts, "top_k": top_k, "d_ff": width,
-                               "expert": {**ffn.to_dict(), "d_ff": width}, "norm_topk_prob": True}
+                               "expert": {k: v for k, v in ffn.to_dict().items() if k not in WIDTH}, "norm_topk_prob": True}
         if shared:
             moe.update(shared_d_ff=width)
         data["layers"][kind]["ffn"] = moe
