@@ -40,6 +40,7 @@ are 16-byte aligned, else expert by expert (the reference path, always available
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Optional
 
@@ -283,10 +284,14 @@ class MoE(nn.Module):
         bias_update: Literal["none", "sign", "sign_centered"] = "none"
         bias_rate: float = 0.001
         dispatch: Literal["auto", "grouped", "loop"] = "auto"
+        # Each expert takes at most ceil(capacity_factor * tokens * top_k / n_experts) token copies per
+        # forward; the rest are dropped (None: no limit). A batch-level rule: tokens then depend on
+        # their neighbours in the batch, so incremental decoding no longer equals the full forward.
+        capacity_factor: Optional[float] = None
 
         def check(self):
-            for name in ("n_experts", "top_k", "d_ff", "shared_d_ff", "n_devices"):
-                positive(name, getattr(self, name), allow_none=name == "shared_d_ff")
+            for name in ("n_experts", "top_k", "d_ff", "shared_d_ff", "n_devices", "capacity_factor"):
+                positive(name, getattr(self, name), allow_none=name in ("shared_d_ff", "capacity_factor"))
             if self.top_k > self.n_experts:
                 raise SpecError("top_k", f"top_k = {self.top_k} is more than n_experts = {self.n_experts}")
             if self.shared_gate and self.shared_d_ff is None:
@@ -373,14 +378,25 @@ class MoE(nn.Module):
             w = w * self.cfg.routed_scaling
         return Routing(r.logits, r.probs, r.indices, w)
 
-    def experts(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def experts(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Sum over each token's chosen experts of weight x expert(token): the token copies sorted
-        by expert, each expert run on its contiguous run, the results added back per token."""
+        by expert, each expert run on its contiguous run, the results added back per token. With a
+        capacity factor, each expert takes at most ``ceil(factor * N * k / E)`` copies (the earliest
+        tokens first); the rest are dropped (they add nothing: the residual carries the token).
+        Returns the output and the number of dropped copies."""
         N, k = indices.shape
         E = self.cfg.n_experts
         order = indices.reshape(-1).argsort(stable=True)
-        token = order // k
         counts = torch.bincount(indices.reshape(-1), minlength=E)
+        dropped = 0
+        if self.cfg.capacity_factor is not None:
+            capacity = math.ceil(self.cfg.capacity_factor * N * k / E)
+            expert = indices.reshape(-1)[order]
+            rank = torch.arange(N * k, device=flat.device) - (counts.cumsum(0) - counts)[expert]
+            keep = rank < capacity
+            dropped = int((~keep).sum())
+            order, counts = order[keep], counts.clamp(max=capacity)
+        token = order // k
         xs = flat.index_select(0, token)
         mode = self.cfg.dispatch
         aligned = all(n * flat.element_size() % 16 == 0 for n in (self.d_model, self.cfg.d_ff))
@@ -389,13 +405,13 @@ class MoE(nn.Module):
         else:
             ys = _experts_loop(xs, counts, self.w_gate, self.w_up, self.w_down, self.act, self.gated)
         ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
-        return torch.zeros_like(flat).index_add_(0, token, ys)
+        return torch.zeros_like(flat).index_add_(0, token, ys), dropped
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         r = self.route(flat)
-        out = self.experts(flat, r.indices, r.weights)
+        out, dropped = self.experts(flat, r.indices, r.weights)
         if self.shared is not None:
             s = self.shared(flat)
             if self.shared_gate is not None:
@@ -406,6 +422,8 @@ class MoE(nn.Module):
                 self.load += torch.bincount(r.indices.reshape(-1), minlength=self.cfg.n_experts).to(self.load.dtype)
         if ctx is not None:
             self.report(r, ctx, shape[:-1])
+            if self.cfg.capacity_factor is not None:
+                ctx.add_metric("moe_dropped", torch.tensor(dropped / r.indices.numel()))
         return out.reshape(shape)
 
     # -- balancing ------------------------------------------------------------------------------

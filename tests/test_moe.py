@@ -348,3 +348,29 @@ def test_an_upcycled_model_trains_with_zoo_train(tmp_path, one_thread):
     with torch.no_grad():  # the first step saw the upcycled model, which computes what the dense one does
         first = TokenData(load_tokens(), 16, seed=0).batch(0, 4)
         assert r.losses[0] == pytest.approx(float(dense.loss(first).loss), rel=1e-4)
+
+
+def test_capacity_drops_the_latest_copies_and_counts_them():
+    full, capped = moe(), moe(capacity_factor=0.5)
+    x = torch.randn(1, 16, D)
+    ctx = ctx_for(1, 16)
+    y = capped(x, ctx)
+    capacity = math.ceil(0.5 * 16 * 2 / E)  # 2 copies per expert
+    flat = x.reshape(-1, D)
+    r = full.route(flat)
+    expected = torch.zeros_like(flat)
+    taken = {e: 0 for e in range(E)}
+    dropped = 0
+    for n in range(16):  # earliest tokens first
+        for j, e in enumerate(r.indices[n].tolist()):
+            if taken[e] == capacity:
+                dropped += 1
+                continue
+            taken[e] += 1
+            one, _ = full.experts(flat[n : n + 1], r.indices[n : n + 1, j : j + 1], r.weights[n : n + 1, j : j + 1])
+            expected[n] += one[0]
+    assert dropped > 0
+    torch.testing.assert_close(y.reshape(-1, D), expected.detach(), atol=1e-5, rtol=1e-5)
+    assert ctx.metrics["moe_dropped"].item() == pytest.approx(dropped / 32)
+    with pytest.raises(SpecError, match="capacity_factor"):
+        zt.part("ffn", "moe", {"capacity_factor": 0.0})

@@ -158,9 +158,9 @@ class MoEStyle(LlamaStyle):
         elif moe.shared_d_ff is not None:
             raise ValueError(f"{self.model_type} has no shared expert")
         if moe.routed_scaling != 1.0 or any(getattr(moe, k) for k in ("switch_loss", "sequence_loss", "device_loss",
-                                                                      "z_loss")) or moe.bias_update != "none":
-            raise ValueError(f"{self.model_type} has no field for the routed scaling, other balance losses or "
-                             "bias updates")
+                                                                      "z_loss")) or moe.bias_update != "none" or moe.capacity_factor is not None:
+            raise ValueError(f"{self.model_type} has no field for the routed scaling, other balance losses, "
+                             "bias updates or a capacity factor")
         if self.sparse_layers:
             cfg.update(decoder_sparse_step=1, mlp_only_layers=[i for i, s in enumerate(sparse) if not s])
         return cfg
