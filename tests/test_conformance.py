@@ -35,6 +35,11 @@ CONFIGS = {
     ("block", "serial"): [{"norm_position": p} for p in ("pre", "post", "sandwich", "output")],
     ("block", "parallel"): [{"shared_norm": True}, {"shared_norm": False}],
     ("stability", "softcap"): [{"cap": 5.0}],
+    ("ffn", "moe"): [{}, {"top_k": 3, "norm_topk_prob": True, "routed_scaling": 2.0, "shared_d_ff": 16,
+                          "shared_gate": True, "expert": "geglu"},
+                     {"expert": {"name": "mlp", "bias": False}, "switch_loss": 0.01, "z_loss": 0.001}],
+    ("router", "sigmoid_group"): [{"n_groups": 4, "topk_group": 2}],
+    ("router", "greedy_group"): [{"n_groups": 4, "topk_group": 2}],
     # A multimodal gemma3 checkpoint: its text model under text_config.
     ("checkpoint_format", "gemma3"): [{"text_config": zoo.get("checkpoint_format", "gemma3_text").tiny}],
 }
@@ -503,3 +508,95 @@ def test_z_loss_is_mean_squared_logsumexp():
     out = zoo.lm_loss(logits, torch.randint(0, 17, (3, 5)), z_loss=1e-2)
     torch.testing.assert_close(out.loss, out.ce + 1e-2 * out.z)
     torch.testing.assert_close(out.z.double(), expected, rtol=1e-5, atol=1e-6)
+
+# ----------------------------------------------------------------------- mixture of experts
+# (balancing, dispatch and checkpoints: tests/test_moe.py)
+
+D_MOE, E = 32, 8
+
+
+def router(name, k=2, **cfg):
+    torch.manual_seed(0)
+    r = zt.part("router", name, cfg).build(d_model=D_MOE, n_experts=E, top_k=k)
+    with torch.no_grad():
+        r.weight.normal_(0, 1.0)
+    return r
+
+
+def moe(**cfg):
+    torch.manual_seed(0)
+    m = zt.part("ffn", "moe", {"n_experts": E, "top_k": 2, "d_ff": 16, **cfg}).build(d_model=D_MOE)
+    with torch.no_grad():
+        m.router.weight.normal_(0, 1.0)
+    return m
+
+
+@covers(("router", "softmax_topk"), ("router", "topk_softmax"))
+def test_softmax_topk_and_topk_softmax():
+    x = torch.randn(10, D_MOE)
+    r = router("softmax_topk", k=3)(x)
+    p = (x @ r_weight("softmax_topk", 3).t()).softmax(-1)
+    top = p.topk(3, dim=-1)
+    assert torch.equal(r.indices, top.indices)
+    torch.testing.assert_close(r.weights, top.values)
+    r = router("topk_softmax", k=3)(x)
+    logits = x @ r_weight("topk_softmax", 3).t()
+    top = logits.topk(3, dim=-1)
+    assert torch.equal(r.indices, top.indices)
+    torch.testing.assert_close(r.weights, top.values.softmax(-1))  # sums to one without renormalising
+    torch.testing.assert_close(r.weights.sum(-1), torch.ones(10))
+
+
+def r_weight(name, k, **cfg):
+    return router(name, k, **cfg).weight.detach()
+
+
+@covers(("router", "sigmoid_group"))
+def test_sigmoid_group_routes_with_the_bias_and_weights_without_it():
+    """DeepSeek-V3: groups scored by the sum of their two best biased scores, top-k within the best
+    groups; the weights are the unbiased sigmoid scores."""
+    r = router("sigmoid_group", k=2, n_groups=4, topk_group=2)
+    with torch.no_grad():
+        r.bias.copy_(torch.randn(E))
+    x = torch.randn(12, D_MOE)
+    out = r(x)
+    s = torch.sigmoid(x @ r.weight.detach().t())
+    b = s + r.bias
+    for n in range(12):
+        groups = b[n].view(4, 2).topk(2, dim=-1).values.sum(-1).topk(2).indices
+        allowed = torch.cat([torch.arange(2 * g, 2 * g + 2) for g in groups.tolist()])
+        masked = torch.full((E,), float("-inf"))
+        masked[allowed] = b[n, allowed]
+        assert set(out.indices[n].tolist()) == set(masked.topk(2).indices.tolist())
+        torch.testing.assert_close(out.weights[n], s[n, out.indices[n]])
+
+
+@covers(("router", "greedy_group"))
+def test_greedy_group_limits_choices_to_the_best_groups():
+    x = torch.randn(12, D_MOE)
+    r = router("greedy_group", k=3, n_groups=4, topk_group=2)
+    out = r(x)
+    p = (x @ r.weight.detach().t()).softmax(-1)
+    groups = p.view(12, 4, 2).max(-1).values.topk(2, dim=-1).indices
+    for n in range(12):
+        allowed = set(sum(([2 * g, 2 * g + 1] for g in groups[n].tolist()), []))
+        assert set(out.indices[n].tolist()) <= allowed
+        torch.testing.assert_close(out.weights[n], p[n, out.indices[n]])
+
+
+@covers(("ffn", "moe"))
+def test_moe_equals_the_sum_of_chosen_experts_by_hand():
+    m = moe(top_k=3, norm_topk_prob=True, routed_scaling=2.5, shared_d_ff=16, shared_gate=True)
+    x = torch.randn(2, 5, D_MOE)
+    flat = x.reshape(-1, D_MOE)
+    p = (flat @ m.router.weight.detach().t()).softmax(-1)
+    top = p.topk(3, dim=-1)
+    w = top.values / top.values.sum(-1, keepdim=True) * 2.5
+    expected = torch.zeros_like(flat)
+    for n in range(flat.shape[0]):
+        for j, e in enumerate(top.indices[n].tolist()):
+            h = F.silu(m.w_gate[e] @ flat[n]) * (m.w_up[e] @ flat[n])
+            expected[n] += w[n, j] * (m.w_down[e] @ h)
+    s = m.shared
+    expected += torch.sigmoid(m.shared_gate(flat)) * s.down(F.silu(s.gate(flat)) * s.up(flat))
+    torch.testing.assert_close(m(x).reshape(-1, D_MOE), expected.detach(), atol=1e-5, rtol=1e-5)

@@ -27,6 +27,7 @@ from zoo.spec import ModelSpec, Part, SpecError
 from zoo.training import TrainConfig, TrainResult, train
 from zoo.verification import verify
 from zoo.generation import generate
+from zoo.upcycling import upcycle
 
 __version__ = "0.1.0"
 
@@ -49,5 +50,5 @@ __all__ = [
     "Decoder", "DuplicateNameError", "Family", "LossOutput", "ModelSpec", "Part", "PluginError",
     "RegistryError", "SpecError", "UnknownNameError", "build", "build_model", "from_pretrained", "generate", "get", "get_spec",
     "hookimpl", "list_components", "list_models", "load_plugin", "lm_loss", "manager", "published_params", "register",
-    "save_pretrained", "TrainConfig", "TrainResult", "train", "verify",
+    "save_pretrained", "TrainConfig", "TrainResult", "train", "upcycle", "verify",
 ]

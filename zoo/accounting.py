@@ -35,7 +35,15 @@ DTYPE_BYTES = {
     "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2,
     "fp8": 1, "int8": 1, "int4": 0.5,
 }
-ADAMW_MIXED_BYTES_PER_PARAM = 16  # bf16 weights + bf16 grads + fp32 master + fp32 m + fp32 v
+ADAMW_MIXED_BYTES_PER_PARAM = 16
+#: The three ways active parameters per token are counted, and whose headline numbers use each.
+ACTIVE_CONVENTIONS = {
+    "with_embeddings_and_head": "Mistral (Mixtral 8x7B: 12.9B), Qwen (Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B, "
+                                "Qwen3-235B-A22B) and OLMoE (1.3B) quote this",
+    "without_input_embedding": "the input lookup multiplies nothing, the head does: the weights a token's "
+                               "FLOPs come from (2N)",
+    "without_embeddings_and_head": "Kaplan et al.'s non-embedding count, which scaling laws use",
+}  # bf16 weights + bf16 grads + fp32 master + fp32 m + fp32 v
 
 
 def dtype_bytes(dtype: Any) -> float:
@@ -131,6 +139,7 @@ def account(
         c = _part_cost(module, context) if module is not model else Cost()
         if c.active_params is not None:
             inactive += sum(p.numel() for p in module.parameters()) - c.active_params
+    input_embedding = model.embed.weight.numel()
     head_matrix = spec.vocab_size * spec.d_model
     matmul_params = non_embedding + head_matrix
     active_matmul = matmul_params - inactive
@@ -175,6 +184,12 @@ def account(
             "embedding": total - non_embedding,
             "non_embedding": non_embedding,
             "active": total - inactive,
+            # Vendors quote active parameters three ways (see ACTIVE_CONVENTIONS).
+            "active_conventions": {
+                "with_embeddings_and_head": total - inactive,
+                "without_input_embedding": total - inactive - (0 if spec.head.tied else input_embedding),
+                "without_embeddings_and_head": non_embedding - inactive,
+            },
             "published": published,
         },
         "shape": {

@@ -150,6 +150,14 @@ def _family(obj: Any) -> list[str]:
     return missing
 
 
+def module_interface(kind: str, constructor: tuple[str, ...], forward: tuple[str, ...] = (),
+                     methods: tuple[str, ...] = ()) -> Callable[[Any], list[str]]:
+    """The interface check of a module-like kind a plugin adds (``registry.add_kind(kind, check)``):
+    an ``nn.Module`` with a ``Config``, built as ``cls(config, **constructor)``, called with ``forward``."""
+    CONSTRUCTOR_CONTEXT[kind], FORWARD_ARGS[kind], METHODS[kind] = constructor, forward, methods
+    return _module_part(kind)
+
+
 def check(kind: str, obj: Any) -> list[str]:
     """What ``obj`` lacks to be registered as a ``kind`` (empty when it conforms)."""
     fn = INTERFACES.get(canonical_kind(kind))

@@ -373,6 +373,35 @@ def _ffn(kind: str, name: str, config: dict[str, Any]) -> None:
     check_model(tiny_spec_with(kind, name, config), what)
 
 
+#: The MoE FFN a router is checked inside: 8 experts, top-2, groups for group-limited routers.
+ROUTER_FFN: dict[str, Any] = {"name": "moe", "n_experts": 8, "top_k": 2, "d_ff": 16}
+
+
+@contract("router")
+def _router(kind: str, name: str, config: dict[str, Any]) -> None:
+    """A router picks ``top_k`` distinct experts per token with finite, non-negative float32 weights,
+    in float32 whatever the model's dtype; each token's choice depends on that token only; inside an
+    ``moe`` FFN it passes the FFN and model contracts."""
+    what, D, E, k = f"router {name!r} {config}", 32, ROUTER_FFN["n_experts"], ROUTER_FFN["top_k"]
+    p = part(kind, name, config)
+    assert_builds_on_meta(lambda: p.build(d_model=D, n_experts=E, top_k=k), what)
+    for dtype in (torch.float32, torch.bfloat16):
+        router = p.build(d_model=D, n_experts=E, top_k=k).to(dtype)
+        x = torch.randn(20, D).to(dtype)
+        r = router(x)
+        assert r.indices.shape == (20, k) and r.weights.shape == (20, k), f"{what}: indices {tuple(r.indices.shape)}, weights {tuple(r.weights.shape)}"
+        for t in (r.logits, r.probs, r.weights):
+            assert t.dtype == torch.float32, f"{what}: a {dtype} model routes in {t.dtype}, expected float32"
+            _finite(t, what)
+        assert ((r.indices >= 0) & (r.indices < E)).all(), f"{what}: expert indices outside [0, {E})"
+        assert (r.indices.sort(-1).values.diff(dim=-1) != 0).all(), f"{what}: a token chose one expert twice"
+        assert (r.weights >= 0).all(), f"{what}: negative routing weights"
+        one = router(x[3:4])
+        assert torch.equal(one.indices.sort(-1).values, r.indices[3:4].sort(-1).values), f"{what}: a token's choice depends on other tokens"
+    ffn = {**ROUTER_FFN, "router": {"name": name, **config}}
+    _ffn("ffn", "moe", ffn)
+
+
 @contract("position")
 def _position(kind: str, name: str, config: dict[str, Any]) -> None:
     what = f"position {name!r} {config}"

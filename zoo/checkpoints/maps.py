@@ -48,6 +48,15 @@ TRANSPOSE = Transform(
     lambda ts, h: [t.t().contiguous() for t in ts],
 )
 
+# Hub MoE checkpoints store one tensor per expert (``experts.{j}.gate_proj.weight``); zoo stacks them
+# into one (E, ...) tensor. Saving unbinds them again, each its own copy (safetensors refuses views
+# of one storage).
+STACK = Transform(
+    "stack",
+    lambda ts, h: [torch.stack(ts)],
+    lambda ts, h: [t.clone() for t in ts[0].unbind(0)],
+)
+
 
 def compose(*transforms: Transform) -> Transform:
     """Apply ``transforms`` left to right when loading (and right to left when saving)."""

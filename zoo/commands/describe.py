@@ -46,11 +46,15 @@ def figure_rows(a):
         ("parameters", f"{p['total']:,}  ({human(p['total'], '')}){pub}"),
         ("  embedding", f"{p['embedding']:,}"),
         ("  non-embedding", f"{p['non_embedding']:,}"),
-        *([("  active per token", f"{p['active']:,}")] if p["active"] != p["total"] else []),
+        *([("  active per token", f"{p['active']:,}  (with embeddings and head)"),
+           ("    without the input embedding", f"{p['active_conventions']['without_input_embedding']:,}"),
+           ("    without embeddings and head", f"{p['active_conventions']['without_embeddings_and_head']:,}")]
+          if p["active"] != p["total"] else []),
         ("aspect ratio d_model/n_layers", f"{s['aspect_ratio']:.1f}"),
         ("d_ff / d_model", per_kind(s["d_ff_over_d_model"], lambda v: f"{v:.3f}" if v else "-")),
         *([("attention", per_kind(s["attention"], str))] if "attention" in s else []),
-        ("forward FLOPs/token (2N)", f"{human(f['forward_per_token_2n'], 'FLOP')}  (N = {f['matmul_params']:,} multiplied weights)"),
+        ("forward FLOPs/token (2N)", f"{human(f['forward_per_token_2n'], 'FLOP')}  (N = {f['active_matmul_params']:,} multiplied weights"
+                                     f"{' active' if f['active_matmul_params'] != f['matmul_params'] else ''})"),
         (f"  + token mixing at context {f['context']:,}", human(f["mixing_per_token_at_context"], "FLOP")),
         ("  = forward at that context", human(f["forward_per_token_at_context"], "FLOP")),
         ("training FLOPs/token", f"{human(f['training_per_token'], 'FLOP')}  (6N = {human(f['training_per_token_6n'], 'FLOP')})"),
