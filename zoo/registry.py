@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Optional
 import pluggy
 
 from zoo import hookspecs
-from zoo.hookspecs import KIND_ALIASES, canonical_kind  # noqa: F401
+from zoo.hookspecs import KIND_ALIASES, canonical_kind  # noqa: F401  (re-exported)
 from zoo.hookspecs import interface  # noqa: F401  (re-exported: kinds declare their interface here too)
 
 ENTRY_POINT_GROUP = "zoo.plugins"

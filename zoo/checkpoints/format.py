@@ -60,9 +60,6 @@ def _is_dropout(key: str) -> bool:
     return "dropout" in key or key.endswith("_pdrop")
 
 
-class Fields:
-    """Strict reading of an HF config: every field is either used, generic, or an error."""
-
 # What a JSON value must be, by the Python type a field's default has.
 KINDS = {bool: "a boolean (true or false)", int: "an integer", float: "a number", str: "a string",
          list: "a list", dict: "an object"}
