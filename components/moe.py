@@ -400,7 +400,9 @@ class MoE(nn.Module):
         xs = flat.index_select(0, token)
         mode = self.cfg.dispatch
         aligned = all(n * flat.element_size() % 16 == 0 for n in (self.d_model, self.cfg.d_ff))
-        if mode == "grouped" or (mode == "auto" and aligned and _grouped_mm_ok(flat.device.type, flat.dtype)):
+        # Under torch.compile the loop path (the grouped kernel's fake-tensor rule wants bf16).
+        grouped_ok = not torch.compiler.is_compiling() and aligned and _grouped_mm_ok(flat.device.type, flat.dtype)
+        if mode == "grouped" or (mode == "auto" and grouped_ok):
             ys = _experts_grouped(xs, counts, self.w_gate, self.w_up, self.w_down, self.act, self.gated)
         else:
             ys = _experts_loop(xs, counts, self.w_gate, self.w_up, self.w_down, self.act, self.gated)

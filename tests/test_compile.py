@@ -13,9 +13,11 @@ from zoo.testing import shrink
 FAMILIES = sorted(zoo.list_components("family"))
 
 
-def breaks(fn, *args):
+def breaks(fn, *args, where=False):
     torch._dynamo.reset()
     explained = torch._dynamo.explain(fn)(*args)
+    if where:  # the file each break happened in
+        return {b.user_stack[-1].filename.split("/")[-1] for b in explained.break_reasons}
     return [str(b.reason).splitlines()[0] for b in explained.break_reasons]
 
 
@@ -28,9 +30,15 @@ def _fresh_dynamo():
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_training_step_of_each_family_traces_without_graph_breaks(name, one_thread):
     fam = registry.get("family", name)
-    model = zoo.build_model(shrink(fam.spec(next(iter(fam.presets)))), seed=0).train()
+    spec = shrink(fam.spec(next(iter(fam.presets))))
+    model = zoo.build_model(spec, seed=0).train()
     ids = torch.randint(0, model.spec.vocab_size, (2, 9))  # longer than the shrunk windows (4)
-    assert breaks(lambda ids: model(ids, labels=ids).loss, ids) == []
+    if any(layer.ffn.name == "moe" for layer in spec.layers.values()):
+        # A mixture of experts sorts tokens by expert: how many each gets is data, so its dispatch
+        # breaks the graph (docs/moe.md); nothing else may.
+        assert breaks(lambda ids: model(ids, labels=ids).loss, ids, where=True) == {"moe.py"}
+    else:
+        assert breaks(lambda ids: model(ids, labels=ids).loss, ids) == []
 
 
 def test_flex_attention_stays_on_and_traces_inside_torch_compile(monkeypatch, one_thread):

@@ -66,12 +66,17 @@ class MoEStyle(LlamaStyle):
     def n_experts(self, f: Fields) -> int:
         """The expert count (transformers writes Qwen3-MoE's as ``num_local_experts``; releases say
         ``num_experts``)."""
-        n, other = f.get(self.experts_key), f.get("num_local_experts")
-        if n is not None and other is not None and n != other:
-            raise f.error("num_local_experts", f"{other} disagrees with {self.experts_key} = {n}")
-        if n is None and other is None:
+        keys = (self.experts_key, "num_local_experts")
+        given = {k: f.get(k) for k in keys if f.config.get(k) is not None}
+        if len(set(given.values())) > 1:
+            raise f.error("num_local_experts", f"{given['num_local_experts']} disagrees with {self.experts_key} = "
+                                               f"{given[self.experts_key]}")
+        if given:
+            return next(iter(given.values()))
+        n = next((f.get(k) for k in keys if f.get(k) is not None), None)  # absent: the config class's default
+        if n is None:
             raise f.error(self.experts_key, "is required and missing")
-        return n if n is not None else other
+        return n
 
     def moe_ffn(self, f: Fields) -> dict[str, Any]:
         expert = {"name": "glu", "activation": activation(f, self.act_key, self.act_default)}
@@ -89,9 +94,9 @@ class MoEStyle(LlamaStyle):
             ffn["switch_pooled_loss"] = float(f.get("router_aux_loss_coef", 0.001))
         return ffn
 
-    def config_to_spec(self, config, *, strict=True):
+    def config_to_spec(self, config, *, strict=False):
         spec = super().config_to_spec(config, strict=strict)  # the dense model (MoE fields marked read)
-        f = Fields(config, self.model_type)
+        f = Fields(config, self.model_type, self.defaults)
         moe = self.moe_ffn(f)
         data = spec.to_dict()
         kinds = [spec.layer_kind(i) for i in range(spec.n_layers)]
@@ -175,9 +180,12 @@ class Mixtral(MoEStyle, Mistral):
     router = "topk_softmax"
     norm_topk_default = None
     moe_fields = MoEStyle.moe_fields + ("router_jitter_noise",)
+    # MixtralConfig's defaults for absent fields (unlike Mistral's, no sliding window).
+    defaults = {"sliding_window": None, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "rope_theta": 1e6}
     tiny = {**MOE_TINY, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8}
 
-    def config_to_spec(self, config, *, strict=True):
+    def config_to_spec(self, config, *, strict=False):
         Fields(config, self.model_type).expect("router_jitter_noise", (0.0, 0), "zoo's routers add no noise")
         return super().config_to_spec(config, strict=strict)
 
@@ -204,10 +212,12 @@ class Qwen2MoE(QwenMoE):
     mlp_bias_key = None
     shared = True
     moe_fields = QwenMoE.moe_fields + ("qkv_bias",)
+    defaults = {"num_key_value_heads": 16, "max_position_embeddings": 32768, "num_experts": 60, "num_experts_per_tok": 4,
+                "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "rms_norm_eps": 1e-6}
     tiny = {**MOE_TINY, "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
             "shared_expert_intermediate_size": 80, "mlp_only_layers": [0], "norm_topk_prob": False}
 
-    def config_to_spec(self, config, *, strict=True):
+    def config_to_spec(self, config, *, strict=False):
         spec = super().config_to_spec(config, strict=strict)
         bias = bool(config.get("qkv_bias", True))
         return spec.with_overrides({"layers.*.mixer.bias": bias, "layers.*.mixer.out_bias": False})
@@ -225,6 +235,8 @@ class Qwen3MoE(QwenMoE):
     model_type, architecture = "qwen3_moe", "Qwen3MoeForCausalLM"
     mlp_bias_key = None
     qk_norm = Qwen3.qk_norm
+    defaults = {"num_key_value_heads": 4, "max_position_embeddings": 32768, "num_local_experts": 128, "num_experts_per_tok": 8,
+                "moe_intermediate_size": 768, "rms_norm_eps": 1e-6}
     tiny = {**MOE_TINY, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
             "decoder_sparse_step": 2, "norm_topk_prob": True, "attention_bias": True}
 
@@ -235,10 +247,12 @@ class Olmoe(MoEStyle):
     width_key = None
     qk_norm = "proj"
     moe_fields = MoEStyle.moe_fields + ("clip_qkv",)
+    defaults = {"num_key_value_heads": 16, "max_position_embeddings": 4096, "num_experts": 64, "num_experts_per_tok": 8,
+                "rms_norm_eps": 1e-5}
     tiny = {**{k: v for k, v in MOE_TINY.items() if k != "head_dim"}, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False,
             "attention_bias": True}
 
-    def config_to_spec(self, config, *, strict=True):
+    def config_to_spec(self, config, *, strict=False):
         Fields(config, self.model_type).expect("clip_qkv", (None,), "zoo does not clip q, k and v")
         return super().config_to_spec(config, strict=strict)
 
