@@ -15,6 +15,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from zoo.checkpoints.io import fsync_dir
+
 
 def step_of(path: Path) -> int:
     """The step of a ``step-NNNNNNN`` directory; -1 for any other name."""
@@ -136,11 +138,3 @@ def fsync_tree(directory: Path) -> None:
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
     fsync_dir(directory)
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
