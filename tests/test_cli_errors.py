@@ -69,7 +69,7 @@ def test_train_with_fsdp_in_a_single_process(tmp_path, capsys, monkeypatch):
     (["--seq-len", "0"], "seq_len must be a positive integer, got 0"),
     (["--seq-len", "-1"], "seq_len must be a positive integer, got -1"),
     (["--batch-size", "0"], "batch_size must be a positive integer, got 0"),
-    (["--seq-len", "100000000"], "seq_len 100000000 is beyond the checkpoint's max_seq_len 64"),
+    (["--seq-len", "100000000"], "seq_len 100000000 is beyond zoo's limit on a context, 16777216"),
     (["--batch-size", "10000000"], "seq_len 32 x batch_size 10000000 would hold about"),
 ])
 def test_verify_sizes_are_checked_before_transformers_runs(checkpoint, capsys, no_reference, args, match):

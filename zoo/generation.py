@@ -23,7 +23,7 @@ def _stop_ids(stop: Union[None, int, Iterable[int]]) -> list[int]:
     return ids
 
 
-def _length_limit(spec) -> tuple[int, str]:
+def length_limit(spec) -> tuple[int, str]:
     """The longest sequence the model can generate, and what sets it: a position encoding with a
     hard limit (a learned table: max_seq_len), else zoo's bound on any context (RoPE extrapolates)."""
     from zoo.spec import MAX_SIZES
@@ -58,7 +58,7 @@ def _check_generate_inputs(model, input_ids: torch.Tensor, max_new_tokens: int, 
         raise ValueError(f"stop holds token id {bad_stops[0]}, outside the model's vocabulary [0, {vocab})")
     if pad_token_id is not None and pad_token_id < 0:
         raise ValueError(f"pad_token_id must be >= 0, got {pad_token_id}")
-    limit, what = _length_limit(spec)
+    limit, what = length_limit(spec)
     if input_ids.shape[1] + max_new_tokens > limit:
         raise ValueError(
             f"max_new_tokens {max_new_tokens} after a prompt of {input_ids.shape[1]} tokens reaches "

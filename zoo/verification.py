@@ -131,8 +131,11 @@ def _check_verify_inputs(spec, *, dtype: str, batch_size: int, seq_len: int, ref
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if seq_len > spec.max_seq_len:
-            raise ValueError(f"seq_len {seq_len} is beyond the checkpoint's max_seq_len {spec.max_seq_len}")
+        from zoo.generation import length_limit
+
+        limit, why = length_limit(spec)  # RoPE may run past max_seq_len, as transformers lets it
+        if seq_len > limit:
+            raise ValueError(f"seq_len {seq_len} is beyond {why}, {limit}")
         per_token = 4 * 2 * (spec.vocab_size + spec.d_model * (spec.n_layers + 1))  # float32, both models
         need = batch_size * seq_len * per_token
         if need > VERIFY_MAX_BYTES:
