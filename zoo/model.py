@@ -139,7 +139,7 @@ class Decoder(nn.Module):
                     "(it has no new_state, or it returned None), so this model cannot decode incrementally; "
                     "see docs/plugins.md, 'A mixer with its own state'")
             layers.append(state)
-        return DecodeState(layers, batch=batch, max_len=max_len)
+        return DecodeState(layers, batch=batch, max_len=max_len, device=device)
 
     # -- forward ----------------------------------------------------------------------------------
     def context(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,

@@ -59,10 +59,12 @@ class DecodeState:
     the new tokens; :meth:`to_static` gives the fixed-size copy that compiled decoding updates.
     """
 
-    def __init__(self, layers: list[Any], *, batch: Optional[int] = None, max_len: Optional[int] = None):
+    def __init__(self, layers: list[Any], *, batch: Optional[int] = None, max_len: Optional[int] = None,
+                 device: Any = None):
         self.layers = list(layers)
         self.batch = batch
         self.max_len = max_len
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.seen = 0  # slots so far (0 .. seen-1), left padding included
         self.key_mask: Optional[torch.Tensor] = None  # (B, seen) real tokens; None: no padding
         self.static = False
@@ -101,9 +103,9 @@ class DecodeState:
                 raise TypeError(f"layer {i}'s decode state ({type(s).__name__}) has no to_static(max_len): "
                                 "its mixer cannot decode with a compiled step")
             layers.append(fn(max_len))
-        static = DecodeState(layers, batch=self.batch, max_len=max_len)
+        static = DecodeState(layers, batch=self.batch, max_len=max_len, device=self.device)
         static.static, static.seen = True, self.seen
-        device = _device_of(self)
+        device = self.device
         static.key_mask = torch.ones(self.batch, max_len, dtype=torch.bool, device=device)
         if self.key_mask is not None:
             static.key_mask[:, : self.seen] = self.key_mask
@@ -116,16 +118,6 @@ class DecodeState:
     def nbytes(self) -> int:
         """Bytes held by every layer's state (what the accounting's figures predict)."""
         return sum(s.nbytes() for s in self.layers if s is not None)
-
-
-def _device_of(state: DecodeState):
-    if state.key_mask is not None:
-        return state.key_mask.device
-    for s in state.layers:
-        for t in vars(s).values():
-            if isinstance(t, torch.Tensor):
-                return t.device
-    return torch.device("cpu")
 
 
 class KVState:
