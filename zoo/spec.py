@@ -226,6 +226,16 @@ def finite(path: str, value: Any) -> None:
         raise SpecError(path, f"must be a finite number, got {value!r}")
 
 
+def differences(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    """Each dotted path where plain data ``a`` and ``b`` differ, with both values: tables key by key
+    (a missing key counts as None), lists of equal length item by item."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b), key=str) for d in differences(a.get(k), b.get(k), _join(path, k))]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [(path, a, b)]
+
+
 def positive(path: str, value: Any, allow_none: bool = True) -> None:
     if value is None and allow_none:
         return

@@ -41,7 +41,7 @@ from zoo.data import TokenData, builtin_corpus, get_tokenizer, read_texts, token
 from zoo.model import build_model
 from zoo.recipes import get_spec
 from zoo.resume import check_resumed_config, fsync_dir, fsync_tree, metrics_up_to, resume_point, step_of
-from zoo.spec import ModelSpec
+from zoo.spec import ModelSpec, differences
 
 
 @dataclass
@@ -173,17 +173,6 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
     return _local(t).detach().to("cpu").contiguous()
 
 
-def _spec_diff(a: dict, b: dict, path: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(a) | set(b), key=str):
-        p = f"{path}.{k}" if path else str(k)
-        if isinstance(a.get(k), dict) and isinstance(b.get(k), dict):
-            out += _spec_diff(a[k], b[k], p)
-        elif a.get(k) != b.get(k):
-            out.append(f"{p}: {a.get(k)!r} in the checkpoint, {b.get(k)!r} now")
-    return out
-
-
 def checkpoints(out_dir: str | Path) -> list[Path]:
     """Complete checkpoints under ``out_dir/checkpoints``, oldest (lowest step) first."""
     root = Path(out_dir) / "checkpoints"
@@ -199,7 +188,8 @@ def read_checkpoint_state(path: Path, spec: ModelSpec, processes: int) -> dict[s
     if not state_file.is_file():
         raise FileNotFoundError(f"{path} is not a training checkpoint (no state.json); pass a step-NNNNNNN directory")
     state = json.loads(state_file.read_text())
-    diff = _spec_diff({**state["spec"], "label": None}, {**spec.to_dict(), "label": None})
+    diff = [f"{p}: {x!r} in the checkpoint, {y!r} now"
+            for p, x, y in differences({**state["spec"], "label": None}, {**spec.to_dict(), "label": None})]
     if diff:
         raise ValueError(
             f"checkpoint {path} was written for another model ({'; '.join(diff[:3])}"

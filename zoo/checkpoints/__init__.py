@@ -25,7 +25,7 @@ from zoo.checkpoints.io import WeightFiles, reading, regular_file, replace_check
 from zoo.checkpoints.maps import bind
 from zoo.model import Decoder, build_model
 from zoo.registry import list_components
-from zoo.spec import ModelSpec
+from zoo.spec import ModelSpec, differences
 
 __all__ = [
     "CheckpointError", "CheckpointFormat", "ConfigError", "config_to_spec", "from_pretrained",
@@ -269,16 +269,6 @@ def from_pretrained(
     return model
 
 
-def _differences(a: Any, b: Any, path: str = "") -> list[str]:
-    """Each field where plain data ``a`` (the model) and ``b`` (what its config reads back as) differ."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b), key=str)
-                for d in _differences(a.get(k), b.get(k), f"{path}.{k}" if path else str(k))]
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
-    return [] if a == b else [f"{path}: {json.dumps(a)} in the model, {json.dumps(b)} as the config reads back"]
-
-
 def _architecture(spec: ModelSpec) -> dict[str, Any]:
     """What decides the function a spec computes, layer by layer, with defaults resolved (not layer
     kind names, labels or training-only settings), so that two spellings of one model compare equal.
@@ -329,7 +319,8 @@ def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Option
     # Before any tensor is converted or written: the config must describe exactly this model.
     back = fmt.config_to_spec(config)
     if _architecture(back) != _architecture(spec):
-        diff = _differences(_architecture(spec), _architecture(back))
+        diff = [f"{p}: {json.dumps(x)} in the model, {json.dumps(y)} as the config reads back"
+                for p, x, y in differences(_architecture(spec), _architecture(back))]
         raise CheckpointError(
             f"this model cannot be written as {fmt.model_type}: its config would describe a different model "
             f"({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''})"
