@@ -133,18 +133,17 @@ def account(
 
     total = model.num_parameters()
     non_embedding = model.num_parameters(exclude_embeddings=True)
-    # Parts that use only some of their parameters per token (a mixture of experts) say how many.
-    inactive = 0
-    for module in model.modules():
-        c = _part_cost(module, context) if module is not model else Cost()
-        if c.active_params is not None:
-            inactive += sum(p.numel() for p in module.parameters()) - c.active_params
+    # Each part's cost, asked once. Parts that use only some of their parameters per token (a mixture
+    # of experts) say how many.
+    part_costs = {m: _part_cost(m, context) for m in model.modules() if m is not model}
+    inactive = sum(sum(p.numel() for p in m.parameters()) - c.active_params
+                   for m, c in part_costs.items() if c.active_params is not None)
     input_embedding = model.embed.weight.numel()
     head_matrix = spec.vocab_size * spec.d_model
     matmul_params = non_embedding + head_matrix
     active_matmul = matmul_params - inactive
 
-    costs = [_part_cost(layer.attention, context) for layer in model.layers]
+    costs = [part_costs[layer.attention] for layer in model.layers]
     mixing_at_context = sum(c.flops for c in costs)
     mixing_mean = sum(c.flops_mean for c in costs)
     state_per_token = sum(c.state_per_token for c in costs) * nbytes
