@@ -5,6 +5,7 @@ DynamicCache stores (the normed latent and the rotated key part), after a prefil
 tokens fed onto it. Then the released configs and their presets, and refusals by field."""
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,15 @@ def test_deepseek_v3_state_is_61_layers_of_512_plus_64_values_per_token():
     assert state["bytes_per_token"] == 61 * (512 + 64) * 2
     assert state["mha_bytes_per_token"] == 61 * 128 * (128 + 64 + 128) * 2
     assert state["bytes"] == 1000 * state["bytes_per_token"]
+
+
+def test_describe_shows_the_latent_state_beside_mha(capsys):
+    from zoo.cli import main
+
+    assert main(["describe", "deepseek-v3", "--dtype", "bf16"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"KV cache/token \(bf16\) +70,272 B", text)
+    assert re.search(r"MHA with the same heads +4,997,120 B .*71\.1x", text)
 
 
 # ------------------------------------------------------------------------------------- refusals
