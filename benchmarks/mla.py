@@ -11,7 +11,7 @@ decoded one at a time; the decode steps are timed for
 
 Runs are interleaved; medians are reported, with the ratios absorbed / plain and absorbed / transformers.
 
-    python benchmarks/mla.py                       # 2 layers, 16 heads, context 1024: about a minute
+    python benchmarks/mla.py                       # 2 layers, 16 heads, context 1024: a few minutes
     python benchmarks/mla.py --heads 128 --context 4096 --json out.json
 """
 
