@@ -117,3 +117,24 @@ def test_round_trip_through_transformers(pair, tmp_path):
 def test_bad_config_is_named(field, value):
     with pytest.raises((ConfigError, zoo.spec.SpecError), match=field if field != "block_size" else "chunk"):
         config_to_spec({**tiny_config("minimax"), "model_type": "minimax", field: value})
+
+
+def test_the_preset_is_the_published_model_and_what_transformers_builds():
+    from test_released_configs import same_as_transformers
+
+    model = zoo.build("minimax-text-01", device="meta")
+    assert model.num_parameters() == 456_089_655_296  # "456B total parameters"
+    assert [model.spec.layer(i).mixer.name for i in range(16)] == (["lightning_attention"] * 7 + ["attention"]) * 2
+    config = {**zoo.checkpoints.format.get_format("minimax").spec_to_config(model.spec), "model_type": "minimax"}
+    same_as_transformers(config)  # the parameter count transformers builds from that config, on meta
+    assert zoo.spec.differences(config_to_spec(config).to_dict(), model.spec.to_dict()) == [("label", None, "minimax-text-01")]
+
+
+def test_absent_fields_take_transformers_defaults():
+    from test_released_configs import SIZES, same_as_transformers
+
+    defaults = transformers.MiniMaxConfig().to_dict()
+    config = {"model_type": "minimax", **{k: defaults[k] for k in SIZES if k in defaults}}
+    same_as_transformers(config)
+    spec = config_to_spec(config)
+    assert [spec.layer(i).mixer.name for i in range(4)] == ["attention", "lightning_attention"] * 2
