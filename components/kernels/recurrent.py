@@ -62,13 +62,26 @@ def _state_ptrs(S, bh, Dk, Dv, BK: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
+def _initial_state(S0, bh, Dk, Dv, HAS_S0: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    S = tl.zeros((BK, BV), dtype=tl.float32)
+    if HAS_S0:
+        s_ptrs, s_mask = _state_ptrs(S0, bh, Dk, Dv, BK, BV)
+        S = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
+    return S
+
+
+@triton.jit
+def _advance(S, k, v, c, total, PREC: tl.constexpr):
+    """The state after the chunk: exp(total) S + sum_j exp(total - c_j) k_j v_j^T."""
+    k_end = k * tl.exp(total - c)[:, None]
+    return S * tl.exp(total) + tl.dot(tl.trans(k_end), v, input_precision=PREC)
+
+
+@triton.jit
 def _fwd(Q, K, V, A, S0, Y, ST, T, Dk, Dv, HAS_S0: tl.constexpr, PREC: tl.constexpr,
          BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
-    s_ptrs, s_mask = _state_ptrs(S0, bh, Dk, Dv, BK, BV)
-    S = tl.zeros((BK, BV), dtype=tl.float32)
-    if HAS_S0:
-        S = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
+    S = _initial_state(S0, bh, Dk, Dv, HAS_S0, BK, BV)
     for t0 in range(0, T, BT):
         c, total = _chunk_decays(A, bh * T, t0, T, BT)
         q, _ = _tile(Q, bh * T * Dk, t0, T, Dk, BT, BK)
@@ -78,10 +91,9 @@ def _fwd(Q, K, V, A, S0, Y, ST, T, Dk, Dv, HAS_S0: tl.constexpr, PREC: tl.conste
         y = tl.dot(att, v, input_precision=PREC)
         y += tl.dot(q * tl.exp(c)[:, None], S, input_precision=PREC)
         _store_tile(Y, bh * T * Dv, t0, T, Dv, y, BT, BV)
-        k_end = k * tl.exp(total - c)[:, None]
-        S = S * tl.exp(total) + tl.dot(tl.trans(k_end), v, input_precision=PREC)
-    st_ptrs, _ = _state_ptrs(ST, bh, Dk, Dv, BK, BV)
-    tl.store(st_ptrs, S, mask=s_mask)
+        S = _advance(S, k, v, c, total, PREC)
+    st_ptrs, st_mask = _state_ptrs(ST, bh, Dk, Dv, BK, BV)
+    tl.store(st_ptrs, S, mask=st_mask)
 
 
 @triton.jit
@@ -89,10 +101,7 @@ def _bwd_dq(Q, K, V, A, S0, DY, DQ, T, Dk, Dv, HAS_S0: tl.constexpr, PREC: tl.co
             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """dq_i = sum_{j<=i} L_ij (dy_i . v_j) k_j + exp(c_i) S_in dy_i, rebuilding S_in chunk by chunk."""
     bh = tl.program_id(0).to(tl.int64)
-    s_ptrs, s_mask = _state_ptrs(S0, bh, Dk, Dv, BK, BV)
-    S = tl.zeros((BK, BV), dtype=tl.float32)
-    if HAS_S0:
-        S = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
+    S = _initial_state(S0, bh, Dk, Dv, HAS_S0, BK, BV)
     for t0 in range(0, T, BT):
         c, total = _chunk_decays(A, bh * T, t0, T, BT)
         k, _ = _tile(K, bh * T * Dk, t0, T, Dk, BT, BK)
@@ -102,8 +111,7 @@ def _bwd_dq(Q, K, V, A, S0, DY, DQ, T, Dk, Dv, HAS_S0: tl.constexpr, PREC: tl.co
         dq = tl.dot(datt, k, input_precision=PREC)
         dq += tl.dot(dy, tl.trans(S), input_precision=PREC) * tl.exp(c)[:, None]
         _store_tile(DQ, bh * T * Dk, t0, T, Dk, dq, BT, BK)
-        k_end = k * tl.exp(total - c)[:, None]
-        S = S * tl.exp(total) + tl.dot(tl.trans(k_end), v, input_precision=PREC)
+        S = _advance(S, k, v, c, total, PREC)
 
 
 @triton.jit
@@ -112,10 +120,7 @@ def _bwd_dkv(Q, K, V, A, DY, DST, DK, DV, DS0, T, Dk, Dv, HAS_DST: tl.constexpr,
     """From the last chunk back: dk, dv from within the chunk and from the state gradient dS carried
     back from later chunks; dS_in = exp(total) dS + sum_i exp(c_i) q_i dy_i^T."""
     bh = tl.program_id(0).to(tl.int64)
-    s_ptrs, s_mask = _state_ptrs(DST, bh, Dk, Dv, BK, BV)
-    dS = tl.zeros((BK, BV), dtype=tl.float32)
-    if HAS_DST:
-        dS = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
+    dS = _initial_state(DST, bh, Dk, Dv, HAS_DST, BK, BV)
     n_chunks = tl.cdiv(T, BT)
     for n in range(n_chunks):
         t0 = (n_chunks - 1 - n) * BT
@@ -135,8 +140,8 @@ def _bwd_dkv(Q, K, V, A, DY, DST, DK, DV, DS0, T, Dk, Dv, HAS_DST: tl.constexpr,
         _store_tile(DK, bh * T * Dk, t0, T, Dk, dk, BT, BK)
         _store_tile(DV, bh * T * Dv, t0, T, Dv, dv, BT, BV)
         dS = dS * tl.exp(total) + tl.dot(tl.trans(q * tl.exp(c)[:, None]), dy, input_precision=PREC)
-    ds_ptrs, _ = _state_ptrs(DS0, bh, Dk, Dv, BK, BV)
-    tl.store(ds_ptrs, dS, mask=s_mask)
+    ds_ptrs, ds_mask = _state_ptrs(DS0, bh, Dk, Dv, BK, BV)
+    tl.store(ds_ptrs, dS, mask=ds_mask)
 
 
 def _blocks(Dk, Dv):
