@@ -220,7 +220,12 @@ def trained(steps=20, **over):
 
 @pytest.fixture(scope="module")
 def periodic():
-    return trained()
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # a module fixture runs before the one_thread fixture
+    try:
+        return trained()
+    finally:
+        torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("which", ["trained", "random"])
@@ -296,3 +301,19 @@ def test_kv_ring_truncate_restores_what_the_drafts_replaced():
     state.update(k[:, :, 6:7], k[:, :, 6:7], torch.tensor([6]))
     with pytest.raises(ValueError, match="cannot drop slot 6"):
         state.truncate(6)  # a one-token update keeps no copy of what it replaced
+
+
+def test_zoo_train_logs_each_depth_and_adds_it_to_the_loss(tmp_path):
+    """`zoo train` with mtp.depth = 2: every step's terms and metrics.jsonl carry mtp_1 and mtp_2, the
+    loss is ce + weight / depth * (mtp_1 + mtp_2), and the modules learn (their losses fall)."""
+    from zoo.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "llama3-8b", *[f"--set={k}={v}" for k, v in SMALL.items() if k != "vocab_size"],
+                 "--set=vocab_size=256", "--set=mtp.depth=2", "--set=mtp.weight=0.5", "--steps=30", "--seq-len=32",
+                 "--global-batch=8", "--lr=3e-3", "--cpu", "--no-progress", "--no-plot", "--no-export", f"--out-dir={out}"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 30
+    for r in rows:
+        assert r["loss"] == pytest.approx(r["ce"] + 0.25 * (r["mtp_1"] + r["mtp_2"]), rel=1e-5)
+    assert rows[-1]["mtp_1"] < rows[0]["mtp_1"] - 0.5 and rows[-1]["mtp_2"] < rows[0]["mtp_2"] - 0.5

@@ -190,6 +190,8 @@ def account(
                 "without_embeddings_and_head": non_embedding - inactive,
             },
             "published": published,
+            # The multi-token prediction modules (zoo/mtp.py), included in the figures above.
+            "mtp": sum(p.numel() for p in model.mtp.parameters()) if getattr(model, "mtp", None) is not None else 0,
         },
         "shape": {
             "aspect_ratio": spec.d_model / spec.n_layers,
@@ -263,6 +265,11 @@ def components(model_or_name: Any, overrides: Optional[dict[str, Any]] = None) -
         ("dropout", str(spec.dropout)),
         ("z-loss", str(spec.z_loss)),
     ]
+    if spec.mtp is not None:
+        from zoo.mtp import mtp_layer_kind
+
+        rows.append(("mtp", f"depth {spec.mtp.depth}, weight {spec.mtp.weight}, block of layer kind "
+                            f"{mtp_layer_kind(spec)!r}"))
     return rows
 
 
