@@ -317,3 +317,85 @@ def test_zoo_train_logs_each_depth_and_adds_it_to_the_loss(tmp_path):
     for r in rows:
         assert r["loss"] == pytest.approx(r["ce"] + 0.25 * (r["mtp_1"] + r["mtp_2"]), rel=1e-5)
     assert rows[-1]["mtp_1"] < rows[0]["mtp_1"] - 0.5 and rows[-1]["mtp_2"] < rows[0]["mtp_2"] - 0.5
+
+
+# -- DeepSeek-V3: the MTP module as layer n_layers, against transformers' MTP layer -------------------
+
+def deepseek_v3_with_mtp(tmp_path):
+    """A tiny DeepSeek-V3 written by transformers (which drops MTP weights), transformers' own MTP layer
+    on it (an MoE MLA decoder layer, as DeepSeek's), its weights added to the checkpoint as layer
+    n_layers with transformers' own on-disk names (a one-layer model saved by transformers carries them)."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+    from transformers.modeling_layers import MtpModel
+
+    from zoo.checkpoints.tiny import make_tiny
+
+    hf = make_tiny("deepseek_v3", tmp_path / "main", std=0.1)
+    mtp = MtpModel(hf, 1).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in mtp.layers.parameters():  # (built uninitialised)
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+        for name, b in mtp.layers.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
+    one = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**hf.config.to_dict(), "num_hidden_layers": 1,
+                                                                              "first_k_dense_replace": 0}))
+    one.model.layers[0].load_state_dict(mtp.layers[0].mtp_block.state_dict())
+    one.save_pretrained(tmp_path / "one")
+    L = hf.config.num_hidden_layers
+    tensors = load_file(tmp_path / "main" / "model.safetensors")
+    for name, t in load_file(tmp_path / "one" / "model.safetensors").items():
+        if name.startswith("model.layers.0."):
+            tensors[name.replace("model.layers.0.", f"model.layers.{L}.")] = t
+    layer = mtp.layers[0]
+    for name, t in {"enorm": layer.enorm.weight, "hnorm": layer.hnorm.weight, "eh_proj": layer.eh_proj.weight,
+                    "shared_head.norm": layer.post_norm.weight, "embed_tokens": hf.model.embed_tokens.weight,
+                    "shared_head.head": hf.lm_head.weight}.items():
+        tensors[f"model.layers.{L}.{name}.weight"] = t.detach().clone()
+    save_file(tensors, tmp_path / "main" / "model.safetensors", metadata={"format": "pt"})
+    return hf, mtp, tensors
+
+
+@torch.no_grad()
+def test_deepseek_v3_mtp_loads_matches_transformers_and_saves_back(tmp_path):
+    from safetensors.torch import load_file
+
+    hf, mtp, tensors = deepseek_v3_with_mtp(tmp_path)
+    L = hf.config.num_hidden_layers
+    model = zoo.from_pretrained(tmp_path / "main")
+    assert model.spec.mtp.depth == 1 and model.mtp.layers[0].block.ffn.router.bias.abs().sum() > 0
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    T = ids.shape[1]
+    hf_h = hf.model(ids).last_hidden_state
+    positions = torch.arange(T - 1)[None].expand(2, -1)
+    want = mtp._project_to_logits(mtp.forward_layer(0, hf_h[:, :-1], positions, None, input_ids=ids[:, 1:]))
+    h = model.hidden_states(ids)
+    slots, _, pos = step_layout(2, T - 1, ids.device)
+    got = model.mtp.logits(model, 0, model.mtp.run(model, 0, h[:, :-1], ids[:, 1:],
+                                                   ForwardContext(position_ids=pos, slots=slots)))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    stats = SpeculationStats()  # MLA's latent state rolls back too
+    assert torch.equal(model.generate(ids[:1], 12, speculative="mtp", stats=stats), model.generate(ids[:1], 12))
+    assert stats.drafted > 0
+    zoo.save_pretrained(model, tmp_path / "out")
+    back = load_file(tmp_path / "out" / "model.safetensors")
+    assert {n for n in back if n.startswith(f"model.layers.{L}.")} == {n for n in tensors if n.startswith(f"model.layers.{L}.")}
+    for name, t in tensors.items():
+        torch.testing.assert_close(back[name], t, atol=0, rtol=0, msg=name)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+def test_deepseek_v3_written_by_transformers_loads_without_mtp_and_saves_a_config_that_says_so(tmp_path):
+    """transformers drops the MTP weights but keeps num_nextn_predict_layers = 1: zoo builds the main
+    model only (as transformers does), and a save writes 0, which is what the files then hold."""
+    pytest.importorskip("transformers")
+    from zoo.checkpoints.tiny import make_tiny
+
+    make_tiny("deepseek_v3", tmp_path / "in")
+    assert json.loads((tmp_path / "in" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    model = zoo.from_pretrained(tmp_path / "in")
+    assert model.mtp is None and model.spec.mtp is None
+    zoo.save_pretrained(model, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 0

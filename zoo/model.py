@@ -281,11 +281,14 @@ class Decoder(nn.Module):
         out.aux, out.aux_weights, out.metrics = ctx.aux, ctx.aux_weights, ctx.metrics
         return out
 
-    def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
+    def num_parameters(self, *, exclude_embeddings: bool = False, mtp: bool = False) -> int:
+        """Parameters of the model, each counted once; the multi-token prediction modules only with
+        ``mtp=True`` (the main model is what transformers builds and vendors count: DeepSeek-V3's
+        671B, beside 14B of MTP)."""
         seen: set[int] = set()
         total = 0
         for name, p in self.named_parameters():
-            if id(p) in seen:
+            if id(p) in seen or (name.startswith("mtp.") and not mtp):
                 continue
             seen.add(id(p))
             if exclude_embeddings and (p is self.embed.weight or (self.lm_head is not None and p is self.lm_head.weight)):

@@ -160,6 +160,20 @@ def read_mtp(f, key: str = "num_nextn_predict_layers") -> Optional[dict[str, Any
     return {"depth": depth} if depth else None
 
 
+def without_absent_mtp(spec, fmt, names: set[str]):
+    """``spec`` without its MTP modules when the checkpoint (tensor ``names``) holds none of their
+    weights, as a checkpoint transformers wrote does (it drops them, keeping the config's count).
+    A checkpoint that holds some of them must hold all: load_weights names the missing depth."""
+    if spec.mtp is None:
+        return spec
+    own = {h for r in fmt.rules(spec) if any(z.startswith("mtp.layers.") for z in r.zoo) for h in r.hf}
+    if own & names:
+        return spec
+    import dataclasses
+
+    return dataclasses.replace(spec, mtp=None)
+
+
 def missing_depth(bound: list, missing: list[str]) -> Optional[int]:
     """The first MTP depth (1-based) whose weights ``missing`` (HF names) holds, or None."""
     gone = set(missing)

@@ -24,7 +24,7 @@ from zoo.checkpoints.hub import resolve
 from zoo.checkpoints.io import WeightFiles, reading, regular_file, replace_checkpoint, write_shards
 from zoo.checkpoints.maps import bind
 from zoo.model import Decoder, build_model
-from zoo.mtp import missing_depth
+from zoo.mtp import missing_depth, without_absent_mtp
 from zoo.registry import list_components
 from zoo.spec import ModelSpec, differences
 
@@ -270,6 +270,7 @@ def from_pretrained(
         with collect_ignored() as ignored:
             spec = fmt.config_to_spec(inner, strict=strict)
         with WeightFiles(directory) as files:
+            spec = without_absent_mtp(spec, fmt, set(_names(fmt, files, renames)))
             check_layers(spec, fmt, files, renames)
             model = build_model(spec, device="meta")
             load_weights(model, fmt, files, dtype=dtype, device=device, renames=renames, progress=progress)
