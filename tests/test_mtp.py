@@ -13,7 +13,7 @@ from zoo import registry as _registry
 from zoo.checkpoints import CheckpointError
 from zoo.checkpoints.formats.llama import LlamaStyle
 from zoo.interfaces import ForwardContext
-from zoo.mtp import SpeculationStats, mtp_rules, read_mtp
+from zoo.mtp import DEEPSEEK, QWEN3_NEXT, SpeculationStats, mtp_rules, read_mtp
 from zoo.spec import SpecError
 from zoo.state import KVState, step_layout
 
@@ -83,6 +83,7 @@ def test_padding_is_no_target_of_any_depth():
 
 class LlamaMTP(LlamaStyle):
     model_type = "llama_mtp"
+    layout = DEEPSEEK
 
     def config_to_spec(self, config, *, strict=False):
         from zoo.checkpoints.format import Fields
@@ -97,7 +98,7 @@ class LlamaMTP(LlamaStyle):
 
     def rules(self, spec):
         rules = super().rules(spec)
-        return mtp_rules(rules, spec) + rules
+        return mtp_rules(rules, spec, self.layout) + rules
 
 
 @pytest.fixture
@@ -106,6 +107,17 @@ def llama_mtp():
     reg.add("llama_mtp", LlamaMTP(), provider="tests")
     yield
     reg.remove("llama_mtp", "tests")
+
+
+def test_qwen3_next_layout_names_the_same_module_in_its_own_tree():
+    spec = zoo.get_spec("llama3-8b", overrides={**SMALL, "mtp": {"depth": 1}})
+    names = {h: z for r in mtp_rules(LlamaStyle().rules(spec), spec, QWEN3_NEXT) for h, z in zip(r.hf, r.zoo)}
+    assert names["mtp.fc.weight"] == "mtp.layers.0.eh_proj.weight"
+    assert names["mtp.pre_fc_norm_embedding.weight"] == "mtp.layers.0.enorm.weight"
+    assert names["mtp.pre_fc_norm_hidden.weight"] == "mtp.layers.0.hnorm.weight"
+    assert names["mtp.norm.weight"] == "mtp.layers.0.norm.weight"
+    assert names["mtp.layers.0.self_attn.q_proj.weight"] == "mtp.layers.0.block.attention.q_proj.weight"
+    assert not any("embed_tokens" in h or "shared_head" in h for h in names)
 
 
 def hf_llama_with_mtp(tmp_path, depth=1):

@@ -82,7 +82,8 @@ class MTP(nn.Module):
         """Add each depth's cross-entropy (``mtp_{d}``, weight ``weight / depth``) to ``ctx``.
 
         ``hidden`` (B, T, d): the main model's final hidden states; ``labels`` (B, T) with -100 where
-        no token counts. Depth d sees positions 0 .. T-1-d and predicts ``labels[:, i + 1 + d]``.
+        no token counts. Depth d (1-based) reads positions i = 0 .. T-1-d (with token i + d) and is
+        scored on ``labels[:, i + 1 + d]`` where that exists.
         """
         from zoo import kernels as _kernels
         from zoo.model import lm_loss
@@ -117,12 +118,34 @@ class MTP(nn.Module):
 
 # -- checkpoints ----------------------------------------------------------------------------------
 
-def mtp_rules(rules: list, spec, *, hf_layer: str = "model.layers.{i}.", zoo_layer: str = "layers.{i}.",
-              embed: str = "model.embed_tokens.weight", head: str = "lm_head.weight") -> list:
-    """The weight-name rules of the MTP modules in DeepSeek's layout, derived from a format's own
-    per-layer ``rules``: depth d is stored as layer ``n_layers + d`` (0-based d), its block under the
-    names a main layer uses, beside ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and copies
-    of the embedding (``embed_tokens``) and the head (``shared_head.head``).
+@dataclass(frozen=True)
+class MTPLayout:
+    """Where a checkpoint keeps the MTP modules: ``block`` is the prefix of depth d's block (``{n}``
+    stands for ``n_layers + d``, ``{d}`` for d, 0-based), the other fields the names of its own tensors
+    (``{block}`` is that prefix); ``copies``: it also stores the embedding and the head per depth."""
+
+    block: str
+    enorm: str
+    hnorm: str
+    eh_proj: str
+    norm: str
+    copies: bool
+
+
+#: DeepSeek-V3: depth d is layer n_layers + d, beside copies of the embedding and the head.
+DEEPSEEK = MTPLayout("model.layers.{n}.", "{block}enorm.weight", "{block}hnorm.weight", "{block}eh_proj.weight",
+                     "{block}shared_head.norm.weight", copies=True)
+#: Qwen3-Next (and Qwen3.5): an ``mtp.`` tree beside the model, the same parts under other names.
+QWEN3_NEXT = MTPLayout("mtp.layers.{d}.", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                       "mtp.fc.weight", "mtp.norm.weight", copies=False)
+
+
+def mtp_rules(rules: list, spec, layout: MTPLayout = DEEPSEEK, *, hf_layer: str = "model.layers.{i}.",
+              zoo_layer: str = "layers.{i}.") -> list:
+    """The weight-name rules of the MTP modules, derived from a format's own per-layer ``rules``:
+    depth d's block under the names a main layer uses (``hf_layer`` moved to ``layout.block``),
+    beside its enorm, hnorm, eh_proj and head norm (and, in DeepSeek's layout, the copies of the
+    embedding, ``embed_tokens``, and of the head, ``shared_head.head``).
 
     Returns the rules to put *before* the format's own (so that on loading, the main embedding and
     head, read after their copies, are the ones kept). Empty when the spec has no MTP.
@@ -136,13 +159,13 @@ def mtp_rules(rules: list, spec, *, hf_layer: str = "model.layers.{i}.", zoo_lay
         return []
     out: list[Rule] = []
     for d in range(spec.mtp.depth):
-        hf = hf_layer.replace("{i}", str(spec.n_layers + d))
+        hf = layout.block.format(n=spec.n_layers + d, d=d)
         z = f"mtp.layers.{d}."
-        out += [rule(f"{hf}enorm.weight", f"{z}enorm.weight"), rule(f"{hf}hnorm.weight", f"{z}hnorm.weight"),
-                rule(f"{hf}eh_proj.weight", f"{z}eh_proj.weight"),
-                rule(f"{hf}shared_head.norm.weight", f"{z}norm.weight"),
-                rule(f"{hf}embed_tokens.weight", "embed.weight", copy),
-                rule(f"{hf}shared_head.head.weight", "embed.weight" if spec.head.tied else "lm_head.weight", copy)]
+        out += [rule(getattr(layout, name).format(block=hf, d=d), f"{z}{name}.weight")
+                for name in ("enorm", "hnorm", "eh_proj", "norm")]
+        if layout.copies:
+            out += [rule(f"{hf}embed_tokens.weight", "embed.weight", copy),
+                    rule(f"{hf}shared_head.head.weight", "embed.weight" if spec.head.tied else "lm_head.weight", copy)]
         for r in rules:
             if not r.per_layer or not all(n.startswith(zoo_layer) for n in r.zoo):
                 continue
@@ -233,10 +256,11 @@ def speculative_generate(model, input_ids: torch.Tensor, max_new_tokens: int, *,
     mstate = model.mtp.new_state(1, limit, dtype=p.dtype, device=p.device)
     stop_t = torch.tensor(list(stops), device=device) if stops else None
 
-    def main(ids, mask=None):
+    def main(ids, mask=None, last=0):
+        """Hidden states of ``ids`` and the greedy token after each (after the last ``last`` only)."""
         ctx = model.context(ids, mask, state=state)
         h = model.run_layers(ids, ctx)
-        return h, model.logits_from_hidden(h).argmax(-1)
+        return h, model.logits_from_hidden(h[:, -last:]).argmax(-1)
 
     def draft(h, nxt_ids, mask=None):
         slots, key_mask, positions = mstate.advance(1, h.shape[1], device, mask)
@@ -258,7 +282,7 @@ def speculative_generate(model, input_ids: torch.Tensor, max_new_tokens: int, *,
 
     if max_new_tokens == 0:
         return input_ids
-    h, pred = main(input_ids, attention_mask)
+    h, pred = main(input_ids, attention_mask, last=1)
     going = commit([pred[:, -1]])
     if going:
         d = draft(h, torch.cat([input_ids[:, 1:], pred[:, -1:]], dim=1), attention_mask)
