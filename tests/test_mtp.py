@@ -411,3 +411,13 @@ def test_deepseek_v3_written_by_transformers_loads_without_mtp_and_saves_a_confi
     assert model.mtp is None and model.spec.mtp is None
     zoo.save_pretrained(model, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
+def test_deepseek_v3_preset_has_one_mtp_module_outside_its_671b():
+    """The module is one MoE layer like layer 60, eh_proj (2d -> d) and three norms; with the stored
+    copies of the embedding and head the released files hold 684.5B (the model card's "685B")."""
+    model = zoo.build("deepseek-v3", device="meta")
+    d = model.spec.d_model
+    mtp = model.num_parameters(mtp=True) - model.num_parameters()
+    assert model.num_parameters() == 671_026_404_352
+    assert mtp == sum(p.numel() for p in model.layers[60].parameters()) + 2 * d * d + 3 * d == 11_610_067_968
