@@ -61,7 +61,9 @@ def test_paper_counts_for_presets_without_weights():
 def shrink(name: str) -> zoo.Decoder:
     """A tiny version of a preset: same parts and wiring, small dimensions, windows of 8."""
     spec = zoo.get_spec(name)
-    over = {"d_model": 64, "vocab_size": 128, "max_seq_len": 64, "n_layers": max(2, len(spec.layer_pattern))}
+    kinds = [spec.layer_kind(i) for i in range(spec.n_layers)]
+    n_layers = max(2, *(kinds.index(k) + 1 for k in set(kinds)))  # every layer kind present
+    over = {"d_model": 64, "vocab_size": 128, "max_seq_len": 64, "n_layers": n_layers}
     for kind, layer in spec.layers.items():
         if layer.ffn.d_ff is not None:
             over[f"layers.{kind}.ffn.d_ff"] = 96
@@ -70,6 +72,10 @@ def shrink(name: str) -> zoo.Decoder:
             over.update({f"layers.{kind}.mixer.{k}": v for k, v in att.cls.shrink(att.config).items()})
             continue
         base = f"layers.{kind}.attention"
+        if layer.mixer.name != "attention":  # another mixer (MLA) shrinks itself
+            over[base] = {**att.to_dict(), **att.cls.shrink(att.config, head_dim=8)}
+            over[f"layers.{kind}.ffn.d_ff"] = 96
+            continue
         kv = att.n_kv_heads
         over[f"{base}.n_heads"] = 4
         over[f"{base}.n_kv_heads"] = None if kv is None else (1 if kv == 1 else 2)

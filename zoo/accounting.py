@@ -135,7 +135,9 @@ def account(
     non_embedding = model.num_parameters(exclude_embeddings=True)
     # Each part's cost, asked once. Parts that use only some of their parameters per token (a mixture
     # of experts) say how many.
-    part_costs = {m: _part_cost(m, context) for m in model.modules() if m is not model}
+    # (The multi-token prediction modules, if any, are left out: they are counted apart, under "mtp".)
+    mtp = set(model.mtp.modules()) if getattr(model, "mtp", None) is not None else set()
+    part_costs = {m: _part_cost(m, context) for m in model.modules() if m is not model and m not in mtp}
     inactive = sum(sum(p.numel() for p in m.parameters()) - c.active_params
                    for m, c in part_costs.items() if c.active_params is not None)
     input_embedding = model.embed.weight.numel()
@@ -193,6 +195,9 @@ def account(
                 "without_embeddings_and_head": non_embedding - inactive,
             },
             "published": published,
+            # The multi-token prediction modules (zoo/mtp.py), not in the figures above (used in
+            # training and for drafting only).
+            "mtp": model.num_parameters(mtp=True) - total if mtp else 0,
         },
         "shape": {
             "aspect_ratio": spec.d_model / spec.n_layers,
@@ -266,6 +271,11 @@ def components(model_or_name: Any, overrides: Optional[dict[str, Any]] = None) -
         ("dropout", str(spec.dropout)),
         ("z-loss", str(spec.z_loss)),
     ]
+    if spec.mtp is not None:
+        from zoo.mtp import mtp_layer_kind
+
+        rows.append(("mtp", f"depth {spec.mtp.depth}, weight {spec.mtp.weight}, block of layer kind "
+                            f"{mtp_layer_kind(spec)!r}"))
     return rows
 
 

@@ -128,6 +128,8 @@ def generate(
     state: Optional[DecodeState] = None,
     compile: bool = False,
     cache: Optional[DecodeState] = None,
+    speculative: Optional[str] = None,
+    stats=None,
 ) -> torch.Tensor:
     """Continue ``input_ids`` (B, T) by up to ``max_new_tokens``; returns (B, T + n) token ids.
 
@@ -137,7 +139,10 @@ def generate(
     transformers-style ``streamer`` with ``put``/``end``) receives each new (B,) column of tokens
     as it is produced. ``compile=True``: prefill eagerly, then decode with one ``torch.compile``d
     step over a static decode state (zoo.compiled); the first call pays the compilation. ``state``
-    (``cache`` is its old name) continues a decode state the caller keeps.
+    (``cache`` is its old name) continues a decode state the caller keeps. ``speculative="mtp"``:
+    greedy self-speculative decoding, the model's multi-token prediction module drafting and the
+    main model verifying (one sequence at a time; same tokens as plain greedy); ``stats`` (a
+    :class:`zoo.mtp.SpeculationStats`) then receives the drafts made and accepted.
     """
     state = state if state is not None else cache
     if input_ids.dim() == 1:
@@ -153,6 +158,20 @@ def generate(
                            pad_token_id=pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p)
     if attention_mask is not None and not bool(attention_mask[:, -1].all()):
         raise ValueError("attention_mask: batched prompts must be left-padded (the last column must be all ones)")
+    if speculative is not None:
+        from zoo.mtp import speculative_generate
+
+        if speculative != "mtp":
+            raise ValueError(f"speculative must be None or 'mtp', got {speculative!r}")
+        if temperature or compile or state is not None:
+            raise ValueError("speculative='mtp' decodes greedily with its own decode state: "
+                             "pass temperature=0, compile=False and no state")
+        emit = streamer.put if streamer is not None else callback
+        out = speculative_generate(model, input_ids, max_new_tokens, attention_mask=attention_mask, stops=stops,
+                                   stats=stats, emit=emit)
+        if streamer is not None and hasattr(streamer, "end"):
+            streamer.end()
+        return out
     pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)
     device = input_ids.device
     gen = None

@@ -20,6 +20,7 @@ from torch import nn
 from zoo import kernels as _kernels
 from zoo import registry as _registry
 from zoo.interfaces import ForwardContext, PositionEncoding, PositionState, rotary_dim_of
+from zoo.mtp import MTP
 from zoo.spec import ModelSpec
 from zoo.state import DecodeState, step_layout
 
@@ -103,6 +104,8 @@ class Decoder(nn.Module):
             self.head_bias = nn.Parameter(torch.zeros(rows))
         else:
             self.register_parameter("head_bias", None)
+        # Multi-token prediction modules (zoo/mtp.py), when the spec asks for them.
+        self.mtp = MTP(spec) if spec.mtp is not None else None
         self.drop = nn.Dropout(spec.dropout)
         self._softcap = _registry.get("stability", "softcap")  # the one soft-cap (components/stability.py)
 
@@ -173,9 +176,7 @@ class Decoder(nn.Module):
         """The layers' pass for a context already built (slots, positions, masks, decode state);
         free of data-dependent Python branches, so a compiled decode step can trace it (zoo.compiled)."""
         position_ids = ctx.position_ids
-        x = self.embed(input_ids)
-        if self.spec.embedding.scale == "sqrt_d_model":
-            x = x * torch.tensor(math.sqrt(self.spec.d_model), dtype=x.dtype)
+        x = self.embed_tokens(input_ids)
         states: dict[Optional[str], Optional[PositionState]] = {None: None}
         for key, module in self.positions.items():
             pos: PositionEncoding = module
@@ -195,6 +196,22 @@ class Decoder(nn.Module):
         return (x, hidden) if output_hidden_states else x
 
     hidden_states_in = run_layers  # the name before mixers
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings (scaled where the spec says), without absolute positions."""
+        x = self.embed(input_ids)
+        if self.spec.embedding.scale == "sqrt_d_model":
+            x = x * torch.tensor(math.sqrt(self.spec.d_model), dtype=x.dtype)
+        return x
+
+    def position_state(self, position_ids: torch.Tensor, dtype: torch.dtype, layer: int) -> Optional[PositionState]:
+        """What layer ``layer``'s mixer gets from its position encoding for ``position_ids`` (for a
+        block run outside the layer stack, such as a multi-token prediction module)."""
+        key = self._pos_key[layer]
+        if key is None:
+            return None
+        pos: PositionEncoding = self.positions[key]
+        return PositionState(pos, pos.prepare(position_ids, dtype))
 
     def head(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The output head's (weight, bias): the embedding matrix when tied. Rows beyond the
@@ -256,17 +273,22 @@ class Decoder(nn.Module):
             out = lm_loss(logits[:, :-1], labels[:, 1:], z_loss=z_loss)
             if return_logits:
                 out.logits = logits
+        if self.mtp is not None:
+            self.mtp.add_losses(self, hidden, input_ids, labels, attention_mask, ctx)
         aux = ctx.aux_total()
         if aux is not None:
             out.loss = out.loss + aux
         out.aux, out.aux_weights, out.metrics = ctx.aux, ctx.aux_weights, ctx.metrics
         return out
 
-    def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
+    def num_parameters(self, *, exclude_embeddings: bool = False, mtp: bool = False) -> int:
+        """Parameters of the model, each counted once; the multi-token prediction modules only with
+        ``mtp=True`` (the main model is what transformers builds and vendors count: DeepSeek-V3's
+        671B, beside 14B of MTP)."""
         seen: set[int] = set()
         total = 0
         for name, p in self.named_parameters():
-            if id(p) in seen:
+            if id(p) in seen or (name.startswith("mtp.") and not mtp):
                 continue
             seen.add(id(p))
             if exclude_embeddings and (p is self.embed.weight or (self.lm_head is not None and p is self.lm_head.weight)):

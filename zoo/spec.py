@@ -315,6 +315,24 @@ class LayerSpec:
 
 
 @dataclass(frozen=True)
+class MTPSpec:
+    """Multi-token prediction (DeepSeek-V3): ``depth`` extra modules, module d predicting token
+    t+1+d from the hidden state of module d-1 (the main model's for d = 1) and the embedding of
+    token t+d, through one block of layer kind ``layer`` (None: the last layer's kind). Training
+    adds ``weight / depth`` times each module's cross-entropy (DeepSeek's lambda / D)."""
+
+    depth: int = 1
+    weight: float = 0.3
+    layer: Optional[str] = None
+
+    def check(self) -> None:
+        if self.depth < 1:
+            raise SpecError("depth", f"must be at least 1 (leave out mtp for none), got {self.depth}")
+        if self.weight < 0:
+            raise SpecError("weight", f"must be >= 0, got {self.weight}")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     vocab_size: int
     d_model: int
@@ -331,6 +349,7 @@ class ModelSpec:
     dropout: float = 0.0
     init_std: float = 0.02
     label: Optional[str] = None
+    mtp: Optional[MTPSpec] = None  # multi-token prediction modules (zoo/mtp.py)
 
     def check(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "max_seq_len"):
@@ -355,6 +374,8 @@ class ModelSpec:
             raise SpecError("z_loss", f"must be >= 0, got {self.z_loss}")
         if self.embedding.padded_vocab_size is not None and self.embedding.padded_vocab_size < self.vocab_size:
             raise SpecError("embedding.padded_vocab_size", "must be at least vocab_size")
+        if self.mtp is not None and self.mtp.layer is not None and self.mtp.layer not in self.layers:
+            raise SpecError("mtp.layer", f"{self.mtp.layer!r} is not a layer kind; kinds: {', '.join(self.layers)}")
         # Cross-part checks: each part may declare `check_in(spec, layer_kind)` facts that need the model.
         for kind, layer in self.layers.items():
             for fname in ("mixer", "ffn", "norm", "block", "position"):

@@ -115,6 +115,21 @@ class DecodeState:
         static._position = real.to(device)[:, None]
         return static
 
+    def truncate(self, n: int) -> None:
+        """Forget the slots from ``n`` on (speculative decoding drops rejected draft tokens): every
+        layer state must provide the optional ``truncate(n)`` (see :class:`zoo.interfaces.LayerState`)."""
+        if not 0 <= n <= self.seen:
+            raise ValueError(f"cannot truncate a decode state of {self.seen} slots to {n}")
+        for i, s in enumerate(self.layers):
+            fn = getattr(s, "truncate", None)
+            if not callable(fn):
+                raise TypeError(f"layer {i}'s decode state ({type(s).__name__}) has no truncate(n): its mixer cannot "
+                                "drop slots it has seen")
+            fn(n)
+        self.seen = n
+        if self.key_mask is not None:
+            self.key_mask = self.key_mask[:, :n]
+
     def nbytes(self) -> int:
         """Bytes held by every layer's state (what the accounting's figures predict)."""
         return sum(s.nbytes() for s in self.layers if s is not None)
@@ -136,6 +151,7 @@ class KVState:
         self.v: Optional[torch.Tensor] = None
         self.idx: Optional[torch.Tensor] = None
         self.filled = 0  # entries in use (a ring, once full, stays full)
+        self._undo = None  # a ring's entries the last multi-token write replaced (for truncate)
 
     def _allocate(self, k: torch.Tensor, v: torch.Tensor, capacity: int) -> None:
         B, H, _, D = k.shape
@@ -166,6 +182,7 @@ class KVState:
         if self.k is None:
             self._allocate(k, v, window)
         if k.shape[2] == 1:
+            self._undo = None
             # Write, then read: the slot overwritten (s - window) is exactly the one that left the window.
             self._write(k, v, slots)
             n = self.filled
@@ -176,8 +193,30 @@ class KVState:
         k_all = torch.cat([self.k[:, :, :n], k], dim=2)
         v_all = torch.cat([self.v[:, :, :n], v], dim=2)
         idx_all = torch.cat([self.idx[:n], slots])
+        ring = slots[-min(k.shape[2], window):] % window
+        self._undo = (ring, self.k[:, :, ring], self.v[:, :, ring], self.idx[ring], n)
         self._write(k, v, slots)
         return k_all, v_all, idx_all
+
+    def truncate(self, n: int) -> None:
+        """Forget slots ``n`` and later. A ring puts back the entries they replaced, so it can drop
+        only slots its last update wrote, and only when that update took several tokens."""
+        if self.k is None or self.window is None:
+            self.filled = min(self.filled, n)
+            return
+        gone = self.idx >= n
+        if not bool(gone.any()):
+            return
+        ring, k, v, idx, filled = self._undo if self._undo is not None else (gone.new_zeros(0, dtype=torch.long),) * 5
+        if int(gone.sum()) != int((self.idx[ring] >= n).sum()):
+            raise ValueError(f"this ring buffer cannot drop slot {n} and later: only slots that its last update "
+                             "wrote with several tokens at once can be dropped")
+        back = self.idx[ring] >= n
+        self.k[:, :, ring[back]] = k[:, :, back]
+        self.v[:, :, ring[back]] = v[:, :, back]
+        self.idx[ring[back]] = idx[back]
+        self.filled = min(self.filled, max(n, filled))
+        self._undo = None
 
     def _write(self, k, v, slots) -> None:
         window = self.window

@@ -24,6 +24,7 @@ from zoo.checkpoints.hub import resolve
 from zoo.checkpoints.io import WeightFiles, reading, regular_file, replace_checkpoint, write_shards
 from zoo.checkpoints.maps import bind
 from zoo.model import Decoder, build_model
+from zoo.mtp import missing_depth, without_absent_mtp
 from zoo.registry import list_components
 from zoo.spec import ModelSpec, differences
 
@@ -107,13 +108,16 @@ def check_layers(spec: ModelSpec, fmt: CheckpointFormat, files: WeightFiles,
                  renames: Optional[dict[str, str]] = None) -> None:
     """Compare the config's layer count with the layers the weights hold, before anything is built
     (a config claiming 20,000 layers over a small file would otherwise allocate them all first)."""
-    patterns = {re.escape(h).replace(re.escape("{i}"), r"(\d+)") for r in fmt.rules(spec) for h in r.hf if "{i}" in h}
+    rules = fmt.rules(spec)
+    patterns = {re.escape(h).replace(re.escape("{i}"), r"(\d+)") for r in rules for h in r.hf if "{i}" in h}
     if not patterns:
         return
+    # Names a rule claims for itself (a multi-token prediction module stored as layer n_layers) are no main layer.
+    claimed = {h for r in rules if not r.per_layer for h in r.hf}
     layered = re.compile("|".join(f"(?:{p})" for p in sorted(patterns)))
     found = set()
     for name in _names(fmt, files, renames):
-        m = layered.fullmatch(name)
+        m = layered.fullmatch(name) if name not in claimed else None
         if m:
             found.add(int(next(g for g in m.groups() if g is not None)))
     if found != set(range(spec.n_layers)):
@@ -139,6 +143,12 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
     meta = dict(model.state_dict(keep_vars=True))
     needed = {h for b in bound for h in b.hf}
     missing = sorted(needed - set(names))
+    depth = missing_depth(bound, missing)
+    if depth is not None:
+        raise CheckpointError(
+            f"{files.directory}: the config asks for {model.spec.mtp.depth} multi-token prediction module(s), but "
+            f"module {depth} (layer {model.spec.n_layers + depth - 1}) has no weights: {missing[0]!r} is missing; "
+            "lower the config's MTP depth to the modules the checkpoint holds")
     if missing:
         raise CheckpointError(
             f"{files.directory}: tensor {missing[0]!r} is missing ({len(missing)} missing in all: "
@@ -260,6 +270,7 @@ def from_pretrained(
         with collect_ignored() as ignored:
             spec = fmt.config_to_spec(inner, strict=strict)
         with WeightFiles(directory) as files:
+            spec = without_absent_mtp(spec, fmt, set(_names(fmt, files, renames)))
             check_layers(spec, fmt, files, renames)
             model = build_model(spec, device="meta")
             load_weights(model, fmt, files, dtype=dtype, device=device, renames=renames, progress=progress)
@@ -289,6 +300,8 @@ def _architecture(spec: ModelSpec) -> dict[str, Any]:
         per_layer.append({"mixer": resolved(layer.mixer), "ffn": ffn, "norm": to_dict(layer.norm),
                           "block": to_dict(layer.block), "position": to_dict(spec.position_for(i))})
     data["per_layer"] = per_layer
+    if "mtp" in data:  # its loss weight is a training setting
+        data["mtp"] = {k: v for k, v in data["mtp"].items() if k != "weight"}
     return data
 
 

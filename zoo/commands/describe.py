@@ -46,6 +46,7 @@ def figure_rows(a):
         ("parameters", f"{p['total']:,}  ({human(p['total'], '')}){pub}"),
         ("  embedding", f"{p['embedding']:,}"),
         ("  non-embedding", f"{p['non_embedding']:,}"),
+        *([("  + multi-token prediction", f"{p['mtp']:,}  (not counted elsewhere here)")] if p.get("mtp") else []),
         *([("  active per token", f"{p['active']:,}  (with embeddings and head)"),
            ("    without the input embedding", f"{p['active_conventions']['without_input_embedding']:,}"),
            ("    without embeddings and head", f"{p['active_conventions']['without_embeddings_and_head']:,}")]

@@ -26,6 +26,7 @@ from typing import Any
 from zoo.checkpoints.common import activation, activation_name, pattern, rope_parameters, rope_part, rope_to_hf
 from zoo.checkpoints.format import CheckpointFormat, Fields
 from zoo.checkpoints.maps import STACK, rule
+from zoo.mtp import mtp_layer_kind, mtp_rules, read_mtp
 from zoo.spec import ModelSpec
 
 LAYER, ZLAYER = "model.layers.{i}.", "layers.{i}."
@@ -73,7 +74,8 @@ class DeepSeek(CheckpointFormat):
             for z, hf in EXPERTS.items():
                 names = [f"{LAYER}mlp.experts.{j}.{hf}.weight" for j in range(moe.n_experts)]
                 rules.append(rule(names, f"{ZLAYER}ffn.{z}", STACK))
-        return rules
+        # The multi-token prediction modules (V3) as layers n_layers, n_layers + 1, ...
+        return mtp_rules(rules, spec) + rules
 
     # -- config -> spec -------------------------------------------------------------------------
     def rope_layout(self, f: Fields) -> str:
@@ -122,6 +124,9 @@ class DeepSeek(CheckpointFormat):
         spec = {"vocab_size": f.require("vocab_size"), "d_model": d, "n_layers": L, "max_seq_len": max_pos,
                 "layers": layers, "layer_pattern": list(pattern(kinds)), "position": position, "final_norm": norm,
                 "head": {"tied": f.get("tie_word_embeddings", False)}}
+        mtp = self.mtp(f, layers)
+        if mtp:
+            spec["mtp"] = mtp
         f.finish(strict)
         return ModelSpec.from_dict(spec)
 
@@ -175,6 +180,10 @@ class DeepSeek(CheckpointFormat):
 
     def router_to_config(self, cfg, moe, position):
         raise NotImplementedError
+
+    def mtp(self, f: Fields, layers: dict[str, Any]):
+        """The spec's ``mtp`` table (V3 has multi-token prediction modules), or None."""
+        return None
 
 
 def moe_part(spec: ModelSpec):
@@ -231,7 +240,7 @@ class DeepseekV3(DeepSeek):
                 "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
                 "norm_topk_prob": True, "routed_scaling_factor": 2.5, "max_position_embeddings": 4096,
                 "rope_interleave": True, "num_key_value_heads": 128, "intermediate_size": 18432}
-    extra_fields = ("num_nextn_predict_layers", "num_mtp_layers")  # the MTP module, which transformers does not build
+    extra_fields = ("num_mtp_layers",)  # (the attribute name of num_nextn_predict_layers; not in saved configs)
     tiny = {**TINY, "q_lora_rank": 16, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
             "norm_topk_prob": True}
 
@@ -244,6 +253,15 @@ class DeepseekV3(DeepSeek):
     def norm_topk(self, f):
         return bool(f.get("norm_topk_prob", True))
 
+    def mtp(self, f, layers):
+        """num_nextn_predict_layers MTP modules, each an MoE layer (transformers' MTP config sets
+        first_k_dense_replace to 0); transformers itself drops their weights."""
+        mtp = read_mtp(f)  # of the last layer's kind, MoE (the dense layers come first)
+        if mtp and "moe" not in layers:
+            raise f.error("num_nextn_predict_layers", "the MTP modules are MoE layers, and this model has none "
+                                                       "(first_k_dense_replace >= num_hidden_layers)")
+        return mtp
+
     def router_to_config(self, cfg, moe, position):
         if position.layout == "interleaved":
             raise ValueError("deepseek_v3 rotates with RoPE layout 'pairs_to_half' (rope_interleave) or 'half'")
@@ -252,6 +270,13 @@ class DeepseekV3(DeepSeek):
             raise ValueError("deepseek_v3 routes with 'sigmoid_group' and its selection bias")
         cfg.update(n_group=r.n_groups, topk_group=r.topk_group, norm_topk_prob=moe.norm_topk_prob,
                    rope_interleave=position.layout == "pairs_to_half")
+
+    def spec_to_config(self, spec):
+        cfg = super().spec_to_config(spec)
+        cfg["num_nextn_predict_layers"] = spec.mtp.depth if spec.mtp is not None else 0
+        if spec.mtp is not None and spec.layers[mtp_layer_kind(spec)].ffn.name != "moe":
+            raise ValueError("deepseek_v3's multi-token prediction modules are MoE layers (set mtp.layer to one)")
+        return cfg
 
 
 FORMATS = [DeepseekV2(), DeepseekV3()]
