@@ -205,6 +205,9 @@ class CheckpointFormat:
 
     #: A small HF config of this model_type that reaches its tricky paths (``zoo verify --tiny``).
     tiny: dict[str, Any] = {}
+    #: Buffers ``make_tiny`` leaves as transformers sets them, because others are derived from them
+    #: (randomising each on its own would write a checkpoint no real model has).
+    tiny_fixed_buffers: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return f"<checkpoint format {self.model_type}>"
