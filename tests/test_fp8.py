@@ -8,6 +8,7 @@ of the block its index falls in.
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -31,8 +32,8 @@ PARTIAL = {"hidden_size": 128, "intermediate_size": 200, "num_attention_heads": 
 WHOLE = {**PARTIAL, "intermediate_size": 256, "head_dim": 32}
 
 
-def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block by block: scale = amax / 448 over each (possibly partial) 128 x 128 block."""
+def quantize(w: torch.Tensor, B: int = B) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block by block: scale = amax / 448 over each (possibly partial) B x B block."""
     rows, cols = w.shape
     q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
     s = torch.empty(math.ceil(rows / B), math.ceil(cols / B))
@@ -44,29 +45,30 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def reference_dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """w[..., i, j] = q[..., i, j] * s[..., i // 128, j // 128], by gathering each element's scale."""
+def reference_dequantize(q: torch.Tensor, s: torch.Tensor, B: int = B) -> torch.Tensor:
+    """w[..., i, j] = q[..., i, j] * s[..., i // B, j // B], by gathering each element's scale."""
     rows, cols = q.shape[-2:]
     i = torch.arange(rows)[:, None] // B
     j = torch.arange(cols)[None, :] // B
     return q.float() * s.float()[..., i, j]
 
 
-def quantized_checkpoint(src, dst, *, split=False):
+def quantized_checkpoint(src, dst, *, split=False, block=B):
     """``src`` (written by transformers) with every projection of the layers quantised; the
-    embeddings, norms and head stay as stored (DeepSeek-V3 keeps them in bf16). ``split`` writes
-    two shards, each weight in the other shard from its scale."""
+    embeddings, norms, routers and head stay as stored (as in DeepSeek-V3). ``split`` writes two
+    shards, each weight in the other shard from its scale."""
     tensors, dequantized = {}, {}
     for name, t in load_file(src / "model.safetensors").items():
-        if name.startswith("model.layers.") and name.endswith("proj.weight"):
-            q, s = quantize(t)
+        if name.startswith("model.layers.") and re.search(r"_proj(_with_mqa)?\.weight$", name):
+            q, s = quantize(t, block)
             tensors[name], tensors[name + "_scale_inv"] = q, s
-            dequantized[name] = reference_dequantize(q, s)
+            dequantized[name] = reference_dequantize(q, s, block)
         else:
             tensors[name] = t
     dst.mkdir()
     config = json.loads((src / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": QUANT}))
+    quant = {**QUANT, "weight_block_size": [block, block]}
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
     if split:
         shards = {n: ("model-00001-of-00002.safetensors" if n.endswith("_scale_inv") else
                       "model-00002-of-00002.safetensors") for n in tensors}
@@ -76,6 +78,14 @@ def quantized_checkpoint(src, dst, *, split=False):
     else:
         save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dequantized
+
+
+def dequantized_checkpoint(src, dst, dequantized):
+    """``src`` with the reference dequantisation in place of each quantised weight, unquantised."""
+    dst.mkdir()
+    save_file({**load_file(src / "model.safetensors"), **dequantized}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
+    (dst / "config.json").write_text((src / "config.json").read_text())
 
 
 def rewrite(d, fn):
@@ -140,11 +150,7 @@ def test_fp8_checkpoint_loads_dequantised(fp8):
 
 def test_fp8_logits_equal_the_reference_dequantisation(fp8, tmp_path):
     hf, d, dequantized = fp8
-    tensors = load_file(hf / "model.safetensors")
-    tensors.update(dequantized)
-    (tmp_path / "deq").mkdir()
-    save_file(tensors, str(tmp_path / "deq" / "model.safetensors"), metadata={"format": "pt"})
-    (tmp_path / "deq" / "config.json").write_text((hf / "config.json").read_text())
+    dequantized_checkpoint(hf, tmp_path / "deq", dequantized)
     torch.testing.assert_close(logits(zoo.from_pretrained(d)), logits(zoo.from_pretrained(tmp_path / "deq")),
                                atol=0, rtol=0)
     # In bf16, each weight is the fp32 dequantisation rounded once.
@@ -169,6 +175,28 @@ def test_matches_transformers_dequantising_load(tmp_path):
         tmp_path / "fp8", quantization_config=cfg, dtype=torch.float32, attn_implementation="eager").eval()
     assert isinstance(ref.model.layers[0].mlp.up_proj, torch.nn.Linear)  # dequantised, not FP8Linear
     torch.testing.assert_close(logits(zoo.from_pretrained(tmp_path / "fp8")), logits(ref), atol=1e-5, rtol=0)
+
+
+def test_deepseek_v3_fp8(tmp_path):
+    """DeepSeek-V3's own format, quantised in 32 x 32 blocks so that its tiny MLA projections, dense
+    FFN, shared and routed experts all end in partial blocks; the routers and their randomised
+    selection bias stay unquantised, as released."""
+    make_tiny("deepseek_v3", tmp_path / "hf", std=0.1)
+    rewrite(tmp_path / "hf", lambda t: t.update({n: torch.randn(v.shape, generator=torch.Generator().manual_seed(1))
+                                                 for n, v in t.items() if n.endswith("e_score_correction_bias")}))
+    dequantized = quantized_checkpoint(tmp_path / "hf", tmp_path / "fp8", block=32)
+    assert {"model.layers.1.self_attn.kv_a_proj_with_mqa.weight", "model.layers.1.mlp.experts.7.down_proj.weight",
+            "model.layers.1.mlp.shared_experts.up_proj.weight", "model.layers.0.mlp.gate_proj.weight"} <= set(dequantized)
+    dequantized_checkpoint(tmp_path / "hf", tmp_path / "deq", dequantized)
+    model = zoo.from_pretrained(tmp_path / "fp8")
+    assert model.checkpoint_format == "deepseek_v3"
+    assert torch.equal(logits(model), logits(zoo.from_pretrained(tmp_path / "deq")))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "deq", dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    torch.testing.assert_close(logits(model), logits(ref), atol=1e-5, rtol=0)
+    # In bf16: the fp32 dequantisation rounded once, so the same model as the dequantised checkpoint in bf16.
+    assert torch.equal(logits(zoo.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16)),
+                       logits(zoo.from_pretrained(tmp_path / "deq", dtype=torch.bfloat16)))
 
 
 def test_save_writes_the_dequantised_model(fp8, tmp_path):
