@@ -265,6 +265,15 @@ def copy(fp8, tmp_path):
 W = "model.layers.1.mlp.down_proj.weight"
 
 
+def test_without_dtype_dequantised_weights_take_the_stored_dtype(copy, fp8):
+    # As released: everything but the fp8 projections (and their fp32 scales) in bf16.
+    rewrite(copy, lambda t: t.update({n: v.to(torch.bfloat16) for n, v in t.items()
+                                      if v.dtype == torch.float32 and not n.endswith("_scale_inv")}))
+    model = zoo.from_pretrained(copy)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert torch.equal(model.layers[1].ffn.down.weight, fp8[2][W].to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("edit, message", [
     # (128, 200) in 128 x 128 blocks needs a (1, 2) grid
     (lambda t: t.update({W + "_scale_inv": torch.ones(1, 1)}),
