@@ -59,8 +59,10 @@ def read_quantization(config: dict[str, Any], source: Optional[str | Path] = Non
             "(quant_method 'fp8', as DeepSeek-V3 ships). Dequantize the checkpoint with a library that "
             f"reads {method} and save it unquantized" if method is not None else
             "is missing, so zoo cannot tell how the weights are quantized"))
-    # What decides the stored numbers; the rest (activation handling, which modules were converted)
-    # changes nothing once the weights are dequantised: zoo reads the tensors that have a scale.
+    # fmt and expert_dtype decide how the stored numbers read; static activations come with
+    # activation_scale tensors that a dequantised model has no place for. The other fields
+    # (dequantize, modules_to_not_convert, ...) change nothing once the weights are dequantised:
+    # zoo dequantises exactly the tensors that have a scale.
     for key, allowed in (("fmt", ("e4m3",)), ("activation_scheme", ("dynamic",)), ("expert_dtype", ("fp8",)),
                          ("scale_fmt", ("float", "ue8m0"))):
         value = q.get(key, allowed[0])
