@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import zoo
-from zoo.checkpoints import CheckpointError, ConfigError, config_to_spec
+from zoo.checkpoints import CheckpointError, ConfigError, config_to_spec, ignored_fields
 from zoo.checkpoints.quantized import dequantize_blocks
 from zoo.checkpoints.tiny import make_tiny
 
@@ -219,6 +219,19 @@ def test_verify_an_fp8_directory(tmp_path):
     quantized_checkpoint(tmp_path / "hf", tmp_path / "fp8")
     report = zoo.verify(tmp_path / "fp8", seq_len=16)
     assert report.passed, report
+
+
+def test_the_released_deepseek_v3_config():
+    """Its quantization_config is the layout above; the spec is the unquantized model's."""
+    from pathlib import Path
+
+    from zoo.checkpoints.quantized import read_quantization
+
+    config = json.loads((Path(__file__).parent / "data" / "configs" / "deepseek-ai--DeepSeek-V3.json").read_text())
+    assert read_quantization(config).block == (128, 128)
+    plain = {k: v for k, v in config.items() if k != "quantization_config"}
+    assert config_to_spec(config).to_dict() == config_to_spec(plain).to_dict()
+    assert "quantization_config" not in ignored_fields(config)  # read, not passed over
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes", "fbgemm_fp8"])
