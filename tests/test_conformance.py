@@ -18,7 +18,7 @@ CONFIGS = {
     ("norm", "rmsnorm"): [{}, {"unit_offset": True, "scale_in_fp32": True}],
     ("activation", "gelu"): [{}, {"approximate": "tanh"}],
     ("ffn", "mlp"): [{}, {"d_ff_rule": "8/3", "multiple_of": 16, "bias": False}],
-    ("position", "rope"): [{}, {"layout": "interleaved"}, {"rotary_fraction": 0.5},
+    ("position", "rope"): [{}, {"layout": "interleaved"}, {"layout": "pairs_to_half", "rotary_fraction": 0.5}, {"rotary_fraction": 0.5},
                            {"theta": 500.0, "scaling": {"name": "linear", "factor": 2.0}}],
     ("rope_scaling", "linear"): [{"factor": 4.0}],
     ("rope_scaling", "ntk"): [{"factor": 4.0}],
