@@ -65,7 +65,12 @@ def shrink(name: str) -> zoo.Decoder:
     n_layers = max(2, *(kinds.index(k) + 1 for k in set(kinds)))  # every layer kind present
     over = {"d_model": 64, "vocab_size": 128, "max_seq_len": 64, "n_layers": n_layers}
     for kind, layer in spec.layers.items():
+        if layer.ffn.d_ff is not None:
+            over[f"layers.{kind}.ffn.d_ff"] = 96
         att = layer.attention
+        if att.name != "attention":  # another mixer (a recurrent one) shrinks itself
+            over.update({f"layers.{kind}.mixer.{k}": v for k, v in att.cls.shrink(att.config).items()})
+            continue
         base = f"layers.{kind}.attention"
         if layer.mixer.name != "attention":  # another mixer (MLA) shrinks itself
             over[base] = {**att.to_dict(), **att.cls.shrink(att.config, head_dim=8)}
@@ -80,8 +85,6 @@ def shrink(name: str) -> zoo.Decoder:
             over[f"{base}.window"] = 8
         if att.scale_dim is not None:
             over[f"{base}.scale_dim"] = 20.0
-        if layer.ffn.d_ff is not None:
-            over[f"layers.{kind}.ffn.d_ff"] = 96
     if spec.embedding.padded_vocab_size is not None:
         over["embedding.padded_vocab_size"] = 136
     return zoo.build(name, overrides=over, seed=0)
