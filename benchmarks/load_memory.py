@@ -8,6 +8,12 @@ reads each tensor into its own buffer, so it should stay near 1x.
 
     python benchmarks/load_memory.py                 # makes a ~400 MB llama-shaped checkpoint
     python benchmarks/load_memory.py PATH [--dtype bfloat16]
+    python benchmarks/load_memory.py --fp8 --dtype bfloat16   # the same, its projections block-scaled fp8
+
+With ``--fp8`` the made checkpoint is quantised as DeepSeek-V3 ships (float8_e4m3fn projections with
+a float32 scale per 128 x 128 block, everything else bf16), and both loaders dequantise it on load.
+The extra column gives the peak growth beyond the loaded parameters, beside the largest tensor:
+dequantising tensor by tensor, zoo should need about one model in the target dtype plus one tensor.
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ with torch.no_grad():
     for p in model.parameters():
         p.sum()
 n = sum(p.numel() * p.element_size() for p in model.parameters())
-print(json.dumps({"before": before, "after": peak(), "param_bytes": n}))
+largest = max(p.numel() * p.element_size() for p in model.parameters())
+print(json.dumps({"before": before, "after": peak(), "param_bytes": n, "largest": largest}))
 """
 
 
@@ -64,6 +71,33 @@ def make_checkpoint(directory: Path) -> None:
     zoo.save_pretrained(model, directory, model_type="llama", max_shard_size="150MB")
 
 
+def quantize_fp8(src: Path, dst: Path, block: int = 128) -> None:
+    """``src`` with every layer projection block-scaled fp8 (scale = amax / 448 per block) and the rest bf16."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [block, block]}
+    (dst / "config.json").write_text(json.dumps(config))
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    for file in sorted(set(index["weight_map"].values())):
+        out = {}
+        for name, t in load_file(src / file).items():
+            if not (name.startswith("model.layers.") and name.endswith("proj.weight")):
+                out[name] = t.to(torch.bfloat16)
+                continue
+            rows, cols = t.shape  # multiples of the block here
+            blocks = t.reshape(rows // block, block, cols // block, block)
+            scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+            out[name] = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(rows, cols)
+            out[name + "_scale_inv"] = scale
+            index["weight_map"][name + "_scale_inv"] = file
+        save_file(out, str(dst / file), metadata={"format": "pt"})
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
 def measure(loader: str, path: Path, dtype: str) -> dict:
     out = subprocess.run([sys.executable, "-c", CHILD, loader, str(path), dtype], capture_output=True, text=True)
     if out.returncode:
@@ -75,18 +109,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", nargs="?", help="checkpoint directory (default: make one)")
     ap.add_argument("--dtype", default="auto", help="dtype to load in (default: as stored)")
+    ap.add_argument("--fp8", action="store_true", help="quantise the made checkpoint to block-scaled fp8")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.path) if args.path else Path(tmp) / "ckpt"
         if not args.path:
             make_checkpoint(path)
+        if args.fp8 and not args.path:
+            quantize_fp8(path, Path(tmp) / "fp8")
+            path = Path(tmp) / "fp8"
         size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
         print(f"checkpoint {path}: {size / 2**20:.0f} MiB of safetensors; loading in {args.dtype}")
         rows = {name: measure(name, path, args.dtype) for name in ("zoo", "transformers")}
-    print(f"{'loader':<14} {'peak RSS growth':>16} {'x checkpoint':>13} {'x loaded params':>16}")
+    print(f"{'loader':<14} {'peak RSS growth':>16} {'x checkpoint':>13} {'x loaded params':>16} "
+          f"{'beyond params':>14} {'largest tensor':>15}")
     for name, r in rows.items():
         grow = r["after"] - r["before"]
-        print(f"{name:<14} {grow / 2**20:>12.0f} MiB {grow / size:>13.2f} {grow / r['param_bytes']:>16.2f}")
+        print(f"{name:<14} {grow / 2**20:>12.0f} MiB {grow / size:>13.2f} {grow / r['param_bytes']:>16.2f} "
+              f"{(grow - r['param_bytes']) / 2**20:>10.0f} MiB {r['largest'] / 2**20:>11.0f} MiB")
     z, t = (rows[n]["after"] - rows[n]["before"] for n in ("zoo", "transformers"))
     print(f"zoo / transformers peak growth: {z / t:.2f}")
 

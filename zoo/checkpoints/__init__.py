@@ -23,6 +23,7 @@ from zoo.checkpoints.format import CheckpointError, CheckpointFormat, ConfigErro
 from zoo.checkpoints.hub import resolve
 from zoo.checkpoints.io import WeightFiles, reading, regular_file, replace_checkpoint, write_shards
 from zoo.checkpoints.maps import bind
+from zoo.checkpoints.quantized import read_quantization, without_quantization
 from zoo.model import Decoder, build_model
 from zoo.mtp import missing_depth, without_absent_mtp
 from zoo.registry import list_components
@@ -53,6 +54,8 @@ def read_config(directory: Path) -> dict[str, Any]:
 def _format_and_config(config: dict[str, Any]) -> tuple[CheckpointFormat, dict[str, Any], dict[str, str]]:
     if not isinstance(config, dict):
         raise ConfigError("config", f"must be a JSON object, got {type(config).__name__}")
+    read_quantization(config)  # a quantization zoo cannot read is refused by name
+    config = without_quantization(config)  # the architecture is the unquantized model's
     fmt = get_format(config.get("model_type"))
     inner, renames = fmt.unwrap(config)
     if inner is not config:
@@ -260,16 +263,21 @@ def from_pretrained(
     the meta device and filled by assignment, tensor by tensor, from safetensors, so loading needs about
     one copy of the weights. Config fields transformers ignores are accepted and kept (in
     ``model.hf_config``, written back on saving); ``strict=True`` refuses them. ``progress=False``
-    hides the progress bar that long loads show.
+    hides the progress bar that long loads show. Block-scaled FP8 checkpoints (``quantization_config``
+    with ``quant_method: "fp8"``, as DeepSeek-V3 ships) are dequantised tensor by tensor as they are
+    read (:mod:`zoo.checkpoints.quantized`); other quantization methods are refused by name.
     """
     directory = resolve(path_or_repo_id, revision=revision, token=token, cache_dir=cache_dir)
     dtype = _float_dtype(dtype)
     with reading(directory):  # no save replaces the files while they are read
         config = read_config(directory)
+        quant = read_quantization(config, directory / "config.json")
         fmt, inner, renames = _format_and_config(config)
         with collect_ignored() as ignored:
             spec = fmt.config_to_spec(inner, strict=strict)
         with WeightFiles(directory) as files:
+            if quant is not None:  # each quantized weight is dequantised to dtype as it is read
+                files = quant.reading(files, dtype)
             spec = without_absent_mtp(spec, fmt, set(_names(fmt, files, renames)))
             check_layers(spec, fmt, files, renames)
             model = build_model(spec, device="meta")

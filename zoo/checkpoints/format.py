@@ -51,8 +51,8 @@ _attn_implementation auto_map
 
 # Fields transformers' loading code acts on for every model_type, and which zoo cannot express.
 REFUSED = {
-    "quantization_config": "the weights are quantized, and zoo loads unquantized safetensors weights only "
-                           "(dequantize the checkpoint first)",
+    "quantization_config": "the weights are quantized: read the config with zoo.checkpoints.config_to_spec "
+                           "or load it with from_pretrained, which take the field off and dequantize fp8 weights",
 }
 
 
