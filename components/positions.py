@@ -78,7 +78,9 @@ class RoPE(PositionEncoding):
     that scores depend only on relative position.
 
     ``layout``: ``half`` pairs dimension i with i + d/2 (Llama, NeoX); ``interleaved`` pairs 2i
-    with 2i+1 (GPT-J). ``rotary_fraction`` (or ``rotary_dim``) rotates only the leading dims.
+    with 2i+1 (GPT-J); ``pairs_to_half`` rotates the pairs (2i, 2i+1) and writes them out half-split,
+    the evens' results first (DeepSeek-V3's ``rope_interleave``: the same as ``half`` on the vector
+    with its even dimensions moved to the front). ``rotary_fraction`` (or ``rotary_dim``) rotates only the leading dims.
     """
 
     applies_to = "qk"
@@ -88,7 +90,7 @@ class RoPE(PositionEncoding):
     @dataclass(frozen=True)
     class Config:
         theta: float = 10000.0
-        layout: Literal["half", "interleaved"] = "half"
+        layout: Literal["half", "interleaved", "pairs_to_half"] = "half"
         rotary_fraction: float = 1.0
         rotary_dim: Optional[int] = None
         scaling: Optional[Part] = part_field("rope_scaling", None)
@@ -137,7 +139,7 @@ class RoPE(PositionEncoding):
         else:
             inv_freq, factor = self._frequencies(int(position_ids.max()) + 1)
         freqs = position_ids.float()[..., None] * inv_freq.to(position_ids.device)  # (B, T, dim/2)
-        if self.cfg.layout == "half":
+        if self.cfg.layout != "interleaved":
             emb = torch.cat([freqs, freqs], dim=-1)
         else:
             emb = torch.repeat_interleave(freqs, 2, dim=-1)
@@ -146,7 +148,7 @@ class RoPE(PositionEncoding):
 
     def _rotate(self, x, cos, sin):
         rot, rest = x[..., : self.dim], x[..., self.dim :]
-        if self.cfg.layout == "half":
+        if self.cfg.layout != "interleaved":
             x1, x2 = rot.chunk(2, dim=-1)
             turned = torch.cat([-x2, x1], dim=-1)
         else:
@@ -154,7 +156,15 @@ class RoPE(PositionEncoding):
         out = rot * cos + turned * sin
         return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
+    def _evens_first(self, x):
+        """The rotated dimensions with the even ones first, then the odd ones (the rest kept)."""
+        rot = x[..., : self.dim]
+        out = torch.cat([rot[..., 0::2], rot[..., 1::2]], dim=-1)
+        return torch.cat([out, x[..., self.dim :]], dim=-1) if x.shape[-1] > self.dim else out
+
     def rotate(self, q, k, state):
+        if self.cfg.layout == "pairs_to_half":
+            q, k = self._evens_first(q), self._evens_first(k)
         fast = kernels.fast(self, q)
         if fast is not None:
             return fast(self, q, k, state)

@@ -105,6 +105,13 @@ class YaRN(_Scaling):
     def _mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
+    @classmethod
+    def softmax_factor(cls, cfg) -> float:
+        """DeepSeek's change to the softmax scale: ``mscale(factor, mscale_all_dim)^2`` (1 when
+        ``mscale_all_dim`` is unset). Its attention (MLA) multiplies ``head_dim^-0.5`` by it; cos and
+        sin carry ``mscale / mscale_all_dim`` besides (the attention factor of :meth:`frequencies`)."""
+        return cls._mscale(cfg.factor, cfg.mscale_all_dim) ** 2 if cfg.mscale_all_dim else 1.0
+
     def frequencies(self, seq_len=None):
         c, dim, base = self.cfg, self.dim, self.theta
         factor = c.factor

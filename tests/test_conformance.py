@@ -38,6 +38,11 @@ CONFIGS = {
     ("ffn", "moe"): [{}, {"top_k": 3, "norm_topk_prob": True, "routed_scaling": 2.0, "shared_d_ff": 16,
                           "shared_gate": True, "expert": "geglu"},
                      {"expert": {"name": "mlp", "bias": False}, "switch_loss": 0.01, "z_loss": 0.001}],
+    ("mixer", "mla"): [
+        {"n_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6},
+        {"n_heads": 2, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 8, "v_head_dim": 8,
+         "q_lora_rank": 12, "decode": "plain", "bias": True},
+    ],
     ("router", "sigmoid_group"): [{"n_groups": 4, "topk_group": 2}],
     ("router", "greedy_group"): [{"n_groups": 4, "topk_group": 2}],
     # A multimodal gemma3 checkpoint: its text model under text_config.
@@ -600,3 +605,21 @@ def test_moe_equals_the_sum_of_chosen_experts_by_hand():
     s = m.shared
     expected += torch.sigmoid(m.shared_gate(flat)) * s.down(F.silu(s.gate(flat)) * s.up(flat))
     torch.testing.assert_close(m(x).reshape(-1, D_MOE), expected.detach(), atol=1e-5, rtol=1e-5)
+
+
+# -------------------------------------------------------------------------------------------- MLA
+
+@covers(("mixer", "mla"))
+def test_mla_caches_only_the_latent_and_the_shared_rotated_key():
+    """What MLA is for: its decode state grows by kv_lora_rank + qk_rope_head_dim values per token,
+    whatever the number of heads (tests/test_mla.py has the rest)."""
+    sizes = []
+    for heads in (2, 8):
+        spec = zt.tiny_spec({"layers.default.mixer": {"name": "mla", "n_heads": heads, "kv_lora_rank": 16,
+                                                      "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}})
+        model = zt.tiny_model(spec)
+        state = model.new_state(1, 7)
+        with torch.no_grad():
+            model(torch.zeros(1, 7, dtype=torch.long), state=state)
+        sizes.append(state.nbytes())
+    assert sizes[0] == sizes[1] == 2 * 7 * (16 + 4) * 4

@@ -164,9 +164,12 @@ def account(
             published = published_params(model_or_name)
         except RegistryError:
             published = None
+    # A mixer that caches less than multi-head attention would (MLA) says what MHA would need.
+    mha = [layer_facts(layer).get("mha_state_per_token") for layer in model.layers]
     decode_state = {
         "dtype": str(dtype),
         "bytes_per_token": state_per_token,
+        "mha_bytes_per_token": sum(mha) * nbytes if all(mha) else None,
         "fixed_bytes": state_fixed * batch,
         "context": context,
         "batch": batch,

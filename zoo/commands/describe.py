@@ -59,6 +59,9 @@ def figure_rows(a):
         ("  = forward at that context", human(f["forward_per_token_at_context"], "FLOP")),
         ("training FLOPs/token", f"{human(f['training_per_token'], 'FLOP')}  (6N = {human(f['training_per_token_6n'], 'FLOP')})"),
         (f"KV cache/token ({kv['dtype']})", f"{kv['bytes_per_token']:,} B  ({human(kv['bytes_per_token'])})"),
+        *([("  MHA with the same heads", f"{kv['mha_bytes_per_token']:,} B  ({human(kv['mha_bytes_per_token'])}, "
+                                         f"{kv['mha_bytes_per_token'] / kv['bytes_per_token']:.1f}x)")]
+          if kv.get("mha_bytes_per_token") else []),
         (f"KV cache {kv['context']:,} x batch {kv['batch']}", human(kv["bytes"])),
         *([("  of which fixed (recurrent) state", human(kv["fixed_bytes"]))] if kv["fixed_bytes"] else []),
         (f"weights ({m['dtype']})", human(m["weights_bytes"])),
