@@ -9,7 +9,7 @@ uses), and the score of key ``s`` for query ``t`` is
     I[t, s] = sum_h  w_h(x_t) * relu(q_{t,h} . k_s / sqrt(head_dim)),   w(x) = W_w x / sqrt(n_heads)
 
 computed in float32. Selection is the top ``topk`` of ``I[t, :]`` among the keys the query may see
-(causal, not padding); ties at the cut (ReLU makes exact zeros common) may go either way.
+(causal, not padding); ties at the cut (ReLU makes exact zeros common) go to the earlier key.
 
 Its decode state, :class:`IndexKeys`, holds one ``head_dim``-wide key per token per layer beside
 the attention's own cache.
@@ -17,13 +17,19 @@ the attention's own cache.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.spec import SpecError
+from zoo.interfaces import Cost
+from zoo.registry import register
+from zoo.spec import SpecError, positive
+
+from .attention import dense_mask
+from .mla import MLA
 
 
 def check_topk(topk: int, field: str = "index_topk") -> None:
@@ -81,7 +87,10 @@ class LightningIndexer(nn.Module):
         allowed = allowed.expand_as(scores)
         if scores.shape[-1] <= self.topk:
             return allowed
-        idx = scores.masked_fill(~allowed, float("-inf")).topk(self.topk, dim=-1).indices
+        # A stable sort settles ties (ReLU makes exact zeros common) for the earlier key, so a
+        # query picks the same keys whatever the row's length (prefill, decode, left padding).
+        idx = scores.masked_fill(~allowed, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
+        idx = idx[..., : self.topk]
         return torch.zeros_like(allowed).scatter_(-1, idx, True) & allowed
 
 
@@ -125,3 +134,165 @@ class IndexKeys:
         out.k[:, : self.filled] = self.k[:, : self.filled]
         out.filled = self.filled
         return out
+
+
+class DSAState:
+    """A DSA layer's decode state: MLA's (the latent and the rotated key part per token) and the
+    indexer's keys beside it. Opaque to everything but the layer."""
+
+    def __init__(self, kv, keys: IndexKeys):
+        self.kv, self.keys = kv, keys
+
+    def nbytes(self) -> int:
+        return self.kv.nbytes() + self.keys.nbytes()
+
+    def to_static(self, max_len: int) -> "DSAState":
+        return DSAState(self.kv.to_static(max_len), self.keys.to_static(max_len))
+
+
+def keys_seen(context: int, topk: int, mean: bool = False) -> float:
+    """Keys a query attends to at position ``context`` (``min(context, topk)``), or with ``mean``
+    the average of that over the ``context`` positions of a causal sequence."""
+    if not mean:
+        return min(context, topk)
+    k = min(context, topk)
+    return (k * (k + 1) / 2 + (context - k) * k) / context
+
+
+@register("mixer", "dsa")
+class DSA(MLA):
+    """DeepSeek Sparse Attention: MLA whose queries each attend only to the ``index_topk`` keys a
+    lightning indexer picks (every visible key while there are no more than that). Its decode state
+    is MLA's plus the indexer's keys (``index_head_dim`` values per token).
+
+    The indexer is trained by a loss of its own (``indexer_loss``, its weight; 0 leaves it as it
+    is) while the model runs in training mode: the auxiliary
+    loss ``dsa_indexer_kl`` is the KL divergence from the main attention's distribution over the
+    keys it attended (summed over heads and renormalised) to the softmax of the index scores over
+    those keys, averaged over queries. The indexer's inputs are detached, so this loss trains the
+    indexer alone and the language-model loss never reaches it (DeepSeek-V3.2's recipe: a dense
+    warm-up with ``index_topk`` at least the sequence length, then sparse training).
+    """
+
+    @dataclass(frozen=True)
+    class Config(MLA.Config):
+        index_n_heads: int = 64
+        index_head_dim: int = 128
+        index_topk: int = 2048
+        indexer_loss: float = 1.0  # weight of the dsa_indexer_kl term in training (0: not computed)
+
+        def check(self):
+            super().check()
+            for name in ("index_n_heads", "index_head_dim"):
+                positive(name, getattr(self, name), allow_none=False)
+            check_topk(self.index_topk)
+            if self.q_lora_rank is None:
+                raise SpecError("q_lora_rank", "DSA's indexer reads the query latent: set q_lora_rank")
+            if self.index_head_dim < self.qk_rope_head_dim:
+                raise SpecError("index_head_dim", f"{self.index_head_dim} is narrower than the rotated part "
+                                                  f"qk_rope_head_dim {self.qk_rope_head_dim}")
+            if self.indexer_loss < 0:
+                raise SpecError("indexer_loss", f"must be >= 0, got {self.indexer_loss}")
+
+    @staticmethod
+    def shrink(cfg, *, head_dim: int = 8, **sizes) -> dict:
+        """MLA's tiny copy plus 2 indexer heads of ``head_dim`` and a top-4 selection, so that short
+        test sequences are already sparse."""
+        out = MLA.shrink(cfg, head_dim=head_dim, **sizes)
+        out.update(q_lora_rank=3 * head_dim // 2, index_n_heads=2, index_head_dim=max(head_dim, out["qk_rope_head_dim"]),
+                   index_topk=4)
+        return out
+
+    def __init__(self, cfg, *, d_model: int, layer, spec, index: int = 0):
+        super().__init__(cfg, d_model=d_model, layer=layer, spec=spec, index=index)
+        self.indexer = LightningIndexer(d_model=d_model, q_dim=cfg.q_lora_rank, n_heads=cfg.index_n_heads,
+                                        head_dim=cfg.index_head_dim, rope_dim=cfg.qk_rope_head_dim,
+                                        topk=cfg.index_topk)
+
+    # -- what this part states about itself ---------------------------------------------------------
+    def new_state(self, batch, max_len, *, dtype=None, device=None) -> DSAState:
+        return DSAState(super().new_state(batch, max_len, dtype=dtype, device=device), IndexKeys(max_len))
+
+    def cost(self, context: int) -> Cost:
+        """MLA's attention over ``min(context, index_topk)`` keys, plus the indexer's scores over
+        every key (``2 index_n_heads index_head_dim`` FLOPs per key for the dot products and
+        ``2 index_n_heads`` for weighting the heads); the state adds ``index_head_dim`` per token."""
+        dense = super().cost(context)
+        per_key = dense.flops / context
+        index_per_key = 2 * self.indexer.n_heads * (self.indexer.head_dim + 1)
+        topk = self.cfg.index_topk
+        D = self.indexer.head_dim
+        return Cost(flops=per_key * keys_seen(context, topk) + index_per_key * context,
+                    flops_mean=per_key * keys_seen(context, topk, mean=True) + index_per_key * (context + 1) / 2,
+                    state_per_token=dense.state_per_token + D, state_at_context=dense.state_at_context + D * context)
+
+    def facts(self) -> dict:
+        out = {**super().facts(), "attention": "MLA + DSA", "index_n_heads": self.indexer.n_heads,
+               "index_head_dim": self.indexer.head_dim, "index_topk": self.cfg.index_topk}
+        out["state_per_token"] += self.indexer.head_dim
+        rows = []
+        for context in (4096, 32768, 131072):
+            dsa, mla = self.cost(context).flops, MLA.cost(self, context).flops
+            rows.append(f"{context // 1024}k: {dsa / 1e6:.3g} vs {mla / 1e6:.3g} MFLOP ({mla / dsa:.2f}x)")
+        out["attention FLOPs/token DSA vs dense MLA"] = "; ".join(rows)
+        return out
+
+    # -- forward -------------------------------------------------------------------------------------
+    def _mask(self, q_idx, k_idx, mask):
+        """DSA hands its attention the whole boolean mask (visibility and selection) in place of the
+        key mask (see :meth:`forward`)."""
+        return mask, False
+
+    def forward(self, x, ctx, pos):
+        B, T, _ = x.shape
+        q_latent = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_latent).view(B, T, self.n_heads, self.qk_dim).transpose(1, 2)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        c, k_rope = self.latents(x)
+        if pos is not None:
+            q_rope, k_rope = pos.rotate(q_rope, k_rope)
+            q_rope, k_rope = q_rope.to(x.dtype), k_rope.to(x.dtype)
+            cos, sin = (t[:, 0].to(x.dtype) for t in pos.pairs())
+        else:
+            cos = x.new_ones(B, T, self.rope // 2)
+            sin = x.new_zeros(B, T, self.rope // 2)
+        # The indexer reads detached inputs: only its own loss trains it.
+        xi, qi = x.detach(), q_latent.detach()
+        keys = self.indexer.keys(xi, cos, sin)
+        q_idx = k_idx = ctx.slots
+        if ctx.state is not None:
+            state = ctx.state.layers[self.index]
+            c, k_rope, k_idx = state.kv.update(c, k_rope, q_idx)
+            keys = state.keys.update(keys, q_idx)
+        key_mask = ctx.key_mask
+        if key_mask is not None and k_idx is not q_idx:
+            key_mask = key_mask[:, k_idx]
+        visible = dense_mask(q_idx, k_idx, None, key_mask)  # (Tq, Tk) or (B, 1, Tq, Tk)
+        visible = visible if visible.dim() == 4 else visible[None, None]
+        scores = self.indexer.scores(xi, qi, keys, cos, sin)
+        mask = self.indexer.select(scores, visible[:, 0])[:, None]  # (B, 1, Tq, Tk)
+        if self.training and self.cfg.indexer_loss > 0:
+            target = self.attention_distribution(q_nope, q_rope, c, k_rope, mask)
+            ctx.add_loss("dsa_indexer_kl", indexer_kl(target, scores, mask[:, 0]), self.cfg.indexer_loss)
+        if ctx.state is not None and self.cfg.decode == "absorbed":
+            out = self.attend_absorbed(q_nope, q_rope, c, k_rope, q_idx, k_idx, mask)
+        else:
+            out = self.attend_plain(q_nope, q_rope, c, k_rope, q_idx, k_idx, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))
+
+    @torch.no_grad()
+    def attention_distribution(self, q_nope, q_rope, c, k_rope, mask):
+        """The main attention's probabilities under ``mask``, summed over heads and renormalised:
+        (B, Tq, Tk), the target the indexer learns (no gradient)."""
+        w_uk, _ = self.up_weights()
+        q_lat = torch.einsum("bhtd,hdc->bhtc", q_nope, w_uk.to(q_nope.dtype))
+        s = (q_lat @ c.transpose(-1, -2) + q_rope @ k_rope.transpose(-1, -2)).float() * self.scale
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1).sum(1)
+        return p / p.sum(-1, keepdim=True)
+
+
+def indexer_kl(target: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over queries of ``KL(target || softmax(scores))`` over the keys in ``mask`` (B, Tq, Tk)."""
+    log_q = torch.log_softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    terms = torch.where(mask & (target > 0), target * (target.clamp_min(1e-30).log() - log_q), 0.0)
+    return terms.sum(-1).mean()

@@ -148,3 +148,98 @@ def test_index_keys_state_grows_and_goes_static():
 def test_nonpositive_topk_is_refused_by_name(topk):
     with pytest.raises(SpecError, match="index_topk"):
         LightningIndexer(d_model=D_MODEL, q_dim=Q_RANK, n_heads=H, head_dim=HD, rope_dim=ROPE, topk=topk)
+
+
+# ------------------------------------------------------------------------- the mixer: MLA + selection
+import zoo.testing as zt  # noqa: E402
+from zoo.interfaces import ForwardContext, PositionState  # noqa: E402
+from zoo.state import DecodeState  # noqa: E402
+
+MIXER = {"name": "dsa", "n_heads": 2, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": ROPE,
+         "v_head_dim": 4, "q_lora_rank": Q_RANK, "index_n_heads": 6, "index_head_dim": HD}
+YARN = ({"name": "rope", "theta": 10000.0, "layout": "pairs_to_half",
+         "scaling": {"name": "yarn", "factor": 4.0, "original_max_seq_len": 8, "mscale": 1.0, "mscale_all_dim": 0.5,
+                     "beta_fast": 32.0, "beta_slow": 1.0}},
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+         "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 32.0, "beta_slow": 1.0})
+PLAIN = ({"name": "rope", "theta": 10000.0, "layout": "pairs_to_half"}, {"rope_type": "default", "rope_theta": 10000.0})
+HF_NAMES = {"q_a_layernorm": "q_a_norm", "kv_a_proj_with_mqa": "kv_a_proj", "kv_a_layernorm": "kv_a_norm"}
+
+
+def mixer_pair(topk, rope, seed=0):
+    """transformers' DeepseekV32Attention (eager: its dense scores with the selection as a mask) and
+    zoo's dsa mixer with the same random weights."""
+    torch.manual_seed(seed)
+    config = hf_config(topk, rope_parameters=rope[1], index_n_heads=MIXER["index_n_heads"])
+    config._attn_implementation = "eager"
+    ref = hf_v32.DeepseekV32Attention(config, 0).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.4)
+    spec = zt.tiny_spec({"d_model": D_MODEL, "layers.default.mixer": {**MIXER, "index_topk": topk}, "position": rope[0]})
+    ours = spec.layer(0).mixer.build(d_model=D_MODEL, layer=spec.layer(0), spec=spec, index=0).eval()
+    state = {".".join(HF_NAMES.get(p, p) for p in k.split(".")): v for k, v in ref.state_dict().items()}
+    ours.load_state_dict(state)
+    return config, ref, spec, ours
+
+
+def zoo_inputs(spec, T, key_mask=None):
+    pos_module = spec.position_for(0).build(spec=spec, layer=spec.layer(0))
+    position_ids = torch.arange(T).expand(2, T) if key_mask is None else (key_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return ForwardContext(position_ids, torch.arange(T), key_mask), PositionState(pos_module, pos_module.prepare(position_ids, torch.float32))
+
+
+def no_tie_at_the_cut(mixer, x, ctx, pos, topk):
+    """The k-th and (k+1)-th index scores differ in every row with more than k visible keys (so the
+    selection is one set whatever the tie rule)."""
+    cos, sin = (t[:, 0] for t in pos.pairs())
+    with torch.no_grad():
+        q_latent = mixer.q_a_norm(mixer.q_a_proj(x))
+        s = mixer.indexer.scores(x, q_latent, mixer.indexer.keys(x, cos, sin), cos, sin)
+    T = x.shape[1]
+    visible = torch.ones(T, T, dtype=torch.bool).tril()
+    if ctx.key_mask is not None:
+        visible = visible & ctx.key_mask[:, None, :]
+    top = s.masked_fill(~visible, float("-inf")).sort(-1, descending=True).values
+    rows = visible.expand_as(s).sum(-1) > topk
+    return bool((top[..., topk - 1] != top[..., topk])[rows].all())
+
+
+@pytest.mark.parametrize("rope", [PLAIN, YARN], ids=["rope", "yarn"])
+def test_sparse_attention_equals_transformers_dense_masked_attention(rope):
+    """index_topk < T: zoo attends to the selected keys; transformers computes every score and masks
+    the unselected ones. Same output, with left padding in one row."""
+    T, topk = 14, 5
+    config, ref, spec, ours = mixer_pair(topk, rope)
+    x = torch.randn(2, T, D_MODEL, generator=torch.Generator().manual_seed(1))
+    key_mask = torch.ones(2, T, dtype=torch.bool)
+    key_mask[1, :3] = False
+    ctx, pos = zoo_inputs(spec, T, key_mask)
+    assert no_tie_at_the_cut(ours, x, ctx, pos, topk), "a tie at the cut: choose another seed"
+    cos, sin = hf_v32.DeepseekV32RotaryEmbedding(config)(x, ctx.position_ids)
+    mask = (torch.ones(T, T, dtype=torch.bool).tril()[None] & key_mask[:, None, :])[:, None]
+    mask = mask | ~mask.any(-1, keepdim=True)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)  # eager adds its mask
+    with torch.no_grad():
+        want, _ = ref(x, (cos, sin), additive)
+        got = ours(x, ctx, pos)
+    torch.testing.assert_close(got[key_mask], want[key_mask], atol=1e-5, rtol=1e-5)
+
+
+def test_decoding_keeps_the_indexer_keys_and_selects_as_the_full_forward():
+    T, topk = 12, 4
+    _, _, spec, ours = mixer_pair(topk, PLAIN)
+    x = torch.randn(2, T, D_MODEL, generator=torch.Generator().manual_seed(2))
+    ctx, pos = zoo_inputs(spec, T)
+    with torch.no_grad():
+        full = ours(x, ctx, pos)
+        state = DecodeState([ours.new_state(2, T)])
+        steps = []
+        for a, b in [(0, 5), (5, 6), (6, 9), (9, 10), (10, 11), (11, 12)]:
+            c = ForwardContext(ctx.position_ids[:, a:b], torch.arange(a, b), None, state)
+            p = PositionState(pos.module, pos.module.prepare(ctx.position_ids[:, a:b], torch.float32))
+            steps.append(ours(x[:, a:b], c, p))
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+    layer = state.layers[0]
+    assert layer.keys.k.shape == (2, T, HD)  # one index_head_dim key per token, beside MLA's latent
+    assert state.nbytes() == 2 * T * (8 + ROPE + HD) * 4
