@@ -87,11 +87,18 @@ class LightningIndexer(nn.Module):
         allowed = allowed.expand_as(scores)
         if scores.shape[-1] <= self.topk:
             return allowed
+        idx, ok = self.top(scores, allowed)
+        return torch.zeros_like(allowed).scatter_(-1, idx, ok)
+
+    def top(self, scores: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indices (B, Tq, k) of each query's ``k = min(topk, Tk)`` best keys, and whether each
+        is allowed (a query that sees fewer than k keys fills its list with masked ones)."""
+        allowed = allowed.expand_as(scores)
         # A stable sort settles ties (ReLU makes exact zeros common) for the earlier key, so a
         # query picks the same keys whatever the row's length (prefill, decode, left padding).
         idx = scores.masked_fill(~allowed, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
         idx = idx[..., : self.topk]
-        return torch.zeros_like(allowed).scatter_(-1, idx, True) & allowed
+        return idx, allowed.gather(-1, idx)
 
 
 class IndexKeys:
@@ -270,6 +277,10 @@ class DSA(MLA):
         visible = dense_mask(q_idx, k_idx, None, key_mask)  # (Tq, Tk) or (B, 1, Tq, Tk)
         visible = visible if visible.dim() == 4 else visible[None, None]
         scores = self.indexer.scores(xi, qi, keys, cos, sin)
+        if T == 1 and ctx.state is not None and self.cfg.decode == "absorbed" and c.shape[2] > self.cfg.index_topk:
+            # One new token: gather its top-k latents and attend to those alone.
+            out = self.attend_selected(q_nope, q_rope, c, k_rope, *self.indexer.top(scores, visible[:, 0]))
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))
         mask = self.indexer.select(scores, visible[:, 0])[:, None]  # (B, 1, Tq, Tk)
         if self.training and self.cfg.indexer_loss > 0:
             target = self.attention_distribution(q_nope, q_rope, c, k_rope, mask)
@@ -279,6 +290,18 @@ class DSA(MLA):
         else:
             out = self.attend_plain(q_nope, q_rope, c, k_rope, q_idx, k_idx, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))
+
+    def attend_selected(self, q_nope, q_rope, c, k_rope, idx, ok):
+        """Absorbed attention over each query's selected latents only: ``idx`` (B, Tq, k) the keys,
+        ``ok`` whether each is allowed. Costs O(k) per query, whatever the context."""
+        w_uk, w_uv = self.up_weights()
+        q = torch.cat([torch.einsum("bhtd,hdc->bhtc", q_nope, w_uk.to(q_nope.dtype)), q_rope], dim=-1)
+        kv = torch.cat([c, k_rope], dim=-1)[:, 0]  # (B, Tk, kv_lora_rank + rope)
+        picked = kv[torch.arange(kv.shape[0], device=kv.device)[:, None, None], idx]  # (B, Tq, k, C + rope)
+        s = torch.einsum("bhtc,btkc->bhtk", q, picked) * self.scale
+        p = torch.softmax(s.masked_fill(~ok[:, None], float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+        o_lat = torch.einsum("bhtk,btkc->bhtc", p, picked[..., : self.kv_lora_rank])
+        return torch.einsum("bhtc,hvc->bhtv", o_lat, w_uv.to(o_lat.dtype))
 
     @torch.no_grad()
     def attention_distribution(self, q_nope, q_rope, c, k_rope, mask):

@@ -226,9 +226,13 @@ def test_sparse_attention_equals_transformers_dense_masked_attention(rope):
     torch.testing.assert_close(got[key_mask], want[key_mask], atol=1e-5, rtol=1e-5)
 
 
-def test_decoding_keeps_the_indexer_keys_and_selects_as_the_full_forward():
+def test_decoding_keeps_the_indexer_keys_and_selects_as_the_full_forward(monkeypatch):
+    """Prefill and several tokens attend through the mask; a single new token gathers its top-k
+    latents and attends to those alone. Both equal the full forward."""
     T, topk = 12, 4
     _, _, spec, ours = mixer_pair(topk, PLAIN)
+    gathered, attend_selected = [], type(ours).attend_selected
+    monkeypatch.setattr(type(ours), "attend_selected", lambda self, *a: gathered.append(a[-2].shape) or attend_selected(self, *a))
     x = torch.randn(2, T, D_MODEL, generator=torch.Generator().manual_seed(2))
     ctx, pos = zoo_inputs(spec, T)
     with torch.no_grad():
@@ -240,6 +244,7 @@ def test_decoding_keeps_the_indexer_keys_and_selects_as_the_full_forward():
             p = PositionState(pos.module, pos.module.prepare(ctx.position_ids[:, a:b], torch.float32))
             steps.append(ours(x[:, a:b], c, p))
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+    assert gathered == [(2, 1, topk)] * 4  # the single tokens at slots 5, 9, 10 and 11
     layer = state.layers[0]
     assert layer.keys.k.shape == (2, T, HD)  # one index_head_dim key per token, beside MLA's latent
     assert state.nbytes() == 2 * T * (8 + ROPE + HD) * 4
