@@ -195,12 +195,18 @@ class MLA(nn.Module):
 
     def attend_absorbed(self, q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask):
         """Attend over the latents themselves: ``W_UK`` folded into the queries, ``W_UV`` applied
-        to the weighted sum of latents; one shared key/value "head" (multi-query attention)."""
+        to the weighted sum of latents. Every head meets the same key ``[c ; k_rope]`` (multi-query
+        attention), so the heads are folded into the rows of one matrix product per batch row; the
+        cache is read in place (SDPA would expand it to every head)."""
+        B, H, T, _ = q_nope.shape
         w_uk, w_uv = self.up_weights()
         q_lat = torch.einsum("bhtd,hdc->bhtc", q_nope, w_uk.to(q_nope.dtype))
-        q = torch.cat([q_lat, q_rope], dim=-1)  # (B, H, T, kv_lora_rank + rope)
-        k = torch.cat([c, k_rope], dim=-1)  # (B, 1, Tk, kv_lora_rank + rope)
-        mask, causal = self._mask(q_idx, k_idx, key_mask)
-        o_lat = F.scaled_dot_product_attention(q, k, c, attn_mask=mask, is_causal=causal, scale=self.scale,
-                                               dropout_p=self.dropout if self.training else 0.0, enable_gqa=True)
+        c, k_rope = c[:, 0], k_rope[:, 0]  # (B, Tk, kv_lora_rank), (B, Tk, rope)
+        scores = q_lat.reshape(B, H * T, -1) @ c.transpose(1, 2) + q_rope.reshape(B, H * T, -1) @ k_rope.transpose(1, 2)
+        scores = (scores * self.scale).view(B, H, T, -1)
+        mask = dense_mask(q_idx, k_idx, None, key_mask)
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(c.dtype)
+        probs = F.dropout(probs, self.dropout, self.training)
+        o_lat = (probs.view(B, H * T, -1) @ c).view(B, H, T, -1)  # (B, H, T, kv_lora_rank)
         return torch.einsum("bhtc,hvc->bhtv", o_lat, w_uv.to(o_lat.dtype))

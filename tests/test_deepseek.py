@@ -5,24 +5,24 @@ DynamicCache stores (the normed latent and the rotated key part), after a prefil
 tokens fed onto it. Then the released configs and their presets, and refusals by field."""
 
 import dataclasses
-import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 import zoo
-from zoo.checkpoints import ConfigError, _architecture, config_to_spec
+from zoo.accounting import account
+from zoo.checkpoints import ConfigError, config_to_spec, ignored_fields
+
+from test_released_configs import load
 
 transformers = pytest.importorskip("transformers")
 tiny = pytest.importorskip("zoo.checkpoints.tiny")
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
-RELEASED = {
-    "deepseek-v2-lite": "deepseek-ai--DeepSeek-V2-Lite.json",
-    "deepseek-v2": "deepseek-ai--DeepSeek-V2.json",
-    "deepseek-v3": "deepseek-ai--DeepSeek-V3.json",
-}
+# Each vendor's headline active count (billions): DeepSeek-V2-Lite 2.4B, V2 21B, V3 37B.
+HEADLINES = {"deepseek-v2-lite": 2.4, "deepseek-v2": 21, "deepseek-v3": 37}
 # (model_type, overrides of the format's tiny config): V2 with a q latent and greedy routing, V2-Lite's
 # shape (no q latent, group-limited greedy), V3 with and without rope_interleave.
 CASES = {
@@ -33,23 +33,6 @@ CASES = {
 }
 
 
-def make(model_type, directory, overrides, seed=0, std=0.1):
-    """A transformers model of the tiny config, every parameter moved by N(0, std) and the routers'
-    ``e_score_correction_bias`` buffers drawn at random (large enough to change which experts win)."""
-    cfg = transformers.AutoConfig.for_model(model_type, **tiny.tiny_config(model_type, **overrides))
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * std)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
-    model.eval().save_pretrained(str(directory))
-    return model
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     made = {}
@@ -58,7 +41,9 @@ def pair(tmp_path_factory):
         if case not in made:
             d = tmp_path_factory.mktemp(case)
             model_type, overrides = CASES[case]
-            made[case] = (make(model_type, d, overrides), zoo.from_pretrained(d))
+            # Weights at std 0.1 (as tests/test_moe.py: fp32 summation order alone moves larger logits by
+            # 1e-5); the routers' e_score_correction_bias buffers are drawn at random too.
+            made[case] = (tiny.make_tiny(model_type, d, std=0.1, overrides=overrides), zoo.from_pretrained(d))
         return made[case]
 
     return get
@@ -68,8 +53,12 @@ def pair(tmp_path_factory):
 @torch.no_grad()
 def test_logits_equal_transformers_with_a_left_padded_row(case, pair):
     hf, ours = pair(case)
-    if CASES[case][0] == "deepseek_v3":
-        assert all(layer.ffn.router.bias.abs().sum() > 0 for layer in ours.layers if hasattr(layer.ffn, "router"))
+    if CASES[case][0] == "deepseek_v3":  # the selection bias is loaded, and changes which experts are chosen
+        router = ours.layers[-1].ffn.router
+        scores = router.logits(torch.randn(64, 64, generator=torch.Generator().manual_seed(3))).sigmoid()
+        unbiased = dataclasses.replace(router.cfg, selection_bias=False)
+        plain = type(router)(unbiased, d_model=64, n_experts=router.n_experts, top_k=router.top_k)
+        assert not torch.equal(router.select(scores).sort(-1).values, plain.select(scores).sort(-1).values)
     ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :6] = 0
@@ -121,30 +110,48 @@ def check_state_against_cache(hf, ours):
 
 # ------------------------------------------------------------------------------ released configs
 
-@pytest.mark.parametrize("preset", sorted(RELEASED))
-def test_released_configs_are_the_presets(preset):
-    config = json.loads((CONFIGS / RELEASED[preset]).read_text())
-    config.pop("quantization_config", None)  # the storage of the weights (FP8), not the architecture
-    spec = config_to_spec(config)
-    model = zoo.build(preset, device="meta")
-    assert _architecture(spec) == _architecture(model.spec)
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
-    assert model.num_parameters() == sum(p.numel() for p in hf.parameters())
-
-
 def test_published_sizes():
     assert zoo.build("deepseek-v2-lite", device="meta").num_parameters() == 15_706_484_224
     assert zoo.build("deepseek-v3", device="meta").num_parameters() == 671_026_404_352  # without its MTP module
 
 
-def test_deepseek_v3_state_is_61_layers_of_512_plus_64_values_per_token():
-    from zoo.accounting import account
+@pytest.mark.parametrize("preset", sorted(HEADLINES))
+def test_active_parameters_under_the_three_conventions(preset):
+    """The released model's experts are counted top-k of n, the shared experts and dense layers whole
+    (docs/moe.md); DeepSeek's headline lies between the counts without and with embeddings and head."""
+    a = account(preset)
+    c = a["params"]["active_conventions"]
+    spec = zoo.get_spec(preset)
+    matrix = spec.vocab_size * spec.d_model
+    assert c["without_input_embedding"] == c["with_embeddings_and_head"] - matrix
+    assert c["without_embeddings_and_head"] == c["with_embeddings_and_head"] - 2 * matrix
+    assert c["without_embeddings_and_head"] / 1e9 < HEADLINES[preset] < c["with_embeddings_and_head"] / 1e9
+    moe = spec.layer(spec.n_layers - 1).ffn
+    inactive_per_layer = (moe.n_experts - moe.top_k) * 3 * moe.d_ff * spec.d_model
+    sparse = sum(spec.layer(i).ffn.name == "moe" for i in range(spec.n_layers))
+    assert a["params"]["total"] - a["params"]["active"] == sparse * inactive_per_layer
 
+
+def test_released_extras_are_kept_as_transformers_ignores_them():
+    assert ignored_fields(load(CONFIGS / "deepseek-ai--DeepSeek-V2-Lite.json")) == ["aux_loss_alpha", "scoring_func", "seq_aux"]
+    assert ignored_fields(load(CONFIGS / "deepseek-ai--DeepSeek-V3.json")) == [
+        "aux_loss_alpha", "ep_size", "scoring_func", "seq_aux", "topk_method"]
+
+
+def test_deepseek_v3_state_is_61_layers_of_512_plus_64_values_per_token():
     state = account("deepseek-v3", context=1000, dtype="bf16")["decode_state"]
     assert state["bytes_per_token"] == 61 * (512 + 64) * 2
     assert state["mha_bytes_per_token"] == 61 * 128 * (128 + 64 + 128) * 2
     assert state["bytes"] == 1000 * state["bytes_per_token"]
+
+
+def test_describe_shows_the_latent_state_beside_mha(capsys):
+    from zoo.cli import main
+
+    assert main(["describe", "deepseek-v3", "--dtype", "bf16"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"KV cache/token \(bf16\) +70,272 B", text)
+    assert re.search(r"MHA with the same heads +4,997,120 B .*71\.1x", text)
 
 
 # ------------------------------------------------------------------------------------- refusals

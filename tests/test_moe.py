@@ -7,7 +7,6 @@ released configs and their presets, and refusals that name the field or tensor.
 Released config.json files (tests/data/configs) are as published on the hub under the repo id in
 the file name."""
 
-import json
 import math
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from zoo.interfaces import ForwardContext
 from zoo.spec import SpecError
 
 from test_conformance import D_MOE as D, E, moe, router  # the shared MoE helpers
+from test_released_configs import load
 
 transformers = pytest.importorskip("transformers")
 tiny = pytest.importorskip("zoo.checkpoints.tiny")
@@ -35,6 +35,9 @@ RELEASED = {
     "qwen3-30b-a3b": "Qwen--Qwen3-30B-A3B.json",
     "qwen3-235b-a22b": "Qwen--Qwen3-235B-A22B.json",
     "olmoe-1b-7b": "allenai--OLMoE-1B-7B-0924.json",
+    "deepseek-v2-lite": "deepseek-ai--DeepSeek-V2-Lite.json",
+    "deepseek-v2": "deepseek-ai--DeepSeek-V2.json",
+    "deepseek-v3": "deepseek-ai--DeepSeek-V3.json",
 }
 MOE_FORMATS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
@@ -254,7 +257,7 @@ def test_experts_are_saved_per_key_and_bad_shapes_name_the_tensor(tiny_moe, tmp_
 
 @pytest.mark.parametrize("preset", sorted(RELEASED))
 def test_released_configs_are_the_presets(preset):
-    config = json.loads((CONFIGS / RELEASED[preset]).read_text())
+    config = load(CONFIGS / RELEASED[preset])
     spec = config_to_spec(config)
     model = zoo.build(preset, device="meta")
     assert _architecture(spec) == _architecture(model.spec)

@@ -26,7 +26,8 @@ def make_tiny(model_type: str, directory: str | Path, *, seed: int = 0, std: flo
               overrides: Optional[dict[str, Any]] = None, **save_kw: Any):
     """Build a random transformers model of ``model_type`` from its tiny config, save it with
     ``save_pretrained`` and return it. Every parameter (norms and biases too) is drawn from
-    N(0, std) around its initial value, so no weight is left at a trivially symmetric value."""
+    N(0, std) around its initial value, so no weight is left at a trivially symmetric value; so is
+    every floating-point buffer saved with the weights (DeepSeek-V3's ``e_score_correction_bias``)."""
     import transformers
 
     cfg = transformers.AutoConfig.for_model(model_type, **tiny_config(model_type, **(overrides or {})))
@@ -36,6 +37,10 @@ def make_tiny(model_type: str, directory: str | Path, *, seed: int = 0, std: flo
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * std)
+        saved = model.state_dict()
+        for name, b in model.named_buffers():
+            if name in saved and b.is_floating_point():
+                b.add_(torch.randn(b.shape, generator=gen) * std)
     model.eval()
     model.save_pretrained(str(directory), **save_kw)
     return model

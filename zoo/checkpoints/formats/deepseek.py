@@ -40,7 +40,7 @@ TINY = {
     "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 24,
     "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 24,
     "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 20, "n_routed_experts": 8,
-    "num_experts_per_tok": 3, "n_shared_experts": 2, "first_k_dense_replace": 1, "max_position_embeddings": 256,
+    "num_experts_per_tok": 3, "n_shared_experts": 2, "first_k_dense_replace": 1, "max_position_embeddings": 64,
     "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 16, "beta_fast": 32.0,
                         "beta_slow": 1.0},
