@@ -245,11 +245,6 @@ class DSA(MLA):
         return out
 
     # -- forward -------------------------------------------------------------------------------------
-    def _mask(self, q_idx, k_idx, mask):
-        """DSA hands its attention the whole boolean mask (visibility and selection) in place of the
-        key mask (see :meth:`forward`)."""
-        return mask, False
-
     def forward(self, x, ctx, pos):
         B, T, _ = x.shape
         q_latent = self.q_a_norm(self.q_a_proj(x))
@@ -277,23 +272,25 @@ class DSA(MLA):
         visible = dense_mask(q_idx, k_idx, None, key_mask)  # (Tq, Tk) or (B, 1, Tq, Tk)
         visible = visible if visible.dim() == 4 else visible[None, None]
         scores = self.indexer.scores(xi, qi, keys, cos, sin)
-        if T == 1 and ctx.state is not None and self.cfg.decode == "absorbed" and c.shape[2] > self.cfg.index_topk:
-            # One new token: gather its top-k latents and attend to those alone.
-            out = self.attend_selected(q_nope, q_rope, c, k_rope, *self.indexer.top(scores, visible[:, 0]))
-            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))
-        mask = self.indexer.select(scores, visible[:, 0])[:, None]  # (B, 1, Tq, Tk)
+        if c.shape[2] <= self.cfg.index_topk:  # every visible key is selected: this is MLA
+            mask = visible
+            if ctx.state is not None and self.cfg.decode == "absorbed":
+                out = self.attend_absorbed(q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask)
+            else:
+                out = self.attend_plain(q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask)
+        else:  # gather each query's top-k latents and attend to those alone
+            idx, ok = self.indexer.top(scores, visible[:, 0])
+            out = self.attend_selected(q_nope, q_rope, c, k_rope, idx, ok)
+            mask = torch.zeros_like(visible[:, 0].expand_as(scores)).scatter_(-1, idx, ok)[:, None]
         if self.training and self.cfg.indexer_loss > 0:
             target = self.attention_distribution(q_nope, q_rope, c, k_rope, mask)
-            ctx.add_loss("dsa_indexer_kl", indexer_kl(target, scores, mask[:, 0]), self.cfg.indexer_loss)
-        if ctx.state is not None and self.cfg.decode == "absorbed":
-            out = self.attend_absorbed(q_nope, q_rope, c, k_rope, q_idx, k_idx, mask)
-        else:
-            out = self.attend_plain(q_nope, q_rope, c, k_rope, q_idx, k_idx, mask)
+            ctx.add_loss("dsa_indexer_kl", indexer_kl(target, scores, mask[:, 0].expand_as(scores)), self.cfg.indexer_loss)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))
 
     def attend_selected(self, q_nope, q_rope, c, k_rope, idx, ok):
         """Absorbed attention over each query's selected latents only: ``idx`` (B, Tq, k) the keys,
-        ``ok`` whether each is allowed. Costs O(k) per query, whatever the context."""
+        ``ok`` whether each is allowed. Costs O(k) per query whatever the context (and holds the
+        gathered (B, Tq, k, kv_lora_rank + rope) latents)."""
         w_uk, w_uv = self.up_weights()
         q = torch.cat([torch.einsum("bhtd,hdc->bhtc", q_nope, w_uk.to(q_nope.dtype)), q_rope], dim=-1)
         kv = torch.cat([c, k_rope], dim=-1)[:, 0]  # (B, Tk, kv_lora_rank + rope)

@@ -227,8 +227,8 @@ def test_sparse_attention_equals_transformers_dense_masked_attention(rope):
 
 
 def test_decoding_keeps_the_indexer_keys_and_selects_as_the_full_forward(monkeypatch):
-    """Prefill and several tokens attend through the mask; a single new token gathers its top-k
-    latents and attends to those alone. Both equal the full forward."""
+    """Whenever a query has more than index_topk keys, its top-k latents are gathered and attended
+    alone: in the full forward, a prefill, several tokens and single tokens, all equal."""
     T, topk = 12, 4
     _, _, spec, ours = mixer_pair(topk, PLAIN)
     gathered, attend_selected = [], type(ours).attend_selected
@@ -244,7 +244,25 @@ def test_decoding_keeps_the_indexer_keys_and_selects_as_the_full_forward(monkeyp
             p = PositionState(pos.module, pos.module.prepare(ctx.position_ids[:, a:b], torch.float32))
             steps.append(ours(x[:, a:b], c, p))
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
-    assert gathered == [(2, 1, topk)] * 4  # the single tokens at slots 5, 9, 10 and 11
+    assert gathered == [(2, T, topk), (2, 5, topk), (2, 1, topk), (2, 3, topk)] + [(2, 1, topk)] * 3
     layer = state.layers[0]
     assert layer.keys.k.shape == (2, T, HD)  # one index_head_dim key per token, beside MLA's latent
     assert state.nbytes() == 2 * T * (8 + ROPE + HD) * 4
+
+
+def test_the_adaptation_example_runs_in_miniature():
+    """examples/dsa_adaptation.py end to end on its miniature setting: dense MLA, indexer warm-up
+    with the model frozen, sparse training; every stage reports a finite loss, the DSA stages the
+    indexer's KL, and the frozen warm-up leaves the dense model's loss as it was."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "dsa_adaptation.py"
+    module = importlib.util.spec_from_file_location("dsa_adaptation", path)
+    example = importlib.util.module_from_spec(module)
+    module.loader.exec_module(example)
+    rows = example.main(["--tiny"])
+    assert [r[0].split()[0] for r in rows] == ["1.", "+", "2.", "then", "3."]
+    assert all(torch.isfinite(torch.tensor(r[1])) for r in rows)
+    assert rows[0][2] is None and all(r[2] is not None and r[2] >= 0 for r in rows[1:])
+    assert abs(rows[2][1] - rows[0][1]) < 1e-5  # top-k covers the sequence and only the indexer moved
