@@ -61,9 +61,16 @@ def test_paper_counts_for_presets_without_weights():
 def shrink(name: str) -> zoo.Decoder:
     """A tiny version of a preset: same parts and wiring, small dimensions, windows of 8."""
     spec = zoo.get_spec(name)
-    over = {"d_model": 64, "vocab_size": 128, "max_seq_len": 64, "n_layers": max(2, len(spec.layer_pattern))}
+    kinds = [spec.layer_kind(i) for i in range(spec.n_layers)]
+    n_layers = max(2, *(kinds.index(k) + 1 for k in set(kinds)))  # every layer kind present
+    over = {"d_model": 64, "vocab_size": 128, "max_seq_len": 64, "n_layers": n_layers}
     for kind, layer in spec.layers.items():
+        if layer.ffn.d_ff is not None:
+            over[f"layers.{kind}.ffn.d_ff"] = 96
         att = layer.attention
+        if att.name != "attention":  # another mixer (a recurrent one, MLA) shrinks itself
+            over.update({f"layers.{kind}.mixer.{k}": v for k, v in att.cls.shrink(att.config).items()})
+            continue
         base = f"layers.{kind}.attention"
         kv = att.n_kv_heads
         over[f"{base}.n_heads"] = 4
@@ -74,8 +81,6 @@ def shrink(name: str) -> zoo.Decoder:
             over[f"{base}.window"] = 8
         if att.scale_dim is not None:
             over[f"{base}.scale_dim"] = 20.0
-        if layer.ffn.d_ff is not None:
-            over[f"layers.{kind}.ffn.d_ff"] = 96
     if spec.embedding.padded_vocab_size is not None:
         over["embedding.padded_vocab_size"] = 136
     return zoo.build(name, overrides=over, seed=0)
