@@ -162,6 +162,15 @@ class RoPE(PositionEncoding):
         out = torch.cat([rot[..., 0::2], rot[..., 1::2]], dim=-1)
         return torch.cat([out, x[..., self.dim :]], dim=-1) if x.shape[-1] > self.dim else out
 
+    def pairs(self, state):
+        """The cosine and sine of each rotated pair's angle, (B, 1, T, dim/2), whatever the layout:
+        for a part that rotates vectors of its own with these angles (DSA's indexer pairs its dims
+        half-split while DeepSeek's attention pairs them interleaved)."""
+        cos, sin = state
+        if self.cfg.layout != "interleaved":
+            return cos[..., : self.dim // 2], sin[..., : self.dim // 2]
+        return cos[..., 0::2], sin[..., 0::2]
+
     def rotate(self, q, k, state):
         if self.cfg.layout == "pairs_to_half":
             q, k = self._evens_first(q), self._evens_first(k)

@@ -43,6 +43,12 @@ CONFIGS = {
         {"n_heads": 2, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 8, "v_head_dim": 8,
          "q_lora_rank": 12, "decode": "plain", "bias": True},
     ],
+    ("mixer", "dsa"): [
+        {"n_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
+         "q_lora_rank": 12, "index_n_heads": 2, "index_head_dim": 8, "index_topk": 4},
+        {"n_heads": 2, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 8, "v_head_dim": 8,
+         "q_lora_rank": 12, "index_n_heads": 3, "index_head_dim": 8, "index_topk": 64, "decode": "plain"},
+    ],
     ("router", "sigmoid_group"): [{"n_groups": 4, "topk_group": 2}],
     ("router", "greedy_group"): [{"n_groups": 4, "topk_group": 2}],
     # A multimodal gemma3 checkpoint: its text model under text_config.
@@ -623,6 +629,40 @@ def test_mla_caches_only_the_latent_and_the_shared_rotated_key():
             model(torch.zeros(1, 7, dtype=torch.long), state=state)
         sizes.append(state.nbytes())
     assert sizes[0] == sizes[1] == 2 * 7 * (16 + 4) * 4
+
+
+@covers(("mixer", "dsa"))
+def test_dsa_attends_only_to_the_keys_its_indexer_picks():
+    """With index_topk at least the sequence length DSA is MLA (same weights); with index_topk = 1
+    each query's output is the value of the one key its indexer ranks first."""
+    mla = {"n_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+           "q_lora_rank": 12}
+    T = 9
+
+    def mixer(name, **extra):
+        spec = zt.tiny_spec({"layers.default.mixer": {"name": name, **mla, **extra}})
+        return spec.layer(0).mixer.build(d_model=spec.d_model, layer=spec.layer(0), spec=spec, index=0).eval(), spec
+
+    dense, spec = mixer("mla")
+    x, ctx, pos = zt.attention_inputs(spec, T=T)
+    for topk, check_dense in ((T, True), (1, False)):
+        dsa, _ = mixer("dsa", index_n_heads=2, index_head_dim=8, index_topk=topk)
+        dsa.load_state_dict({**dense.state_dict(), **{k: v for k, v in dsa.state_dict().items() if "indexer" in k}})
+        with torch.no_grad():
+            out = dsa(x, ctx, pos)
+            if check_dense:
+                torch.testing.assert_close(out, dense(x, ctx, pos), atol=1e-5, rtol=1e-5)
+                continue
+            cos, sin = (t[:, 0] for t in pos.pairs())
+            q_latent = dsa.q_a_norm(dsa.q_a_proj(x))
+            scores = dsa.indexer.scores(x, q_latent, dsa.indexer.keys(x, cos, sin), cos, sin)
+            first = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).argmax(-1)
+            c, _ = dsa.latents(x)
+            _, w_uv = dsa.up_weights()
+            values = torch.einsum("btc,hvc->bthv", c[:, 0], w_uv)  # (B, T, H, v) each key's values
+            picked = values[torch.arange(2)[:, None], first]  # (B, T, H, v)
+            torch.testing.assert_close(out, dsa.o_proj(picked.flatten(2)), atol=1e-5, rtol=1e-5)
+
 
 # ----------------------------------------------------------------- recurrent mixers (linear attention)
 

@@ -68,6 +68,13 @@ class PositionState:
     def score_bias(self, q_idx: torch.Tensor, k_idx: torch.Tensor, n_heads: int) -> Optional[torch.Tensor]:
         return self.module.score_bias(self.state, q_idx, k_idx, n_heads)
 
+    def pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A rotary encoding's cosine and sine per rotated pair, (B, 1, T, rotary_dim / 2)."""
+        fn = getattr(self.module, "pairs", None)
+        if fn is None:
+            raise TypeError(f"position encoding {type(self.module).__name__} gives no rotation angles (pairs)")
+        return fn(self.state)
+
 
 #: The name this had before mixers (kept so that plugin code importing it keeps working).
 Rotary = PositionState

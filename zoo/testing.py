@@ -164,9 +164,11 @@ def _finite(t: torch.Tensor, what: str) -> None:
     assert torch.isfinite(t).all(), f"{what}: non-finite values"
 
 
-def assert_grads(module: torch.nn.Module, out: torch.Tensor, inputs: tuple[torch.Tensor, ...] = (), what: str = "") -> None:
-    """Backward from ``out`` reaches every trainable parameter and input, with finite values."""
-    out.float().pow(2).mean().backward()
+def assert_grads(module: torch.nn.Module, out: torch.Tensor, inputs: tuple[torch.Tensor, ...] = (), what: str = "",
+                 aux: Optional[torch.Tensor] = None) -> None:
+    """Backward from ``out`` (plus ``aux``, the auxiliary losses the part added) reaches every
+    trainable parameter and input, with finite values."""
+    (out.float().pow(2).mean() + (aux if aux is not None else 0.0)).backward()
     for n, p in module.named_parameters():
         if p.requires_grad:
             assert p.grad is not None, f"{what}: parameter {n!r} gets no gradient"
@@ -476,7 +478,7 @@ def _sequence_mixer(kind: str, name: str, config: dict[str, Any]) -> None:
     x.requires_grad_(True)
     y = module(x, ctx, rot)
     assert y.shape == x.shape, f"{what}: output shape {tuple(y.shape)} for input {tuple(x.shape)}"
-    assert_grads(module, y, (x,), what)
+    assert_grads(module, y, (x,), what, aux=ctx.aux_total())  # a part trained by its own loss (DSA's indexer)
     with torch.no_grad():
         bump = lambda h: h + (torch.arange(h.shape[1]) == 6)[None, :, None]  # noqa: E731
         assert_causal(lambda h: module(h, ctx, rot), x.detach(), 6, bump, what)
