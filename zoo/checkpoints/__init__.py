@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from zoo.checkpoints.format import CheckpointError, CheckpointFormat, ConfigError, collect_ignored, get_format
+from zoo.checkpoints.format import CheckpointError, CheckpointFormat, ConfigError, collect_ignored, get_format, layout_of
 from zoo.checkpoints.hub import resolve
 from zoo.checkpoints.io import WeightFiles, reading, regular_file, replace_checkpoint, write_shards
 from zoo.checkpoints.maps import bind
@@ -52,7 +52,7 @@ def read_config(directory: Path) -> dict[str, Any]:
 def _format_and_config(config: dict[str, Any]) -> tuple[CheckpointFormat, dict[str, Any], dict[str, str]]:
     if not isinstance(config, dict):
         raise ConfigError("config", f"must be a JSON object, got {type(config).__name__}")
-    fmt = get_format(config.get("model_type"))
+    fmt = get_format(config.get("model_type") or layout_of(config))
     inner, renames = fmt.unwrap(config)
     if inner is not config:
         fmt = get_format(inner.get("model_type") or fmt.model_type)
