@@ -4,7 +4,8 @@ import importlib
 
 from zoo.hookspecs import hookimpl
 
-MODULES = ("stability", "norms", "activations", "ffn", "positions", "rope_scaling", "attention", "blocks", "moe", "kernels", "mamba2")
+MODULES = ("stability", "norms", "activations", "ffn", "positions", "rope_scaling", "attention", "blocks", "moe", "kernels",
+           "linear_attention", "mamba2")
 
 
 @hookimpl

@@ -1,0 +1,109 @@
+"""The shared core of the recurrent mixers whose state decays by one scalar per head and step.
+
+Per head, with a key width ``Dk`` and a value width ``Dv``::
+
+    S_t = exp(a_t) * S_{t-1} + k_t v_t^T          S: (Dk, Dv), a_t = log of the decay, <= 0
+    y_t = q_t^T S_t                                y_t: (Dv,)
+
+Plain linear attention has ``a_t = 0``, RetNet a fixed ``log(gamma)`` per head, lightning attention
+(MiniMax) a fixed per-head slope, Mamba-2 a data-dependent ``dt_t * A``. Two equal forms:
+
+- :func:`chunked` (training and prefill): the sequence is cut into chunks of ``chunk`` tokens.
+  Within a chunk the output is a masked matmul ``((q k^T) * L) v`` whose mask ``L[i, j] =
+  exp(a_{j+1} + ... + a_i)`` (j <= i) comes from segment sums of the log-decays; across chunks a
+  state is passed, one step per chunk. O(T * chunk) work, a Python loop over chunks only.
+- :func:`step` (decoding): one token onto the state.
+
+Numerics: only sums of log-decays over a segment are exponentiated, and those are <= 0, so nothing
+exponentiates a large positive number however long the sequence or strong the decay. The state
+is carried in float32 whatever the input dtype; the outputs come back in ``v``'s dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def _check(q, k, v, log_decay, state, *, steps: bool):
+    lead = q.shape[:-1]
+    if k.shape != q.shape:
+        raise ValueError(f"recurrent core: k has shape {tuple(k.shape)}, q {tuple(q.shape)}; they must agree")
+    if v.shape[:-1] != lead:
+        raise ValueError(f"recurrent core: v has shape {tuple(v.shape)}; its leading dims must be q's {tuple(lead)}")
+    if log_decay is not None and log_decay.shape != lead:
+        raise ValueError(f"recurrent core: log_decay has shape {tuple(log_decay.shape)}; it must be {tuple(lead)} "
+                         f"(one log-decay per head and {'token' if steps else 'row'})")
+    want = (*q.shape[:2], q.shape[-1], v.shape[-1])
+    if state is not None and tuple(state.shape) != want:
+        raise ValueError(f"recurrent core: state has shape {tuple(state.shape)}; it must be {want} (B, H, Dk, Dv)")
+
+
+def segsum(a: torch.Tensor) -> torch.Tensor:
+    """``out[..., i, j] = a[..., j+1] + ... + a[..., i]`` for ``j <= i`` and ``-inf`` above the
+    diagonal, from ``a`` (..., C): the log of the decay from step ``j`` to step ``i``. Summed directly
+    (not as a difference of two cumulative sums), so it is exact where the sums cancel."""
+    C = a.shape[-1]
+    x = a[..., None, :].expand(*a.shape, C).transpose(-1, -2)  # x[..., i, j] = a[..., i]
+    below = torch.ones(C, C, dtype=torch.bool, device=a.device).tril(-1)
+    x = x.masked_fill(~below, 0).cumsum(-2)
+    return x.masked_fill(~below.logical_or(torch.eye(C, dtype=torch.bool, device=a.device)), float("-inf"))
+
+
+def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: Optional[torch.Tensor] = None,
+            state: Optional[torch.Tensor] = None, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parallel (chunked) form over a whole sequence.
+
+    ``q``, ``k``: (B, H, T, Dk); ``v``: (B, H, T, Dv); ``log_decay``: (B, H, T), each ``<= 0`` (None:
+    no decay, plain linear attention); ``state``: (B, H, Dk, Dv), the state before the first token
+    (None: zeros); ``chunk``: tokens per chunk (any positive size; T need not divide by it).
+    Returns ``y`` (B, H, T, Dv) in ``v``'s dtype and the state after the last token (B, H, Dk, Dv),
+    float32.
+    """
+    _check(q, k, v, log_decay, state, steps=True)
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"recurrent core: chunk must be a positive integer, got {chunk!r}")
+    B, H, T, Dk = q.shape
+    Dv = v.shape[-1]
+    out_dtype = v.dtype
+    S = q.new_zeros(B, H, Dk, Dv, dtype=torch.float32) if state is None else state.float()
+    if T == 0:
+        return v.new_zeros(B, H, 0, Dv), S
+    a = q.new_zeros(B, H, T, dtype=torch.float32) if log_decay is None else log_decay.float()
+    C = min(chunk, T)
+    pad = -T % C
+    q, k, v = (F.pad(t.float(), (0, 0, 0, pad)) for t in (q, k, v))  # padded steps: k = 0, a = 0, S unchanged
+    a = F.pad(a, (0, pad))
+    N = (T + pad) // C
+    q, k, v = (t.view(B, H, N, C, -1) for t in (q, k, v))
+    a = a.view(B, H, N, C)
+    cum = a.cumsum(-1)                                      # log decay from the chunk's start to step i
+    total = cum[..., -1]                                    # (B, H, N): over the whole chunk
+    L = torch.exp(segsum(a))                                # (B, H, N, C, C)
+    y = ((q @ k.transpose(-1, -2)) * L) @ v                 # within each chunk
+    to_end = torch.exp(total[..., None] - cum)              # decay from step j to the chunk's end (<= 1)
+    updates = (k * to_end[..., None]).transpose(-1, -2) @ v  # (B, H, N, Dk, Dv): each chunk's own state
+    carried = []
+    for n in range(N):                                      # pass the state from chunk to chunk
+        carried.append(S)
+        S = torch.exp(total[:, :, n])[..., None, None] * S + updates[:, :, n]
+    before = torch.stack(carried, 2)                        # (B, H, N, Dk, Dv): state before chunk n
+    y = y + (q * torch.exp(cum)[..., None]) @ before
+    return y.reshape(B, H, N * C, Dv)[:, :, :T].to(out_dtype), S
+
+
+def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: Optional[torch.Tensor] = None,
+         state: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrent form: one token. ``q``, ``k``: (B, H, Dk); ``v``: (B, H, Dv); ``log_decay``:
+    (B, H) (None: no decay); ``state``: (B, H, Dk, Dv) (None: zeros). Returns ``y`` (B, H, Dv) in
+    ``v``'s dtype and the new state (B, H, Dk, Dv), float32."""
+    _check(q, k, v, log_decay, state, steps=False)
+    B, H, Dk = q.shape
+    S = q.new_zeros(B, H, Dk, v.shape[-1], dtype=torch.float32) if state is None else state.float()
+    if log_decay is not None:
+        S = torch.exp(log_decay.float())[..., None, None] * S
+    S = S + k.float()[..., :, None] * v.float()[..., None, :]
+    y = (q.float()[..., None, :] @ S).squeeze(-2)
+    return y.to(v.dtype), S
