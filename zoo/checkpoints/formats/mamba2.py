@@ -57,9 +57,22 @@ class Mamba2Format(CheckpointFormat):
                 "time_step_min": 0.001, "time_step_max": 0.1, "time_step_floor": 1e-4,
                 "time_step_limit": [0.0, math.inf], "chunk_size": 256, "tie_word_embeddings": False}
     # Two groups of two heads, a chunk shorter than test sequences, biases everywhere, a dt limit reached.
-    tiny = {"vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 8, "head_dim": 8,
-            "expand": 2, "state_size": 16, "n_groups": 2, "conv_kernel": 4, "chunk_size": 8, "use_bias": True,
-            "time_step_limit": [0.0, 0.05], "tie_word_embeddings": False}
+    # Two groups of two heads, chunks shorter than the test sequences. (Biases and a dt limit that is
+    # reached are checked in tests/test_mamba2.py: transformers' padding leaks in_proj's bias into the
+    # convolution, and its one-token step ignores the limit.)
+    tiny = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 8, "head_dim": 8,
+            "expand": 2, "state_size": 16, "n_groups": 2, "conv_kernel": 4, "chunk_size": 8,
+            "tie_word_embeddings": False}
+
+    @staticmethod
+    def recognises(config: dict[str, Any]) -> bool:
+        """A ``mamba_ssm`` config.json: no ``model_type``, but ``d_model``, ``n_layer`` and ``ssm_cfg``."""
+        return not config.get("model_type") and {"d_model", "n_layer", "ssm_cfg"} <= set(config)
+
+    def unwrap(self, config):
+        if not self.recognises(config):
+            return config, {}
+        return ssm_layout_to_config(config), {"backbone.embedding.": "backbone.embeddings."}
 
     def rules(self, spec):
         return [
@@ -71,6 +84,7 @@ class Mamba2Format(CheckpointFormat):
         ]
 
     def config_to_spec(self, config, *, strict=False):
+        config = self.unwrap(config)[0]
         f = Fields(config, self.model_type, self.defaults)
         d, heads, head_dim = f.require("hidden_size"), f.require("num_heads"), f.require("head_dim")
         expand = f.require("expand")
@@ -162,65 +176,45 @@ class _SsmCfg(Fields):
         return ConfigError(f"ssm_cfg.{key}", message, "mamba_ssm")
 
 
-class MambaSsmLayout(CheckpointFormat):
-    """``mamba_ssm``'s own config.json (no ``model_type``), read as the transformers ``mamba2`` config
-    its conversion script writes; its tensors are mamba2's, the embedding named ``embedding``."""
-
-    model_type, architecture = "mamba_ssm", "MambaLMHeadModel"
-    tiny = {"d_model": 32, "n_layer": 2, "vocab_size": 90, "pad_vocab_size_multiple": 16,
-            "ssm_cfg": {"layer": "Mamba2", "d_state": 16, "headdim": 8, "ngroups": 2, "chunk_size": 8}}
-
-    @staticmethod
-    def recognises(config: dict[str, Any]) -> bool:
-        return not config.get("model_type") and {"d_model", "n_layer", "ssm_cfg"} <= set(config)
-
-    def unwrap(self, config):
-        f = Fields({k: v for k, v in config.items() if k != "model_type"}, "mamba_ssm", LAYOUT_DEFAULTS)
-        d = f.require("d_model")
-        ssm_cfg = f.get("ssm_cfg", {}, kind=dict)
-        s = _SsmCfg(ssm_cfg, "mamba_ssm", SSM_DEFAULTS)
-        s.expect("layer", ("Mamba2",), "zoo reads Mamba-2 checkpoints (Mamba-1 has another mixer)")
-        s.expect("rmsnorm", (True,), "Mamba-2's gated norm is an RMSNorm")
-        s.expect("norm_before_gate", (False,), "zoo's gated norm gates, then normalises")
-        s.expect("D_has_hdim", (False,), "zoo's D skip has one value per head")
-        expand, headdim = s.require("expand"), s.require("headdim")
-        d_ssm = s.get("d_ssm", kind=int)
-        if d_ssm is not None and d_ssm != expand * d:
-            raise s.error("d_ssm", f"{d_ssm} differs from expand * d_model = {expand * d}: zoo's Mamba-2 layer "
-                                   "runs its SSM over the whole inner width")
-        f.expect("d_intermediate", (0,), "a Mamba-2 layer of this layout has no MLP")
-        if f.get("attn_layer_idx", [], kind=list):
-            raise f.error("attn_layer_idx", "attention layers in a mamba_ssm model are not read by zoo; "
-                                            "write the hybrid as a recipe (see families/mamba2.toml)")
-        f.get("attn_cfg", {}, kind=dict)  # configures the attention layers, of which there are none
-        f.expect("rms_norm", (True,), "Mamba-2 models use RMSNorm")
-        f.get("fused_add_norm")  # a kernel choice: the same function
-        multiple = f.get("pad_vocab_size_multiple", 8)
-        vocab = f.require("vocab_size")
-        inner = {
-            "model_type": "mamba2", "hidden_size": d, "num_hidden_layers": f.require("n_layer"),
-            "vocab_size": vocab + (-vocab) % multiple, "num_heads": expand * d // headdim, "head_dim": headdim,
-            "expand": expand, "state_size": s.require("d_state"), "n_groups": s.require("ngroups"),
-            "conv_kernel": s.require("d_conv"), "chunk_size": s.require("chunk_size"),
-            "use_bias": s.get("bias", False), "use_conv_bias": s.get("conv_bias", True),
-            "time_step_min": s.get("dt_min", 0.001), "time_step_max": s.get("dt_max", 0.1),
-            "time_step_floor": s.get("dt_init_floor", 1e-4), "time_step_limit": [_special_float(v) for v in s.get("dt_limit", kind=list)],
-            "residual_in_fp32": f.get("residual_in_fp32", True), "tie_word_embeddings": f.get("tie_embeddings", True),
-            "layer_norm_epsilon": 1e-5,  # mamba_ssm's norm_epsilon, which its config does not carry
-        }
-        s.finish()
-        f.finish()
-        return inner, {"backbone.embedding.": "backbone.embeddings."}
-
-    def config_to_spec(self, config, *, strict=False):
-        inner, _ = self.unwrap(config)
-        return Mamba2Format().config_to_spec(inner, strict=strict)
-
-    def spec_to_config(self, spec):
-        raise ValueError("zoo writes Mamba-2 checkpoints as transformers' mamba2 (save with model_type='mamba2')")
-
-    def rules(self, spec):
-        return Mamba2Format().rules(spec)
+def ssm_layout_to_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The transformers ``mamba2`` config of a ``mamba_ssm`` config.json, as transformers' conversion
+    script writes it; every field read, what zoo cannot express refused by name."""
+    f = Fields({k: v for k, v in config.items() if k != "model_type"}, "mamba_ssm", LAYOUT_DEFAULTS)
+    d = f.require("d_model")
+    s = _SsmCfg(f.get("ssm_cfg", {}, kind=dict), "mamba_ssm", SSM_DEFAULTS)
+    s.expect("layer", ("Mamba2",), "zoo reads Mamba-2 checkpoints (Mamba-1 has another mixer)")
+    s.expect("rmsnorm", (True,), "Mamba-2's gated norm is an RMSNorm")
+    s.expect("norm_before_gate", (False,), "zoo's gated norm gates, then normalises")
+    s.expect("D_has_hdim", (False,), "zoo's D skip has one value per head")
+    expand, headdim = s.require("expand"), s.require("headdim")
+    d_ssm = s.get("d_ssm", kind=int)
+    if d_ssm is not None and d_ssm != expand * d:
+        raise s.error("d_ssm", f"{d_ssm} differs from expand * d_model = {expand * d}: zoo's Mamba-2 layer "
+                               "runs its SSM over the whole inner width")
+    f.expect("d_intermediate", (0,), "a Mamba-2 layer of this layout has no MLP")
+    if f.get("attn_layer_idx", [], kind=list):
+        raise f.error("attn_layer_idx", "attention layers in a mamba_ssm model are not read by zoo; "
+                                        "write the hybrid as a recipe (see families/nemotron_h_style.toml)")
+    f.get("attn_cfg", {}, kind=dict)  # configures the attention layers, of which there are none
+    f.expect("rms_norm", (True,), "Mamba-2 models use RMSNorm")
+    f.get("fused_add_norm")  # a kernel choice: the same function
+    multiple = f.get("pad_vocab_size_multiple", 8)
+    vocab = f.require("vocab_size")
+    inner = {
+        "model_type": "mamba2", "hidden_size": d, "num_hidden_layers": f.require("n_layer"),
+        "vocab_size": vocab + (-vocab) % multiple, "num_heads": expand * d // headdim, "head_dim": headdim,
+        "expand": expand, "state_size": s.require("d_state"), "n_groups": s.require("ngroups"),
+        "conv_kernel": s.require("d_conv"), "chunk_size": s.require("chunk_size"),
+        "use_bias": s.get("bias", False), "use_conv_bias": s.get("conv_bias", True),
+        "time_step_min": s.get("dt_min", 0.001), "time_step_max": s.get("dt_max", 0.1),
+        "time_step_floor": s.get("dt_init_floor", 1e-4),
+        "time_step_limit": [_special_float(v) for v in s.get("dt_limit", kind=list)],
+        "residual_in_fp32": f.get("residual_in_fp32", True), "tie_word_embeddings": f.get("tie_embeddings", True),
+        "layer_norm_epsilon": 1e-5,  # mamba_ssm's norm_epsilon, which its config does not carry
+    }
+    s.finish()
+    f.finish()
+    return inner
 
 
-FORMATS = [Mamba2Format(), MambaSsmLayout()]
+FORMATS = [Mamba2Format()]
