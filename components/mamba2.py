@@ -89,6 +89,13 @@ class GatedGroupRMSNorm(nn.Module):
         return self.weight * g.flatten(-2).to(dtype)
 
 
+#: On the CPU the parallel form cuts chunks of at most this many tokens. A chunk of C tokens costs each
+#: token ~C * (N + P) per head within the chunk and ~2 * N * P across chunks, so for Mamba-2's widths
+#: (N, P = 64..128) C ~ 64 does the least work; checkpoints say 256, sized for GPUs. The result does not
+#: depend on the chunk (only the order of float32 sums does; tests check several sizes agree).
+CPU_CHUNK = 64
+
+
 @register("mixer", "mamba2")
 class Mamba2(nn.Module):
     """The Mamba-2 (SSD) mixer; see the module's docstring for the computation."""
@@ -100,7 +107,7 @@ class Mamba2(nn.Module):
         state_size: int = 128  # N: the width of B and C, the state's key side
         n_groups: int = 1  # B and C are shared by n_heads / n_groups heads; the gated norm has as many groups
         conv_kernel: int = 4
-        chunk_size: int = 256  # tokens per chunk of the parallel form (any sequence length works)
+        chunk_size: int = 256  # tokens per chunk of the parallel form (at most; see CPU_CHUNK)
         bias: bool = False  # on in_proj and out_proj
         conv_bias: bool = True
         norm_eps: float = 1e-5  # of the gated RMSNorm
@@ -223,7 +230,8 @@ class Mamba2(nn.Module):
             y, S_new = recurrent.step(q[:, :, 0], k[:, :, 0], v[:, :, 0], log_decay[:, :, 0], S)
             y = y[:, :, None]
         else:
-            y, S_new = recurrent.chunked(q, k, v, log_decay, S, chunk=cfg.chunk_size)
+            chunk = cfg.chunk_size if u.device.type != "cpu" else min(cfg.chunk_size, CPU_CHUNK)
+            y, S_new = recurrent.chunked(q, k, v, log_decay, S, chunk=chunk)
         if state is not None:
             S.copy_(S_new)
         y = y.transpose(1, 2) + self.D.float()[:, None] * x  # (B, T, H, P), the D skip
