@@ -41,7 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--long", type=int, default=16384,
                    help="tokens of the long-context attention cases (default 16384: the eager reference must fit)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
-    p.add_argument("--only", default=None, help="comma-separated subset: rmsnorm,layernorm,rope,swiglu,loss,attention,train")
+    p.add_argument("--only", default=None, help="comma-separated subset: rmsnorm,layernorm,rope,swiglu,loss,attention,scalar_decay,train")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
     if args.dry_run:
@@ -206,7 +206,28 @@ def kernel_cases(a, dev, dtype):
     for padded in (False, True):
         cases.append((f"attention long{' padded' if padded else ''} (masks per step)",
                       f"q {tuple(lq.shape)}, window {attn.window}", "attention:flex", per_step(padded), [lq, lk, lv]))
+
+    # The chunked scalar-decay recurrence of linear / lightning attention (and Mamba-2's SSD core):
+    # MiniMax-Text-01's head width 128, a 4k sequence, data-dependent log-decays.
+    rheads = heads if tiny else 16
+    shape = (batch, rheads, seq, hd)
+    rq, rk, rv = (torch.randn(*shape, **mk).mul(hd ** -0.5).requires_grad_() for _ in range(3))
+    ra = (-torch.rand(batch, rheads, seq, device=dev) * 0.1).requires_grad_()
+    cases.append(("scalar_decay (chunked recurrence)", f"q {shape}", "scalar_decay:triton", _scalar_decay(),
+                  [rq, rk, rv, ra]))
     return cases
+
+
+def _scalar_decay():
+    from zoo.components import recurrent
+    from zoo.components.kernels import recurrent as fast
+
+    def run(q, k, v, a):
+        if kernels.setting_for("scalar_decay") == "triton":
+            return fast.chunked(q, k, v, a)
+        return recurrent.chunked(q, k, v, a)
+
+    return run
 
 
 def _glu_product(ffn):

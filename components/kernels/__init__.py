@@ -25,6 +25,7 @@ BACKENDS = (
     Backend("glu", "triton", "zoo.components.kernels.glu:glu_module"),
     Backend("loss", "triton", "zoo.components.kernels.cross_entropy:decoder_loss"),
     Backend("attention", "flex", "zoo.components.kernels.attention:flex_attend", needs="flex", traced=True),
+    Backend("scalar_decay", "triton", "zoo.components.kernels.recurrent:chunked"),
 )
 
 manager().add_kind(KIND)
