@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo import kernels
 from zoo.components import recurrent
 from zoo.interfaces import Cost
 from zoo.registry import register
@@ -99,6 +100,10 @@ CPU_CHUNK = 64
 @register("mixer", "mamba2")
 class Mamba2(nn.Module):
     """The Mamba-2 (SSD) mixer; see the module's docstring for the computation."""
+
+    # The chunked form runs on the shared core, whose Triton kernel is chosen on CUDA.
+    kernel: ClassVar[str] = "scalar_decay"
+    backends: ClassVar[tuple] = ("triton", "torch")
 
     @dataclass(frozen=True)
     class Config:
@@ -230,8 +235,10 @@ class Mamba2(nn.Module):
             y, S_new = recurrent.step(q[:, :, 0], k[:, :, 0], v[:, :, 0], log_decay[:, :, 0], S)
             y = y[:, :, None]
         else:
+            fast = kernels.fast(self, q)  # the core's Triton kernel on CUDA
+            run = fast if fast is not None else recurrent.chunked
             chunk = cfg.chunk_size if u.device.type != "cpu" else min(cfg.chunk_size, CPU_CHUNK)
-            y, S_new = recurrent.chunked(q, k, v, log_decay, S, chunk=chunk)
+            y, S_new = run(q, k, v, log_decay, S, chunk=chunk)
         if state is not None:
             S.copy_(S_new)
         y = y.transpose(1, 2) + self.D.float()[:, None] * x  # (B, T, H, P), the D skip

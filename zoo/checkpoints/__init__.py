@@ -196,9 +196,12 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
             want = tuple(meta[zname].shape)
             if tuple(t.shape) != want:
                 shapes = ", ".join(f"{h!r} {tuple(x.shape)}" for h, x in zip(b.hf, hf_tensors))
+                hint = getattr(fmt, "shape_hint", None)  # a format may name the config field at fault
+                hint = hint(model.spec, zname, tuple(t.shape)) if callable(hint) else None
                 raise CheckpointError(
                     f"{files.directory}: tensor {shapes} gives {zname} the shape {tuple(t.shape)}, but it needs "
                     f"{want} (via {b.transform.name}); the config does not describe these weights"
+                    + (f": {hint}" if hint else "")
                 )
             target_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
             state[zname] = t.to(device=device or "cpu", dtype=target_dtype)

@@ -22,7 +22,7 @@ and ``ssm_cfg``, and read as transformers' conversion script reads it (the vocab
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 from zoo.checkpoints.format import CheckpointFormat, ConfigError, Fields
 from zoo.checkpoints.maps import rule
@@ -82,6 +82,24 @@ class Mamba2Format(CheckpointFormat):
             rule("backbone.norm_f.weight", "final_norm.weight"),
             rule("lm_head.weight", "lm_head.weight"),
         ]
+
+    def shape_hint(self, spec, zoo_name: str, shape: tuple) -> Optional[str]:
+        """The config field a mixer tensor's shape contradicts: in_proj's rows are 2 H P + 2 G N + H,
+        the convolution's channels H P + 2 G N, A_log, D and dt_bias have H entries."""
+        i = int(zoo_name.split(".")[1]) if zoo_name.startswith("layers.") else None
+        if i is None or spec.layer(i).mixer.name != "mamba2":
+            return None
+        m = spec.layer(i).mixer
+        H, P, G, N = m.n_heads, m.head_dim, m.n_groups, m.state_size
+        if zoo_name.endswith(("A_log", "D", "dt_bias")):
+            return f"the weights have num_heads = {shape[0]}, config.json says {H}"
+        rows = {"in_proj.weight": 2 * H * P + H, "conv1d.weight": H * P}
+        for name, rest in rows.items():
+            if zoo_name.endswith(name) and (shape[0] - rest) % (2 * G) == 0:
+                n = (shape[0] - rest) // (2 * G)
+                if n != N:
+                    return f"the weights have state_size = {n} (with n_groups = {G}), config.json says {N}"
+        return None
 
     def config_to_spec(self, config, *, strict=False):
         config = self.unwrap(config)[0]
