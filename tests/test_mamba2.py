@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import zoo
+import zoo.accounting
 import zoo.testing as zt
 from zoo.checkpoints import CheckpointError, ConfigError, config_to_spec
 from zoo.interfaces import ForwardContext
@@ -83,6 +84,8 @@ def test_decoding_conformance_and_the_state_is_fixed_size():
     assert sizes == [2 * 2 * 4 * (conv + ssm)] * 3  # 2 layers x batch 2 x float32, whatever the length
     assert mixer.cost(10) == mixer.cost(10_000)
     assert mixer.cost(10).state_fixed == conv + ssm and mixer.cost(10).state_per_token == 0
+    figures = zoo.accounting.account(model, context=14, batch=2, dtype="fp32")["decode_state"]
+    assert figures["bytes"] == figures["fixed_bytes"] == sizes[0] and figures["bytes_per_token"] == 0
 
 
 @torch.no_grad()
