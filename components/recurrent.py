@@ -85,12 +85,12 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: Option
     y = ((q @ k.transpose(-1, -2)) * L) @ v                 # within each chunk
     to_end = torch.exp(total[..., None] - cum)              # decay from step j to the chunk's end (<= 1)
     updates = (k * to_end[..., None]).transpose(-1, -2) @ v  # (B, H, N, Dk, Dv): each chunk's own state
+    q_carry = q * torch.exp(cum)[..., None]                 # what the state before the chunk meets
     carried = []
     for n in range(N):                                      # pass the state from chunk to chunk
-        carried.append(S)
+        carried.append(q_carry[:, :, n] @ S)
         S = torch.exp(total[:, :, n])[..., None, None] * S + updates[:, :, n]
-    before = torch.stack(carried, 2)                        # (B, H, N, Dk, Dv): state before chunk n
-    y = y + (q * torch.exp(cum)[..., None]) @ before
+    y = y + torch.stack(carried, 2)
     return y.reshape(B, H, N * C, Dv)[:, :, :T].to(out_dtype), S
 
 

@@ -650,3 +650,63 @@ def test_mixer_only_block_adds_the_mixer_of_the_normed_input_and_nothing_else():
         torch.testing.assert_close(block(x, ctx, pos), x + block.mixer(block.attn_norm(x), ctx, pos))
         block.mixer.o_proj.weight.zero_()
         torch.testing.assert_close(block(x, ctx, pos), x)
+
+# ----------------------------------------------------------------- recurrent mixers (linear attention)
+
+def _mixer(name, **cfg):
+    spec = zt.hybrid_spec(name, cfg)
+    mixer = spec.layer(0).mixer.build(d_model=spec.d_model, layer=spec.layer(0), spec=spec, index=0)
+    return mixer, spec
+
+
+@covers(("mixer", "linear_attention"))
+@pytest.mark.parametrize("decay", [None, "retnet"])
+def test_linear_attention_is_the_quadratic_form(decay):
+    """The notes' duality: ``Q (K^T V)`` carried as a state equals ``(Q K^T * D) V`` with the causal
+    decay mask ``D[t, s] = gamma^(t - s)`` (1 without decay; RetNet's gamma_h = 1 - 2^(-5 - h))."""
+    m, spec = _mixer("linear_attention", n_heads=4, head_dim=8, feature_map="elu1", decay=decay, chunk=3)
+    x, ctx, _ = zt.attention_inputs(spec, T=11)
+    B, T, _ = x.shape
+    q, k, v = (p(x).view(B, T, 4, 8).transpose(1, 2) for p in (m.q_proj, m.k_proj, m.v_proj))
+    q, k = F.elu(q) + 1, F.elu(k) + 1
+    gamma = torch.ones(4) if decay is None else 1 - 2.0 ** (-5 - torch.arange(4.0))
+    t = torch.arange(T)
+    dist = (t[:, None] - t[None, :]).float()
+    D = torch.where(dist >= 0, gamma[:, None, None] ** dist.clamp(min=0), torch.zeros(()))
+    y = ((q @ k.transpose(-1, -2)) * D) @ v
+    expected = m.o_proj(y.transpose(1, 2).reshape(B, T, 32))
+    torch.testing.assert_close(m(x, ctx, None), expected, atol=1e-5, rtol=1e-5)
+
+
+@covers(("mixer", "lightning_attention"))
+def test_lightning_attention_is_gated_normed_decayed_linear_attention():
+    """MiniMax's lightning attention: ``silu`` of one fused projection gives q, k, v per head; the
+    quadratic form with decay ``exp(-slope_h (t - s))``; RMSNorm over all heads; a sigmoid gate of
+    the input; the output projection. Slopes ``2^(-8 (h + 1) / H)`` times ``1 - i / (n - 1)`` (+1e-5)."""
+    m, spec = _mixer("lightning_attention", n_heads=4, head_dim=8, chunk=4)
+    assert spec.n_layers == 2
+    torch.testing.assert_close(m.slope, 2.0 ** (-8 * (torch.arange(4.0) + 1) / 4) * (1 + 1e-5))
+    x, ctx, _ = zt.attention_inputs(spec, T=11)
+    B, T, _ = x.shape
+    qkv = F.silu(m.qkv_proj(x)).view(B, T, 4, 24).transpose(1, 2)
+    q, k, v = qkv[..., :8], qkv[..., 8:16], qkv[..., 16:]
+    t = torch.arange(T)
+    dist = (t[:, None] - t[None, :]).float()
+    D = torch.where(dist >= 0, torch.exp(-m.slope[:, None, None] * dist.clamp(min=0)), torch.zeros(()))
+    y = (((q @ k.transpose(-1, -2)) * D) @ v).transpose(1, 2).reshape(B, T, 32)
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * m.norm.weight
+    expected = m.out_proj(torch.sigmoid(m.output_gate(x)) * y)
+    torch.testing.assert_close(m(x, ctx, None), expected, atol=1e-5, rtol=1e-5)
+
+
+@covers(("block", "scaled_residual"))
+def test_scaled_residual_block_takes_the_residual_after_the_norm():
+    """``h = a_1 N1(x) + b_1 Mixer(N1(x))``, ``y = a_2 N2(h) + b_2 FFN(N2(h))``: the stream is re-normed
+    at every block, so scaling the input changes nothing."""
+    b, spec = _block("scaled_residual", attn_alpha=1.7, attn_beta=0.6, ffn_alpha=2.2, ffn_beta=0.4)
+    x, ctx, rot = zt.attention_inputs(spec)
+    a = b.attn_norm(x)
+    h = 1.7 * a + 0.6 * b.attention(a, ctx, rot)
+    n = b.ffn_norm(h)
+    torch.testing.assert_close(b(x, ctx, rot), 2.2 * n + 0.4 * b.ffn(n))
+    torch.testing.assert_close(b(100 * x, ctx, rot), b(x, ctx, rot), atol=1e-4, rtol=1e-4)

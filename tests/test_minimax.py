@@ -138,3 +138,13 @@ def test_absent_fields_take_transformers_defaults():
     same_as_transformers(config)
     spec = config_to_spec(config)
     assert [spec.layer(i).mixer.name for i in range(4)] == ["attention", "lightning_attention"] * 2
+
+
+def test_specs_minimax_cannot_hold_are_refused_on_saving(pair, tmp_path):
+    _, ours = pair
+    for over, message in (({"layers.linear.block.attn_beta": 0.3, "layers.full.block.ffn_beta": 0.2}, "mlp_beta_factor"),
+                          ({"layers.linear.mixer.norm_eps": 1e-5}, "eps"),
+                          ({"layers.linear.ffn.d_ff": 40}, "one ffn")):
+        spec = ours.spec.with_overrides(over)
+        with pytest.raises(ValueError, match=message):
+            zoo.checkpoints.format.get_format("minimax").spec_to_config(spec)

@@ -113,42 +113,48 @@ class MiniMax(Mixtral):
 
     # -- spec -> config -------------------------------------------------------------------------
     def spec_to_config(self, spec):
-        types = [LINEAR if spec.layer(i).mixer.name == "lightning_attention" else FULL for i in range(spec.n_layers)]
+        n = spec.n_layers
+        mixers = [spec.layer(i).mixer for i in range(n)]
+        for i, m in enumerate(mixers):
+            if m.name not in ("attention", "lightning_attention"):
+                raise ValueError(f"minimax's layers are 'attention' or 'lightning_attention'; layer {i} is {m.name!r}")
+        types = [LINEAR if m.name == "lightning_attention" else FULL for m in mixers]
         if FULL not in types:
             raise ValueError("minimax needs at least one softmax-attention layer (it holds the attention fields)")
-        full = spec.layers[spec.layer_kind(types.index(FULL))]
-        cfg: dict[str, Any] = {}
-        for t in dict.fromkeys(types):
-            kinds = {spec.layer_kind(i) for i in range(spec.n_layers) if types[i] == t}
-            blocks = {repr(spec.layers[k].block) for k in kinds}
-            block = spec.layers[kinds.pop()].block
-            if block.name != "scaled_residual" or len(blocks) > 1:
-                raise ValueError(f"minimax's {t} layers share one scaled_residual block (got {', '.join(blocks)})")
-            cfg.update({v: block.config.__dict__[k] for k, v in {**ALPHAS[t], **MLP_ALPHAS}.items()})
+        scales: dict[str, set] = {}
+        for i in range(n):
+            block = spec.layer(i).block
+            if block.name != "scaled_residual":
+                raise ValueError(f"minimax's layers use the 'scaled_residual' block; layer {i} uses {block.name!r}")
+            for k, v in {**ALPHAS[types[i]], **MLP_ALPHAS}.items():
+                scales.setdefault(v, set()).add(getattr(block, k))
+        for field, values in scales.items():
+            if len(values) > 1:
+                raise ValueError(f"minimax has one {field} for its layers; the spec has {sorted(values)}")
+        for what in ("ffn", "norm"):
+            if len({repr(getattr(spec.layer(i), what)) for i in range(n)}) > 1:
+                raise ValueError(f"minimax has one {what} for every layer (its config has one set of fields for it)")
+        # Mixtral's writer sees the softmax-attention layers only (the lightning ones share their fields).
         data = spec.to_dict()
-        view = {**data["layers"][spec.layer_kind(types.index(FULL))], "block": {"name": "serial"}}
-        data["layers"] = {"default": view}
+        data["layers"] = {"default": {**data["layers"][spec.layer_kind(types.index(FULL))], "block": {"name": "serial"}}}
         data["layer_pattern"] = ["default"]
-        mlp = {v: cfg.pop(v) for v in MLP_ALPHAS.values()}
-        if len({repr(spec.layer(i).block.config.ffn_alpha) + repr(spec.layer(i).block.config.ffn_beta)
-                for i in range(spec.n_layers)}) > 1:
-            raise ValueError("minimax has one mlp_alpha_factor / mlp_beta_factor for every layer")
         out = super().spec_to_config(ModelSpec.from_dict(data))
-        lightning = next((spec.layer(i).mixer for i, t in enumerate(types) if t == LINEAR), None)
-        out.update(cfg, **mlp, layer_types=types)
-        out["block_size"] = lightning.chunk if lightning is not None else self.defaults["block_size"]
-        for i, t in enumerate(types):
-            m = spec.layer(i).mixer
-            if t == LINEAR and ((m.n_heads, m.head_dim or spec.d_model // m.n_heads)
-                                != (out["num_attention_heads"], out["head_dim"])):
+        out.update({field: values.pop() for field, values in scales.items()}, layer_types=types)
+        chunks = {m.chunk for m in mixers if m.name == "lightning_attention"}
+        out["block_size"] = chunks.pop() if len(chunks) == 1 else self.defaults["block_size"] if not chunks else None
+        for i, m in enumerate(mixers):
+            if m.name != "lightning_attention":
+                continue
+            if (m.n_heads, m.head_dim or spec.d_model // m.n_heads) != (out["num_attention_heads"], out["head_dim"]):
                 raise ValueError(f"minimax's lightning layers have the softmax layers' heads and head_dim "
                                  f"({out['num_attention_heads']} x {out['head_dim']}); layer {i} has {m.n_heads} x {m.head_dim}")
-            if t == LINEAR and activation_name(m.activation) != out[self.act_key]:
+            if activation_name(m.activation) != out[self.act_key]:
                 raise ValueError(f"minimax's lightning layers use the experts' activation {out[self.act_key]!r} "
                                  f"({self.act_key}); layer {i} uses {activation_name(m.activation)!r}")
-            if t == LINEAR and (m.norm_eps != LIGHTNING_NORM_EPS or m.chunk != out["block_size"]):
+            if m.norm_eps != LIGHTNING_NORM_EPS or m.chunk != out["block_size"]:
                 raise ValueError(f"minimax's lightning layers share one block_size and have output-norm eps "
                                  f"{LIGHTNING_NORM_EPS}; layer {i} has chunk {m.chunk}, norm_eps {m.norm_eps}")
         return out
+
 
 FORMATS = [MiniMax()]
