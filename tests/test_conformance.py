@@ -651,6 +651,7 @@ def test_mixer_only_block_adds_the_mixer_of_the_normed_input_and_nothing_else():
         block.mixer.o_proj.weight.zero_()
         torch.testing.assert_close(block(x, ctx, pos), x)
 
+
 # ----------------------------------------------------------------- recurrent mixers (linear attention)
 
 def _mixer(name, **cfg):
