@@ -4,7 +4,8 @@ import importlib
 
 from zoo.hookspecs import hookimpl
 
-MODULES = ("stability", "norms", "activations", "ffn", "positions", "rope_scaling", "attention", "blocks", "moe", "kernels", "mla", "linear_attention", "dsa")
+MODULES = ("stability", "norms", "activations", "ffn", "positions", "rope_scaling", "attention", "blocks", "moe", "kernels",
+           "mla", "dsa", "linear_attention", "mamba2")
 
 
 @hookimpl

@@ -51,6 +51,9 @@ CONFIGS = {
     ],
     ("router", "sigmoid_group"): [{"n_groups": 4, "topk_group": 2}],
     ("router", "greedy_group"): [{"n_groups": 4, "topk_group": 2}],
+    ("mixer", "mamba2"): [{"n_heads": 4, "head_dim": 8, "state_size": 8, "chunk_size": 4},
+                          {"n_heads": 4, "head_dim": 8, "state_size": 8, "n_groups": 2, "chunk_size": 3, "bias": True,
+                           "conv_bias": False, "dt_limit_max": 0.2}],
     # A multimodal gemma3 checkpoint: its text model under text_config.
     ("checkpoint_format", "gemma3"): [{"text_config": zoo.get("checkpoint_format", "gemma3_text").tiny}],
 }
@@ -662,6 +665,53 @@ def test_dsa_attends_only_to_the_keys_its_indexer_picks():
             values = torch.einsum("btc,hvc->bthv", c[:, 0], w_uv)  # (B, T, H, v) each key's values
             picked = values[torch.arange(2)[:, None], first]  # (B, T, H, v)
             torch.testing.assert_close(out, dsa.o_proj(picked.flatten(2)), atol=1e-5, rtol=1e-5)
+
+
+# -------------------------------------------------------------------------------------- Mamba-2
+
+@covers(("mixer", "mamba2"))
+def test_mamba2_is_its_quadratic_ssd_form_by_hand():
+    """The SSD duality: y = (C B^T * L) (x dt) + D x with L[t, s] = exp(A * (dt_{s+1} + ... + dt_t)) for
+    s <= t, after a causal depthwise convolution (F.conv1d here), before the gated group RMSNorm."""
+    cfg = {"n_heads": 4, "head_dim": 8, "state_size": 8, "n_groups": 2, "chunk_size": 3, "bias": True}
+    spec = zt.tiny_spec_with("mixer", "mamba2", cfg)
+    m = spec.layer(0).mixer.build(d_model=32, layer=spec.layer(0), spec=spec, index=0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    x = torch.randn(2, 10, 32)
+    ctx = zt.ForwardContext(position_ids=torch.arange(10).expand(2, 10), slots=torch.arange(10))
+    with torch.no_grad():
+        H, P, N, G, T = 4, 8, 8, 2, 10
+        z, xBC, dt = m.in_proj(x).split([H * P, H * P + 2 * G * N, H], -1)
+        xBC = F.silu(F.conv1d(xBC.transpose(1, 2), m.conv1d.weight, m.conv1d.bias, padding=3, groups=xBC.shape[-1])[..., :T])
+        u, Bm, Cm = xBC.transpose(1, 2).split([H * P, G * N, G * N], -1)
+        dt = F.softplus(dt + m.dt_bias)
+        A = -torch.exp(m.A_log)
+        u, Bm, Cm = u.view(2, T, H, P), Bm.view(2, T, G, N), Cm.view(2, T, G, N)
+        y = torch.zeros(2, T, H, P)
+        for h in range(H):
+            g = h // (H // G)
+            cum = torch.cumsum(dt[..., h] * A[h], -1)  # (2, T)
+            L = torch.exp(cum[:, :, None] - cum[:, None, :]).tril()
+            scores = (Cm[:, :, g] @ Bm[:, :, g].transpose(1, 2)) * L
+            y[:, :, h] = scores @ (u[:, :, h] * dt[..., h, None]) + m.D[h] * u[:, :, h]
+        y = y.reshape(2, T, H * P) * F.silu(z)
+        y = y.view(2, T, G, -1)
+        y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5)).view(2, T, -1) * m.norm.weight
+        torch.testing.assert_close(m(x, ctx, None), m.out_proj(y), atol=1e-5, rtol=1e-5)
+
+
+@covers(("block", "mixer_only"))
+def test_mixer_only_block_adds_the_mixer_of_the_normed_input_and_nothing_else():
+    spec = zt.tiny_spec_with("block", "mixer_only")
+    block = spec.layer(0).block.build(spec=spec, layer=spec.layer(0), index=0)
+    assert not any(n.startswith("ffn") for n, _ in block.named_parameters())
+    x, ctx, pos = zt.attention_inputs(spec)
+    with torch.no_grad():
+        torch.testing.assert_close(block(x, ctx, pos), x + block.mixer(block.attn_norm(x), ctx, pos))
+        block.mixer.o_proj.weight.zero_()
+        torch.testing.assert_close(block(x, ctx, pos), x)
 
 
 # ----------------------------------------------------------------- recurrent mixers (linear attention)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import zoo
-from zoo.checkpoints import ConfigError, config_to_spec, ignored_fields
+from zoo.checkpoints import ConfigError, config_to_spec, get_format, ignored_fields
+from zoo.checkpoints.format import layout_of
 
 CONFIGS = sorted((Path(__file__).parent / "data" / "configs").glob("*.json"))
 transformers = pytest.importorskip("transformers")
@@ -23,12 +24,20 @@ def load(path: Path) -> dict:
     return config
 
 
+def model_type_of(config: dict) -> str:
+    """The model_type, or for a config in a layout of its own (mamba_ssm's, without one) the format
+    that recognises it."""
+    return config.get("model_type") or layout_of(config)
+
+
 def needs_format(config: dict) -> None:
-    if config["model_type"] not in zoo.list_components("checkpoint_format"):
-        pytest.skip(f"no {config['model_type']} format installed (a plugin provides it)")
+    if model_type_of(config) not in zoo.list_components("checkpoint_format"):
+        pytest.skip(f"no {model_type_of(config)} format installed (a plugin provides it)")
 
 
 def hf_text_config(config: dict):
+    if "model_type" not in config:  # mamba_ssm's layout: transformers reads what its conversion script writes
+        config = get_format(model_type_of(config)).unwrap(config)[0]
     hc = transformers.AutoConfig.for_model(**config)
     return hc.text_config if config["model_type"] == "gemma3" else hc
 
@@ -40,7 +49,7 @@ NOT_STORED_YET = {"minimax": "MiniMaxAI/MiniMax-Text-01-hf"}
 
 
 def test_every_supported_model_type_has_a_released_config():
-    have = {load(p)["model_type"] for p in CONFIGS}
+    have = {model_type_of(load(p)) for p in CONFIGS}
     # zoo's own formats and the example plugins' (a test may have loaded a test-only plugin's too).
     plugins = zoo.manager().plugins
     shipped = {e.name for e in zoo.manager().registry("checkpoint_format").entries()
@@ -65,7 +74,8 @@ def same_as_transformers(config: dict) -> None:
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(hc)
     assert model.num_parameters() == sum(p.numel() for p in hf.parameters())
-    assert spec.max_seq_len == hc.max_position_embeddings
+    if hasattr(hc, "max_position_embeddings"):  # recurrent models (mamba2) have no such limit
+        assert spec.max_seq_len == hc.max_position_embeddings
     window = getattr(hc, "sliding_window", None)
     types = getattr(hc, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * hc.num_hidden_layers
     want = [window if t == "sliding_attention" else None for t in types]
@@ -100,7 +110,7 @@ SIZES = ("vocab_size", "hidden_size", "n_embd", "intermediate_size", "num_hidden
          "num_attention_heads", "n_head")
 
 
-@pytest.mark.parametrize("model_type", sorted({load(p)["model_type"] for p in CONFIGS} - {"gemma3"}))
+@pytest.mark.parametrize("model_type", sorted({model_type_of(load(p)) for p in CONFIGS} - {"gemma3"}))
 def test_absent_fields_take_transformers_defaults(model_type):
     # Only the sizes given: heads, head_dim, windows, context and eps come from the config class.
     needs_format({"model_type": model_type})
@@ -114,7 +124,7 @@ def test_absent_fields_take_transformers_defaults(model_type):
 def test_fields_transformers_declares_are_read_and_the_rest_kept(path):
     config = load(path)
     needs_format(config)
-    model_type = config["model_type"] if config["model_type"] != "gemma3" else "gemma3_text"
+    model_type = model_type_of(config) if model_type_of(config) != "gemma3" else "gemma3_text"
     declared = {f.name for f in dataclasses.fields(transformers.CONFIG_MAPPING[model_type])}
     ignored = ignored_fields(config)
     assert not set(ignored) & declared  # each one transformers reads, zoo reads (or refuses)
@@ -169,3 +179,22 @@ def test_rope_values_are_typed_and_a_config_is_an_object():
     gemma3 = load(CONFIGS[0].parent / "google--gemma-3-4b-pt.json")
     with pytest.raises(ConfigError, match="'text_config'.*JSON object"):
         config_to_spec({**gemma3, "text_config": [1]})
+
+
+def test_mamba2_configs_read_as_released():
+    """mamba_ssm's own layout (state-spaces/mamba2-2.7b): every field read, the vocabulary padded to
+    the multiple, the mixer's settings mamba_ssm's defaults; Mamba-Codestral's transformers config:
+    its Infinity time-step limit and the fields transformers 5.23 no longer declares, kept."""
+    layout = load(CONFIGS[0].parent / "state-spaces--mamba2-2.7b.json")
+    spec = config_to_spec(layout)
+    assert ignored_fields(layout) == []
+    mixer = spec.layer(0).mixer
+    assert (spec.vocab_size, mixer.n_heads, mixer.head_dim, mixer.state_size, mixer.n_groups) == (50288, 80, 64, 128, 1)
+    assert spec.head.tied and mixer.dt_limit_max is None and spec.position.name == "nope"
+    codestral = load(CONFIGS[0].parent / "mistralai--Mamba-Codestral-7B-v0.1.json")
+    assert codestral["time_step_limit"][1] == float("inf")
+    assert config_to_spec(codestral).layer(0).mixer.dt_limit_max is None
+    assert ignored_fields(codestral) == ["intermediate_size", "norm_before_gate", "rms_norm",
+                                         "time_step_init_scheme", "time_step_scale"]
+    for preset, config in (("mamba2-2.7b", layout), ("mamba-codestral-7b", codestral)):
+        assert zoo.recipes.get_spec(preset).with_overrides({"label": None}) == config_to_spec(config)

@@ -257,7 +257,7 @@ def components(model_or_name: Any, overrides: Optional[dict[str, Any]] = None) -
             (prefix + "mixer", render(ls.mixer)),
         ]
         rows += [(prefix + key, str(value)) for key, value in _facts(layer.attention).items() if value is not None]
-        rows.append((prefix + "ffn", render(ls.ffn)))
+        rows.append((prefix + "ffn", render(ls.ffn) if layer.ffn is not None else "none (the block has none)"))
         for key, value in _facts(layer.ffn).items():
             if key == "d_ff" and value:
                 value = f"{value} ({value / spec.d_model:.3g} x d_model)"

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from zoo.checkpoints.format import CheckpointError, CheckpointFormat, ConfigError, collect_ignored, get_format
+from zoo.checkpoints.format import CheckpointError, CheckpointFormat, ConfigError, collect_ignored, get_format, layout_of
 from zoo.checkpoints.hub import resolve
 from zoo.checkpoints.io import WeightFiles, reading, regular_file, replace_checkpoint, write_shards
 from zoo.checkpoints.maps import bind
@@ -56,7 +56,7 @@ def _format_and_config(config: dict[str, Any]) -> tuple[CheckpointFormat, dict[s
         raise ConfigError("config", f"must be a JSON object, got {type(config).__name__}")
     read_quantization(config)  # a quantization zoo cannot read is refused by name
     config = without_quantization(config)  # the architecture is the unquantized model's
-    fmt = get_format(config.get("model_type"))
+    fmt = get_format(config.get("model_type") or layout_of(config))
     inner, renames = fmt.unwrap(config)
     if inner is not config:
         fmt = get_format(inner.get("model_type") or fmt.model_type)
@@ -209,9 +209,12 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
             want = tuple(meta[zname].shape)
             if tuple(t.shape) != want:
                 shapes = ", ".join(f"{h!r} {tuple(x.shape)}" for h, x in zip(b.hf, hf_tensors))
+                hint = getattr(fmt, "shape_hint", None)  # a format may name the config field at fault
+                hint = hint(model.spec, zname, tuple(t.shape)) if callable(hint) else None
                 raise CheckpointError(
                     f"{files.directory}: tensor {shapes} gives {zname} the shape {tuple(t.shape)}, but it needs "
                     f"{want} (via {b.transform.name}); the config does not describe these weights"
+                    + (f": {hint}" if hint else "")
                 )
             target_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
             state[zname] = t.to(device=device or "cpu", dtype=target_dtype)

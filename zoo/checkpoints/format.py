@@ -222,6 +222,16 @@ def _format_check(obj: Any) -> list[str]:
     return missing
 
 
+def layout_of(config: dict[str, Any]) -> Optional[str]:
+    """The format of a config.json that has no ``model_type`` but a layout some format recognises
+    (its ``recognises(config)``: ``mamba_ssm``'s own configs, say), or None."""
+    for name in _registry.registry("checkpoint_format").names():
+        recognises = getattr(_registry.get("checkpoint_format", name), "recognises", None)
+        if callable(recognises) and recognises(config):
+            return name
+    return None
+
+
 def get_format(model_type: Optional[str]) -> CheckpointFormat:
     if not model_type:
         raise CheckpointError("config.json has no 'model_type': zoo cannot tell which format it is")

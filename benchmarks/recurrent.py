@@ -1,0 +1,155 @@
+"""Recurrent mixers, zoo against transformers' pure-torch path, side by side in one process on the same
+random-weight checkpoint (written by transformers, loaded by zoo), float32, the same threads. Runs are
+interleaved; medians are reported.
+
+- prefill: tokens/s of one forward over ``--prefill`` tokens (target: zoo >= 1.5x transformers);
+- decode: tokens/s of ``--decode`` single-token steps after a prefill of each ``--contexts`` length
+  (target: flat in the context, as the state is of fixed size).
+
+    python benchmarks/recurrent.py                       # the Mamba-2-shaped case, a few minutes
+    python benchmarks/recurrent.py --case mamba2 --prefill 4096 --contexts 1024 4096 16384
+    python benchmarks/recurrent.py --json out.json
+
+Each case is its own function in CASES (building the pair of models); the timing is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def mamba2(args, directory):
+    """A small Mamba-2 (4 layers, d_model 512, 16 heads x 64, state 64, 1 group, chunks of 256): the
+    layout of state-spaces/mamba2-* at a CPU-friendly width."""
+    import transformers
+
+    cfg = transformers.Mamba2Config(vocab_size=args.vocab, hidden_size=512, num_hidden_layers=args.layers,
+                                    num_heads=16, head_dim=64, expand=2, state_size=64, n_groups=1, chunk_size=256,
+                                    tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf = transformers.Mamba2ForCausalLM(cfg).eval()
+    hf.save_pretrained(directory)
+    return hf
+
+
+CASES = {"mamba2": mamba2}
+
+
+def hf_step(hf):
+    """transformers' forward with its cache: (ids, cache) -> (logits, cache)."""
+
+    def run(ids, cache):
+        out = hf(ids, cache_params=cache, past_key_values=cache, use_cache=True)
+        cache = getattr(out, "cache_params", None) or getattr(out, "past_key_values", None)
+        return out.logits, cache
+
+    return run
+
+
+def zoo_step(model):
+    def run(ids, state):
+        state = model.new_state(ids.shape[0]) if state is None else state
+        return model(ids, state=state), state
+
+    return run
+
+
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def measure(args, hf, ours) -> dict:
+    V = args.vocab
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (1, max([args.prefill, *args.contexts]) + args.decode), generator=gen)
+    runs = {"zoo": zoo_step(ours), "transformers": hf_step(hf)}
+    with torch.no_grad():
+        a, b = (runs[k](ids[:, :512], None)[0] for k in ("zoo", "transformers"))
+        diff = (a - b).abs().max().item()
+    result = {"max_logit_diff_512": diff, "max_logit_512": b.abs().max().item(), "prefill": {}, "decode": {}}
+
+    prefill = {k: [] for k in runs}
+    with torch.no_grad():
+        for _ in range(args.repeat):
+            for name, run in runs.items():
+                prefill[name].append(timed(lambda: run(ids[:, : args.prefill], None))[0])
+    for name, times in prefill.items():
+        result["prefill"][name] = args.prefill / statistics.median(times)
+
+    # Decode: a state per (model, context) prefilled once, then the contexts and models interleaved, each
+    # run continuing its own state (so a slow spell of the machine hits every context alike).
+    live, rates, tokens = {}, {}, {}
+    with torch.no_grad():
+        for ctx in args.contexts:
+            for name, run in runs.items():
+                logits, state = run(ids[:, :ctx], None)
+                live[name, ctx] = [logits[:, -1:].argmax(-1), state]
+        for rep in range(args.repeat):
+            for ctx in args.contexts:
+                for name, run in runs.items():
+                    slot, out = live[name, ctx], []
+
+                    def decode():
+                        for _ in range(args.decode):
+                            logits, slot[1] = run(slot[0], slot[1])
+                            slot[0] = logits[:, -1:].argmax(-1)
+                            out.append(slot[0])
+
+                    rates.setdefault((name, ctx), []).append(args.decode / timed(decode)[0])
+                    if rep == 0:
+                        tokens[name, ctx] = torch.cat(out, 1)
+    for ctx in args.contexts:
+        result["decode"][ctx] = {name: statistics.median(rates[name, ctx]) for name in runs}
+        result["decode"][ctx]["same_tokens"] = bool(torch.equal(tokens["zoo", ctx], tokens["transformers", ctx]))
+    return result
+
+
+def report(case, r) -> None:
+    z, t = r["prefill"]["zoo"], r["prefill"]["transformers"]
+    print(f"[{case}] logits at 512 tokens: max |diff| {r['max_logit_diff_512']:.2e} (largest |logit| "
+          f"{r['max_logit_512']:.1f})")
+    print(f"[{case}] prefill tok/s  zoo {z:8.1f}  transformers {t:8.1f}  ratio {z / t:5.2f}x")
+    for ctx, d in r["decode"].items():
+        z, t = d["zoo"], d["transformers"]
+        print(f"[{case}] decode after {ctx:6d}: tok/s zoo {z:7.1f}  transformers {t:7.1f}  ratio {z / t:5.2f}x"
+              f"  greedy tokens equal: {d['same_tokens']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--case", choices=sorted(CASES), nargs="*", default=sorted(CASES))
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--prefill", type=int, default=4096)
+    ap.add_argument("--contexts", type=int, nargs="*", default=[1024, 4096, 16384])
+    ap.add_argument("--decode", type=int, default=32, help="tokens decoded after each context")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    import zoo
+
+    results = {}
+    for case in args.case:
+        with tempfile.TemporaryDirectory() as d:
+            hf = CASES[case](args, d)
+            ours = zoo.from_pretrained(d, progress=False)
+        results[case] = measure(args, hf, ours)
+        report(case, results[case])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
