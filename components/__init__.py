@@ -4,7 +4,7 @@ import importlib
 
 from zoo.hookspecs import hookimpl
 
-MODULES = ("stability", "norms", "activations", "ffn", "positions", "rope_scaling", "attention", "blocks", "moe", "kernels")
+MODULES = ("stability", "norms", "activations", "ffn", "positions", "rope_scaling", "attention", "blocks", "moe", "kernels", "gated_deltanet")
 
 
 @hookimpl
