@@ -181,10 +181,9 @@ class GatedDeltaNet(Mixer):
 
     @staticmethod
     def shrink(cfg, *, head_dim: int = 8, **_) -> dict:
-        """4 value heads of ``head_dim``, 2 key heads when the model groups them, chunks of 4 tokens."""
+        """4 value heads of ``head_dim``, 2 key heads when the model groups them."""
         grouped = cfg.n_key_heads is not None and cfg.n_key_heads != cfg.n_heads
-        return {"n_heads": 4, "n_key_heads": 2 if grouped else None, "key_dim": head_dim, "value_dim": head_dim,
-                "chunk_size": 4}
+        return {"n_heads": 4, "n_key_heads": 2 if grouped else None, "key_dim": head_dim, "value_dim": head_dim}
 
     def __init__(self, cfg, *, d_model: int, layer=None, spec=None, index: int = 0):
         super().__init__()

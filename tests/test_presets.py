@@ -63,8 +63,13 @@ def shrink(name: str) -> zoo.Decoder:
     spec = zoo.get_spec(name)
     over = {"d_model": 64, "vocab_size": 128, "max_seq_len": 64, "n_layers": max(2, len(spec.layer_pattern))}
     for kind, layer in spec.layers.items():
+        if layer.ffn.d_ff is not None:
+            over[f"layers.{kind}.ffn.d_ff"] = 96
         att = layer.attention
         base = f"layers.{kind}.attention"
+        if layer.mixer.name != "attention":  # a recurrent mixer shrinks itself
+            over.update({f"{base}.{k}": v for k, v in layer.mixer.cls.shrink(att.config).items()})
+            continue
         kv = att.n_kv_heads
         over[f"{base}.n_heads"] = 4
         over[f"{base}.n_kv_heads"] = None if kv is None else (1 if kv == 1 else 2)
@@ -74,8 +79,6 @@ def shrink(name: str) -> zoo.Decoder:
             over[f"{base}.window"] = 8
         if att.scale_dim is not None:
             over[f"{base}.scale_dim"] = 20.0
-        if layer.ffn.d_ff is not None:
-            over[f"layers.{kind}.ffn.d_ff"] = 96
     if spec.embedding.padded_vocab_size is not None:
         over["embedding.padded_vocab_size"] = 136
     return zoo.build(name, overrides=over, seed=0)

@@ -59,7 +59,10 @@ def same_as_transformers(config: dict) -> None:
     window = getattr(hc, "sliding_window", None)
     types = getattr(hc, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * hc.num_hidden_layers
     want = [window if t == "sliding_attention" else None for t in types]
-    assert [spec.layer(i).attention.window for i in range(spec.n_layers)] == want
+    assert [getattr(spec.layer(i).mixer.config, "window", None) for i in range(spec.n_layers)] == want
+    if "linear_attention" in types:  # recurrent layers (Qwen3-Next's Gated DeltaNet) where transformers has them
+        assert [spec.layer(i).mixer.name != "attention" for i in range(spec.n_layers)] == [
+            t == "linear_attention" for t in types]
     params = getattr(hc, "rope_parameters", None)
     for i, t in enumerate(types if params else []):  # each layer's RoPE as transformers sets it up
         p = params[t] if isinstance(params.get(t), dict) else params

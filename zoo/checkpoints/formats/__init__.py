@@ -4,7 +4,7 @@ import importlib
 
 from zoo.hookspecs import hookimpl
 
-MODULES = ("llama", "moe", "gpt2", "gpt_neox", "gptj", "falcon")
+MODULES = ("llama", "moe", "gpt2", "gpt_neox", "gptj", "falcon", "qwen3_next")
 
 
 @hookimpl
