@@ -13,9 +13,9 @@ training and prefill: within a chunk of ``C`` tokens the updates are condensed b
 so the only loop is over chunks and the cost is O(T * C). Both are written after transformers'
 ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` and compute in float32.
 
-Around the core: one projection gives q, k, v and the output gate z (grouped per key head, the
-layout Qwen3-Next stores: for each key head its q, k, then its value heads' v and z), another
-gives b and a; q, k and v pass a short causal depthwise convolution with SiLU; there are
+Around the core: one projection gives q, k, v and the output gate z (``in_proj_qkvz``, rows
+``[q | k | v | z]``, each head after head; Qwen3-Next's checkpoints group them per key head, which
+the format's ``grouped_qkvz`` transform reorders), another gives b and a (``[b | a]``); q, k and v pass a short causal depthwise convolution with SiLU; there are
 ``n_heads`` value heads served by ``n_key_heads`` key heads (each key head serves
 ``n_heads / n_key_heads`` consecutive value heads); the output is RMS-normalised per head, then
 multiplied by ``silu(z)`` (norm, then gate), and projected back.
@@ -147,9 +147,10 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x, z):
         dtype = x.dtype
-        h = x.float()
+        f32 = torch.promote_types(dtype, torch.float32)
+        h = x.to(f32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h.to(dtype) * F.silu(z.float())).to(dtype)
+        return (self.weight * h.to(dtype) * F.silu(z.to(f32))).to(dtype)
 
 
 @register("mixer", "gated_deltanet")
@@ -230,29 +231,28 @@ class GatedDeltaNet(Mixer):
         B, T, _ = x.shape
         Hv, Hk, Dk, Dv = self.n_heads, self.n_key_heads, self.cfg.key_dim, self.cfg.value_dim
         r = Hv // Hk
+        f32 = torch.promote_types(x.dtype, torch.float32)  # the recurrence runs in float32 at least
         if ctx.key_mask is not None:  # padding writes nothing: its inputs are zeros
             x = x * ctx.key_mask[:, ctx.slots][..., None].to(x.dtype)
-        q, k, v, z = self.in_proj_qkvz(x).view(B, T, Hk, -1).split([Dk, Dk, r * Dv, r * Dv], -1)
-        b, a = self.in_proj_ba(x).view(B, T, Hk, 2 * r).split([r, r], -1)
-        mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], -1).transpose(1, 2)
+        mixed, z = self.in_proj_qkvz(x).split([self.conv_dim, Hv * Dv], -1)
+        b, a = self.in_proj_ba(x).split([Hv, Hv], -1)
         state = ctx.state.layers[self.index] if ctx.state is not None else None
-        mixed = F.silu(self._conv(mixed, state)).transpose(1, 2)  # (B, T, channels)
-        q, k, v = mixed.split([Hk * Dk, Hk * Dk, Hv * Dv], -1)
-        q = l2norm(q.reshape(B, T, Hk, Dk).transpose(1, 2).float()) * Dk ** -0.5
-        k = l2norm(k.reshape(B, T, Hk, Dk).transpose(1, 2).float())
-        if r > 1:
+        mixed = F.silu(self._conv(mixed.transpose(1, 2), state))  # (B, channels, T)
+        q, k, v = (t.unflatten(1, (-1, d)).transpose(-1, -2).to(f32)  # (B, heads, T, d)
+                   for t, d in zip(mixed.split([Hk * Dk, Hk * Dk, Hv * Dv], 1), (Dk, Dk, Dv)))
+        q, k = l2norm(q) * Dk ** -0.5, l2norm(k)
+        if r > 1:  # each key head serves r consecutive value heads
             q, k = q.repeat_interleave(r, 1), k.repeat_interleave(r, 1)
-        v = v.reshape(B, T, Hv, Dv).transpose(1, 2).float()
-        beta = b.reshape(B, T, Hv).transpose(1, 2).float().sigmoid()
-        g = (-self.A_log.float().exp() * F.softplus(a.reshape(B, T, Hv).float() + self.dt_bias)).transpose(1, 2)
-        S0 = state.get(B)[1].float() if state is not None else None
+        beta = b.transpose(1, 2).to(f32).sigmoid()
+        g = (-self.A_log.to(f32).exp() * F.softplus(a.to(f32) + self.dt_bias)).transpose(1, 2)
+        S0 = state.get(B)[1].to(f32) if state is not None else None
         if state is not None and T == 1:
             y, S = recurrent_gated_delta_rule(q, k, v, g, beta, S0)
         else:
             y, S = chunk_gated_delta_rule(q, k, v, g, beta, S0, self.cfg.chunk_size)
         if state is not None:
             state.S.copy_(S)
-        y = self.norm(y.transpose(1, 2).to(x.dtype), z.reshape(B, T, Hv, Dv))
+        y = self.norm(y.transpose(1, 2).to(x.dtype), z.view(B, T, Hv, Dv))
         return self.out_proj(y.reshape(B, T, Hv * Dv))
 
     def _conv(self, mixed, state):

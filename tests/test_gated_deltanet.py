@@ -120,14 +120,38 @@ def test_the_tiny_config_reaches_every_kind_of_layer(tiny):
     assert model.num_parameters() == sum(p.numel() for p in hf.parameters())
 
 
-def test_logits_match_transformers_in_fp32(tiny):
+def test_every_layer_matches_transformers_layer_in_fp32(tiny):
+    """Each decoder layer, given the same input (the one zoo's model gives it), computes what
+    transformers' layer computes, to 1e-5, on hidden states of up to ~50."""
     hf, model, _ = tiny
     ids = torch.randint(0, 128, (2, T_LONG), generator=torch.Generator().manual_seed(0))
+    seen = []
+    hooks = [layer.register_forward_hook(lambda m, a, out: seen.append((a[0], out))) for layer in model.layers]
     with torch.no_grad():
-        want = hf(ids).logits
-        got = model(ids)
-    assert want.abs().max() > 1.0
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        model(ids)
+        for h in hooks:
+            h.remove()
+        rope = hf.model.rotary_emb(seen[0][0], torch.arange(T_LONG)[None])
+        causal = torch.full((T_LONG, T_LONG), float("-inf")).triu(1)[None, None]  # for the eager attention
+        for i, (x, out) in enumerate(seen):
+            mask = causal if hf.config.layer_types[i] == "full_attention" else None
+            want = hf.model.layers[i](x, position_embeddings=rope, attention_mask=mask)
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+
+
+def test_logits_match_transformers_in_fp32(tiny):
+    """End to end, this random model amplifies float32 rounding (the DeltaNet L2-normalises nearly
+    zero queries and keys): transformers' own float32 logits are 3e-4 to 1e-3 from a float64 run.
+    zoo's agree with transformers' to 3e-4 and are no further from the float64 run than they are."""
+    hf, model, path = tiny
+    exact = zoo.from_pretrained(path, dtype=torch.float64).eval()
+    for seed in (0, 4):
+        ids = torch.randint(0, 128, (2, T_LONG), generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            want, got, truth = hf(ids).logits, model(ids), exact(ids)
+        assert want.abs().max() > 1.0
+        torch.testing.assert_close(got, want, atol=3e-4, rtol=0)
+        assert (got - truth).abs().max() <= 1.1 * (want - truth).abs().max()
 
 
 def test_greedy_decoding_matches_transformers(tiny):
@@ -152,22 +176,22 @@ def assert_states_equal(model, state, cache):
     for i, layer in enumerate(cache.layers):
         mine = state.layers[i]
         if model.spec.layer(i).mixer.name == "gated_deltanet":
-            torch.testing.assert_close(mine.S, layer.recurrent_states[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(mine.S, layer.recurrent_states[0], atol=1e-4, rtol=0)
             K = layer.conv_states[0].shape[-1]
-            torch.testing.assert_close(mine.conv, layer.conv_states[0][..., 1:], atol=1e-5, rtol=0)
+            torch.testing.assert_close(mine.conv, layer.conv_states[0][..., 1:], atol=1e-4, rtol=0)
             assert mine.conv.shape[-1] == K - 1
         else:
             n = mine.filled
-            torch.testing.assert_close(mine.k[:, :, :n], layer.keys, atol=1e-5, rtol=0)
-            torch.testing.assert_close(mine.v[:, :, :n], layer.values, atol=1e-5, rtol=0)
+            torch.testing.assert_close(mine.k[:, :, :n], layer.keys, atol=1e-4, rtol=0)
+            torch.testing.assert_close(mine.v[:, :, :n], layer.values, atol=1e-4, rtol=0)
 
 
 def test_decode_states_equal_transformers_cache_also_with_several_new_tokens(tiny):
     """Prefill 66 tokens (two of transformers' chunks), feed 3 tokens at once onto the state, then
     one at a time. transformers handles several new tokens on a cache correctly here (its chunked
-    form starts from the cached state and its convolution from the cached window): logits (to 1e-5,
-    absolute and relative: the hidden states reach 50, where float32 rounding alone is ~5e-6) and
-    states agree with zoo's at every step, and both agree with one full forward."""
+    form starts from the cached state and its convolution from the cached window): states
+    and logits (to 1e-4, see the test above for this model's float32 floor) agree with zoo's at every
+    step, and both agree with one full forward."""
     hf, model, _ = tiny
     ids = torch.randint(0, 128, (2, T_LONG + 2), generator=torch.Generator().manual_seed(4))
     cuts = [0, 66, 69, 70, 71, T_LONG + 2]
@@ -177,7 +201,7 @@ def test_decode_states_equal_transformers_cache_also_with_several_new_tokens(tin
             got.append(model(ids[:, a:b], state=state))
         logits, cache = hf_step(hf, ids[:, a:b], cache)
         want.append(logits)
-        torch.testing.assert_close(got[-1], logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[-1], logits, atol=1e-4, rtol=0)
         assert_states_equal(model, state, cache)
     # Against one full forward both drift alike: the chunk boundaries differ, so the float32 sums do
     # (transformers' own steps differ from its full forward by up to 8e-5 on these logits of up to 9).
@@ -206,7 +230,7 @@ def test_a_state_dimension_that_disagrees_with_the_checkpoint_names_the_tensor(t
     config = json.loads((path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "linear_key_head_dim": 16}))
     (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"linear_attn\.in_proj_qkvz\.weight.*config does not describe"):
+    with pytest.raises(CheckpointError, match=r"linear_attn\.in_proj_qkvz\.weight.*do not fit grouped_qkvz"):
         zoo.from_pretrained(tmp_path)
 
 

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from zoo.checkpoints.common import pattern, rope_parameters, rope_part
 from zoo.checkpoints.format import Fields
 from zoo.checkpoints.formats.llama import FULL, GEMMA_NORM, LAYER, TINY, ZLAYER, LlamaStyle
 from zoo.checkpoints.formats.moe import MOE_TINY, MoEStyle
-from zoo.checkpoints.maps import rule
+from zoo.checkpoints.maps import Transform, rule
 from zoo.spec import ModelSpec
 
 LINEAR = "linear_attention"
@@ -33,8 +35,24 @@ LINEAR = "linear_attention"
 DELTANET_FIELDS = {"linear_num_value_heads": "n_heads", "linear_num_key_heads": "n_key_heads",
                    "linear_key_head_dim": "key_dim", "linear_value_head_dim": "value_dim",
                    "linear_conv_kernel_dim": "conv_kernel"}
-DELTANET_TENSORS = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
-                    "out_proj.weight")
+DELTANET_TENSORS = ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
+
+
+def grouped(name: str, groups: int, sizes: list[int]) -> Transform:
+    """Rows stored group by group (per key head: ``sizes`` rows of each part) <-> zoo's rows part by
+    part (``[q | k | v | z]``, ``[b | a]``), each part head after head."""
+
+    def to_zoo(ts, h):
+        w = ts[0]
+        parts = w.view(groups, sum(sizes), w.shape[-1]).split(sizes, 1)
+        return [torch.cat([p.reshape(-1, w.shape[-1]) for p in parts], 0)]
+
+    def to_hf(ts, h):
+        w = ts[0]
+        parts = w.split([groups * s for s in sizes], 0)
+        return [torch.cat([p.view(groups, s, w.shape[-1]) for p, s in zip(parts, sizes)], 1).reshape(-1, w.shape[-1])]
+
+    return Transform(name, to_zoo, to_hf)
 
 
 class Qwen3Next(MoEStyle):
@@ -60,7 +78,17 @@ class Qwen3Next(MoEStyle):
             "max_position_embeddings": TINY["max_position_embeddings"]}
 
     def rules(self, spec):
-        return super().rules(spec) + [rule(f"{LAYER}linear_attn.{t}", f"{ZLAYER}attention.{t}") for t in DELTANET_TENSORS]
+        rules = super().rules(spec)
+        gdn = next((spec.layer(i).mixer for i in range(spec.n_layers) if spec.layer(i).mixer.name == "gated_deltanet"), None)
+        if gdn is None:
+            return rules
+        Hk = gdn.n_key_heads or gdn.n_heads
+        r = gdn.n_heads // Hk
+        hf, z = f"{LAYER}linear_attn.", f"{ZLAYER}attention."
+        rules.append(rule(f"{hf}in_proj_qkvz.weight", f"{z}in_proj_qkvz.weight",
+                          grouped("grouped_qkvz", Hk, [gdn.key_dim, gdn.key_dim, r * gdn.value_dim, r * gdn.value_dim])))
+        rules.append(rule(f"{hf}in_proj_ba.weight", f"{z}in_proj_ba.weight", grouped("grouped_ba", Hk, [r, r])))
+        return rules + [rule(f"{hf}{t}", f"{z}{t}") for t in DELTANET_TENSORS]
 
     # -- config -> spec -------------------------------------------------------------------------
     def rope_for(self, f, layer_type, max_pos):
