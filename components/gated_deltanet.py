@@ -66,43 +66,48 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state: Optional[torch.Tensor] =
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, state: Optional[torch.Tensor] = None, chunk_size: int = 64):
-    """The chunked (parallel) form: the same arguments and results as :func:`recurrent_gated_delta_rule`.
+    """The chunked (parallel) form: the same arguments and results as :func:`recurrent_gated_delta_rule`,
+    except that ``q`` and ``k`` may have fewer heads than ``v`` (each serving a group of consecutive
+    value heads): what depends only on them is computed once per group.
 
     Within each chunk of ``C`` tokens, with ``G`` the cumulative log decay from the chunk's start,
     ``D[i, j] = exp(G_i - G_j)`` for ``j <= i`` and ``A`` the strictly lower part of
     ``(beta k k^T) * D``: ``(I + A) [u | w] = [beta v | beta k exp(G)]`` (one triangular solve).
-    Then, chunk by chunk, from the state ``S`` before it: ``v' = u - w S``, outputs
+    Then, from the state ``S`` before the chunk: ``v' = u - w S``, outputs
     ``(q exp(G)) S + ((q k^T) * D) v'``, and ``S <- exp(G_C) S + (k exp(G_C - G))^T v'``.
+    The work is O(T * C); the loop runs over the T / C chunks only.
     """
-    B, H, T, Dk = k.shape
-    Dv = v.shape[-1]
+    B, Hk, T, Dk = k.shape
+    H, Dv = v.shape[1], v.shape[-1]
     C = min(chunk_size, T)
     pad = (-T) % C
     if pad:  # padded steps have k = v = 0 and g = 0: they neither write nor decay the state
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
     N = (T + pad) // C
-    q, k, v = (x.reshape(B, H, N, C, -1) for x in (q, k, v))
-    G = g.reshape(B, H, N, C).cumsum(-1)
-    beta = beta.reshape(B, H, N, C, 1)
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    D = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    kb = k * beta
-    A = (kb @ k.transpose(-1, -2)) * D  # solve_triangular reads only its strictly lower part
-    uw = torch.linalg.solve_triangular(A, torch.cat([v * beta, kb * G.exp()[..., None]], -1), upper=False,
-                                       unitriangular=True)
-    u, w = uw.split([Dv, Dk], -1)
-    attn = (q @ k.transpose(-1, -2)) * D
-    wq = torch.cat([w, q * G.exp()[..., None]], -2)  # read the state with both at once: (B, H, N, 2C, Dk)
-    k_end = (k * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2)  # (B, H, N, Dk, C)
-    chunk_decay = G[..., -1].exp()[..., None, None]
+    # (B, key heads, value heads per key head, chunks, C, .): q and k broadcast over the group.
+    q, k = (x.reshape(B, Hk, 1, N, C, Dk) for x in (q, k))
+    v = v.reshape(B, Hk, H // Hk, N, C, Dv)
+    G = g.reshape(B, Hk, H // Hk, N, C).cumsum(-1)
+    beta = beta.reshape(B, Hk, H // Hk, N, C, 1)
+    upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
     S = q.new_zeros(B, H, Dk, Dv) if state is None else state
-    out = torch.empty_like(u)
+    out = v.new_empty(B, H, N, C, Dv)
+    # One chunk at a time, so that its C x C matrices stay in cache.
     for n in range(N):
-        read = wq[:, :, n] @ S
-        v_new = u[:, :, n] - read[..., :C, :]
-        out[:, :, n] = read[..., C:, :] + attn[:, :, n] @ v_new
-        S = S * chunk_decay[:, :, n] + k_end[:, :, n] @ v_new
+        qn, kn, vn, Gn, bn = q[:, :, :, n], k[:, :, :, n], v[:, :, :, n], G[:, :, :, n], beta[:, :, :, n]
+        D = (Gn[..., :, None] - Gn[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
+        kt = kn.transpose(-1, -2)
+        eG = Gn.exp()[..., None]
+        A = (kn @ kt).mul(bn).mul_(D)  # solve_triangular reads only its strictly lower part
+        uw = torch.linalg.solve_triangular(A, torch.cat([vn * bn, kn * (bn * eG)], -1), upper=False,
+                                           unitriangular=True).flatten(1, 2)
+        read = torch.cat([uw[..., Dv:], (qn * eG).flatten(1, 2)], -2) @ S  # w S and (q exp(G)) S at once
+        v_new = uw[..., :Dv] - read[..., :C, :]
+        out[:, :, n] = torch.baddbmm(read[..., C:, :].flatten(0, 1), ((qn @ kt) * D).flatten(0, 2),
+                                     v_new.flatten(0, 1)).view(B, H, C, Dv)
+        k_end = (kt * (Gn[..., -1:] - Gn).exp()[..., None, :]).flatten(1, 2)  # (B, H, Dk, C)
+        S = S * Gn[..., -1].exp().flatten(1, 2)[..., None, None] + k_end @ v_new
     return out.reshape(B, H, N * C, Dv)[:, :, :T], S
 
 
@@ -241,13 +246,11 @@ class GatedDeltaNet(Mixer):
         q, k, v = (t.unflatten(1, (-1, d)).transpose(-1, -2).to(f32)  # (B, heads, T, d)
                    for t, d in zip(mixed.split([Hk * Dk, Hk * Dk, Hv * Dv], 1), (Dk, Dk, Dv)))
         q, k = l2norm(q) * Dk ** -0.5, l2norm(k)
-        if r > 1:  # each key head serves r consecutive value heads
-            q, k = q.repeat_interleave(r, 1), k.repeat_interleave(r, 1)
         beta = b.transpose(1, 2).to(f32).sigmoid()
         g = (-self.A_log.to(f32).exp() * F.softplus(a.to(f32) + self.dt_bias)).transpose(1, 2)
         S0 = state.get(B)[1].to(f32) if state is not None else None
-        if state is not None and T == 1:
-            y, S = recurrent_gated_delta_rule(q, k, v, g, beta, S0)
+        if state is not None and T == 1:  # each key head serves r consecutive value heads
+            y, S = recurrent_gated_delta_rule(q.repeat_interleave(r, 1), k.repeat_interleave(r, 1), v, g, beta, S0)
         else:
             y, S = chunk_gated_delta_rule(q, k, v, g, beta, S0, self.cfg.chunk_size)
         if state is not None:

@@ -43,7 +43,7 @@ def test_the_chunked_and_recurrent_forms_agree_on_odd_lengths(T, chunk):
 
 def test_the_forms_match_transformers_functions():
     """transformers' functions take (B, T, H, D) un-normalised q/k with fewer key heads than value
-    heads; zoo's take normalised, scaled, already-grouped heads."""
+    heads; zoo's take normalised, scaled (B, H, T, D) heads (the recurrent form one per value head)."""
     gen = torch.Generator().manual_seed(3)
     B, T, Hk, Hv, Dk, Dv = 2, 75, 2, 4, 8, 6
     q, k = torch.randn(B, T, Hk, Dk, generator=gen), torch.randn(B, T, Hk, Dk, generator=gen)
@@ -53,10 +53,11 @@ def test_the_forms_match_transformers_functions():
     kw = dict(initial_state=S0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     want_c = hf_next.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, **kw)
     want_r = hf_next.torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **kw)
-    heads = lambda x: x.transpose(1, 2).repeat_interleave(Hv // Hk, 1)  # noqa: E731
-    args = (l2norm(heads(q)) * Dk ** -0.5, l2norm(heads(k)), v.transpose(1, 2), g.transpose(1, 2),
-            beta.transpose(1, 2), S0)
-    for (y, S), (want_y, want_S) in ((chunk_gated_delta_rule(*args), want_c), (recurrent_gated_delta_rule(*args), want_r)):
+    rest = (v.transpose(1, 2), g.transpose(1, 2), beta.transpose(1, 2), S0)
+    grouped = (l2norm(q.transpose(1, 2)) * Dk ** -0.5, l2norm(k.transpose(1, 2)))  # the chunked form takes Hk heads
+    expanded = [x.repeat_interleave(Hv // Hk, 1) for x in grouped]
+    for (y, S), (want_y, want_S) in ((chunk_gated_delta_rule(*grouped, *rest), want_c),
+                                     (recurrent_gated_delta_rule(*expanded, *rest), want_r)):
         torch.testing.assert_close(y.transpose(1, 2), want_y, atol=1e-5, rtol=0)
         torch.testing.assert_close(S, want_S, atol=1e-5, rtol=0)
 
