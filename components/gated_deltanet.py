@@ -227,7 +227,7 @@ class GatedDeltaNet(Mixer):
                     state_fixed=self.n_heads * per_head + self.conv_dim * (self.cfg.conv_kernel - 1))
 
     def facts(self) -> dict:
-        return {"mixer": "gated DeltaNet", "value heads": self.n_heads, "key heads": self.n_key_heads,
+        return {"recurrence": "gated delta rule", "value heads": self.n_heads, "key heads": self.n_key_heads,
                 "key_dim": self.cfg.key_dim, "value_dim": self.cfg.value_dim, "conv_kernel": self.cfg.conv_kernel,
                 "chunk_size": self.cfg.chunk_size}
 
