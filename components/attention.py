@@ -72,6 +72,9 @@ class Attention(nn.Module):
         window: Optional[int] = None  # causal sliding window (keys with q - k < window are seen)
         softcap: Optional[float] = None  # scores -> softcap * tanh(scores / softcap)
         qk_norm: Literal["none", "head", "proj"] = "none"
+        # q_proj gives each head its query and a gate; the output is multiplied by sigmoid(gate) before
+        # o_proj (Qwen3-Next's gated attention).
+        output_gate: bool = False
 
         def check(self):
             if self.n_heads <= 0:
@@ -134,7 +137,7 @@ class Attention(nn.Module):
         self.window = cfg.window
         self.scale = (cfg.scale_dim if cfg.scale_dim is not None else D) ** -0.5
         self.dropout = spec.dropout
-        self.q_proj = nn.Linear(d_model, self.n_heads * D, bias=cfg.bias)
+        self.q_proj = nn.Linear(d_model, self.n_heads * D * (2 if cfg.output_gate else 1), bias=cfg.bias)
         self.k_proj = nn.Linear(d_model, self.n_kv_heads * D, bias=cfg.bias)
         self.v_proj = nn.Linear(d_model, self.n_kv_heads * D, bias=cfg.bias)
         self.o_proj = nn.Linear(self.n_heads * D, d_model, bias=cfg.out_bias)
@@ -164,12 +167,16 @@ class Attention(nn.Module):
 
     def facts(self) -> dict:
         return {"attention": attention_kind(self.n_heads, self.n_kv_heads), "n_heads": self.n_heads,
-                "n_kv_heads": self.n_kv_heads, "head_dim": self.head_dim, "window": self.window}
+                "n_kv_heads": self.n_kv_heads, "head_dim": self.head_dim, "window": self.window,
+                **({"output gate": "sigmoid, from q_proj"} if self.cfg.output_gate else {})}
 
     # -- forward -------------------------------------------------------------------------------------
     def forward(self, x, ctx, pos):
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.cfg.output_gate:  # per head: its query, then its gate
+            q, gate = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q = q.reshape(B, T, -1)
         if self.cfg.qk_norm == "proj":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
@@ -186,8 +193,10 @@ class Attention(nn.Module):
         if key_mask is not None and k_idx is not q_idx:  # else the same tensor for every layer: masks built once
             key_mask = key_mask[:, k_idx]
         bias = pos.score_bias(q_idx, k_idx, self.n_heads) if pos is not None else None
-        out = self.attend(q, k, v, q_idx, k_idx, key_mask, bias)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        out = self.attend(q, k, v, q_idx, k_idx, key_mask, bias).transpose(1, 2).reshape(B, T, -1)
+        if self.cfg.output_gate:
+            out = out * torch.sigmoid(gate.reshape(B, T, -1))
+        return self.o_proj(out)
 
     def reference_backend(self):
         return "eager" if self.cfg.softcap is not None else "sdpa"

@@ -773,3 +773,32 @@ def test_scaled_residual_block_takes_the_residual_after_the_norm():
     n = b.ffn_norm(h)
     torch.testing.assert_close(b(x, ctx, rot), 2.2 * n + 0.4 * b.ffn(n))
     torch.testing.assert_close(b(100 * x, ctx, rot), b(x, ctx, rot), atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------ Gated DeltaNet
+
+@covers(("mixer", "gated_deltanet"))
+def test_gated_deltanet_writes_by_the_delta_rule():
+    """With no decay and beta = 1, writing v under a unit key replaces what that key read: reading
+    with the key gives v back exactly, whatever was stored before, in both forms. With beta = 0 the
+    mixer writes nothing, so every output is zero."""
+    from zoo.components.gated_deltanet import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(0)
+    k = l2norm(torch.randn(1, 2, 5, 8, generator=gen))
+    v = torch.randn(1, 2, 5, 6, generator=gen)
+    g, beta = torch.zeros(1, 2, 5), torch.ones(1, 2, 5)
+    S0 = torch.randn(1, 2, 8, 6, generator=gen)
+    for form in (recurrent_gated_delta_rule, lambda *a: chunk_gated_delta_rule(*a, chunk_size=2)):
+        y, S = form(k, k, v, g, beta, S0)  # read with the key just written
+        torch.testing.assert_close(y, v, atol=1e-5, rtol=0)
+        torch.testing.assert_close(k[:, :, -1:] @ S, v[:, :, -1:], atol=1e-5, rtol=0)
+    mixer = zt.part("mixer", "gated_deltanet", {"n_heads": 4, "n_key_heads": 2, "key_dim": 8, "value_dim": 8}).build(
+        d_model=32, layer=None, spec=None)
+    with torch.no_grad():
+        mixer.in_proj_ba.weight[:4].zero_()  # b = 0 ...
+        mixer.in_proj_ba.weight[:4, 0] = -1e4  # ... then very negative on the first feature: beta = 0
+    x, ctx, _ = zt.attention_inputs(zt.tiny_spec(), B=1, T=6)
+    x[..., 0] = 1.0
+    with torch.no_grad():
+        assert mixer(x, ctx, None).abs().max() == 0

@@ -72,6 +72,9 @@ def shrink(name: str) -> zoo.Decoder:
             over.update({f"layers.{kind}.mixer.{k}": v for k, v in att.cls.shrink(att.config).items()})
             continue
         base = f"layers.{kind}.attention"
+        if layer.mixer.name != "attention":  # a recurrent mixer shrinks itself
+            over.update({f"{base}.{k}": v for k, v in layer.mixer.cls.shrink(att.config).items()})
+            continue
         kv = att.n_kv_heads
         over[f"{base}.n_heads"] = 4
         over[f"{base}.n_kv_heads"] = None if kv is None else (1 if kv == 1 else 2)

@@ -81,6 +81,9 @@ def same_as_transformers(config: dict) -> None:
     want = [window if t == "sliding_attention" else None for t in types]
     # (a mixer that is not attention has no window: recurrent layers of a hybrid)
     assert [getattr(spec.layer(i).mixer.config, "window", None) for i in range(spec.n_layers)] == want
+    if "linear_attention" in types:  # recurrent layers (Qwen3-Next's Gated DeltaNet) where transformers has them
+        assert [spec.layer(i).mixer.name != "attention" for i in range(spec.n_layers)] == [
+            t == "linear_attention" for t in types]
     params = getattr(hc, "rope_parameters", None)
     for i, t in enumerate(types if params else []):  # each layer's RoPE as transformers sets it up
         p = params[t] if isinstance(params.get(t), dict) else params

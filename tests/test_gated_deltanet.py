@@ -1,0 +1,265 @@
+"""Gated DeltaNet and the Qwen3-Next family: the two forms agree, the decode contract holds, and a
+tiny Qwen3-Next written by transformers computes, decodes and caches what transformers' pure-torch
+path does (transformers' own GDN functions are the reference for the forms too)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import zoo
+import zoo.testing as zt
+from zoo.checkpoints import CheckpointError, ConfigError, config_to_spec
+from zoo.checkpoints.tiny import make_tiny, tiny_config
+from zoo.components.gated_deltanet import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from zoo.spec import SpecError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+transformers = pytest.importorskip("transformers")
+from transformers.models.qwen3_next import modeling_qwen3_next as hf_next  # noqa: E402
+
+
+def inputs(B, H, T, Dk, Dv, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = l2norm(torch.randn(B, H, T, Dk, generator=gen)) * Dk ** -0.5
+    k = l2norm(torch.randn(B, H, T, Dk, generator=gen))
+    v = torch.randn(B, H, T, Dv, generator=gen)
+    g = -torch.rand(B, H, T, generator=gen) * 2  # decays down to exp(-2) per step
+    beta = torch.rand(B, H, T, generator=gen)
+    S0 = torch.randn(B, H, Dk, Dv, generator=gen)
+    return q, k, v, g, beta, S0
+
+
+@pytest.mark.parametrize("T, chunk", [(1, 4), (7, 4), (13, 8), (33, 16), (67, 64)])
+def test_the_chunked_and_recurrent_forms_agree_on_odd_lengths(T, chunk):
+    q, k, v, g, beta, S0 = inputs(2, 3, T, 8, 6, seed=T)
+    for state in (None, S0):
+        y_c, S_c = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk)
+        y_r, S_r = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+        torch.testing.assert_close(y_c, y_r, atol=1e-5, rtol=0)
+        torch.testing.assert_close(S_c, S_r, atol=1e-5, rtol=0)
+
+
+def test_the_forms_match_transformers_functions():
+    """transformers' functions take (B, T, H, D) un-normalised q/k with fewer key heads than value
+    heads; zoo's take normalised, scaled (B, H, T, D) heads (the recurrent form one per value head)."""
+    gen = torch.Generator().manual_seed(3)
+    B, T, Hk, Hv, Dk, Dv = 2, 75, 2, 4, 8, 6
+    q, k = torch.randn(B, T, Hk, Dk, generator=gen), torch.randn(B, T, Hk, Dk, generator=gen)
+    v = torch.randn(B, T, Hv, Dv, generator=gen)
+    g, beta = -torch.rand(B, T, Hv, generator=gen), torch.rand(B, T, Hv, generator=gen)
+    S0 = torch.randn(B, Hv, Dk, Dv, generator=gen)
+    kw = dict(initial_state=S0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want_c = hf_next.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, **kw)
+    want_r = hf_next.torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **kw)
+    rest = (v.transpose(1, 2), g.transpose(1, 2), beta.transpose(1, 2), S0)
+    grouped = (l2norm(q.transpose(1, 2)) * Dk ** -0.5, l2norm(k.transpose(1, 2)))  # the chunked form takes Hk heads
+    expanded = [x.repeat_interleave(Hv // Hk, 1) for x in grouped]
+    for (y, S), (want_y, want_S) in ((chunk_gated_delta_rule(*grouped, *rest), want_c),
+                                     (recurrent_gated_delta_rule(*expanded, *rest), want_r)):
+        torch.testing.assert_close(y.transpose(1, 2), want_y, atol=1e-5, rtol=0)
+        torch.testing.assert_close(S, want_S, atol=1e-5, rtol=0)
+
+
+def test_the_mixer_passes_the_mixer_contract():
+    """Causality, padding, gradients, dtypes, and decoding (prefill then tokens, several tokens onto
+    a state, a left-padded batch, the static state) against the full forward, alone and in a hybrid."""
+    zt.check("mixer", "gated_deltanet", {"n_heads": 4, "n_key_heads": 2, "key_dim": 8, "value_dim": 8,
+                                         "chunk_size": 4})
+
+
+def test_the_decode_state_is_fixed_in_size_and_accounted():
+    model = zt.tiny_model(zt.hybrid_spec("gated_deltanet", {"n_heads": 4, "n_key_heads": 2, "key_dim": 8,
+                                                            "value_dim": 6, "chunk_size": 4}))
+    gdn = model.layers[0].attention
+    cost = gdn.cost(4096)
+    assert cost.state_fixed == 4 * 8 * 6 + (2 * 2 * 8 + 4 * 6) * 3 and cost.state_per_token == 0
+    sizes = []
+    for T in (8, 40):
+        state = model.new_state(1, None)
+        with torch.no_grad():
+            model(torch.randint(0, 64, (1, T)), state=state)
+        sizes.append(state.layers[0].nbytes())
+    assert sizes[0] == sizes[1] == cost.state_fixed * 4  # float32, the same after 8 tokens as after 40
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("n_key_heads", 3, "not divisible by n_key_heads 3"),
+    ("chunk_size", 48, "power of two"),
+    ("conv_kernel", 1, "at least 2"),
+    ("key_dim", 0, "must be positive"),
+])
+def test_bad_settings_name_the_field(field, value, message):
+    cfg = {"n_heads": 4, "n_key_heads": 2, "key_dim": 8, "value_dim": 8, field: value}
+    with pytest.raises(SpecError, match=rf"mixer\.{field}.*{message}"):
+        zt.tiny_spec({"layers.default.mixer": {"name": "gated_deltanet", **cfg}})
+
+
+# ------------------------------------------------------------------------------------ Qwen3-Next
+
+T_LONG = 70  # past transformers' 64-token chunk: its chunked form carries a state between chunks
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_next")
+    hf = make_tiny("qwen3_next", path)
+    return hf, zoo.from_pretrained(path).eval(), path
+
+
+def test_the_tiny_config_reaches_every_kind_of_layer(tiny):
+    hf, model, _ = tiny
+    spec = model.spec
+    assert [spec.layer(i).mixer.name for i in range(4)] == ["gated_deltanet"] * 3 + ["attention"]
+    assert [spec.layer(i).ffn.name for i in range(4)] == ["moe", "moe", "glu", "moe"]  # mlp_only_layers = [2]
+    att = spec.layer(3).mixer
+    assert att.output_gate and att.qk_norm == "head" and spec.position.rotary_fraction == 0.5
+    gdn = spec.layer(0).mixer
+    assert (gdn.n_heads, gdn.n_key_heads, gdn.key_dim, gdn.value_dim, gdn.conv_kernel) == (4, 2, 8, 12, 3)
+    assert spec.layer(0).norm.unit_offset and spec.layer(0).ffn.shared_gate
+    assert model.num_parameters() == sum(p.numel() for p in hf.parameters())
+
+
+def test_every_layer_matches_transformers_layer_in_fp32(tiny):
+    """Each decoder layer, given the same input (the one zoo's model gives it), computes what
+    transformers' layer computes, to 1e-5, on hidden states of up to ~50."""
+    hf, model, _ = tiny
+    ids = torch.randint(0, 128, (2, T_LONG), generator=torch.Generator().manual_seed(0))
+    seen = []
+    hooks = [layer.register_forward_hook(lambda m, a, out: seen.append((a[0], out))) for layer in model.layers]
+    with torch.no_grad():
+        model(ids)
+        for h in hooks:
+            h.remove()
+        rope = hf.model.rotary_emb(seen[0][0], torch.arange(T_LONG)[None])
+        causal = torch.full((T_LONG, T_LONG), float("-inf")).triu(1)[None, None]  # for the eager attention
+        for i, (x, out) in enumerate(seen):
+            mask = causal if hf.config.layer_types[i] == "full_attention" else None
+            want = hf.model.layers[i](x, position_embeddings=rope, attention_mask=mask)
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+
+
+def test_logits_match_transformers_in_fp32(tiny):
+    """End to end, this random model amplifies float32 rounding (the DeltaNet L2-normalises nearly
+    zero queries and keys): transformers' own float32 logits are 3e-4 to 1e-3 from a float64 run.
+    zoo's agree with transformers' to 3e-4 and are no further from the float64 run than they are."""
+    hf, model, path = tiny
+    exact = zoo.from_pretrained(path, dtype=torch.float64).eval()
+    for seed in (0, 4):
+        ids = torch.randint(0, 128, (2, T_LONG), generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            want, got, truth = hf(ids).logits, model(ids), exact(ids)
+        assert want.abs().max() > 1.0
+        torch.testing.assert_close(got, want, atol=3e-4, rtol=0)
+        assert (got - truth).abs().max() <= 1.1 * (want - truth).abs().max()
+
+
+def test_greedy_decoding_matches_transformers(tiny):
+    hf, model, _ = tiny
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = hf.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    got = zoo.generate(model, ids, 12)
+    assert torch.equal(torch.as_tensor(got)[:, : want.shape[1]], want)
+
+
+def hf_step(hf, ids, cache):
+    with torch.no_grad():
+        out = hf(ids, past_key_values=cache, use_cache=True)
+    return out.logits, out.past_key_values
+
+
+def assert_states_equal(model, state, cache):
+    """zoo's decode state holds what transformers' cache holds: each DeltaNet layer its recurrent
+    matrices and its last conv_kernel - 1 convolution inputs (transformers keeps conv_kernel; the
+    oldest is never read again), each attention layer the keys and values so far."""
+    for i, layer in enumerate(cache.layers):
+        mine = state.layers[i]
+        if model.spec.layer(i).mixer.name == "gated_deltanet":
+            torch.testing.assert_close(mine.S, layer.recurrent_states[0], atol=1e-4, rtol=0)
+            K = layer.conv_states[0].shape[-1]
+            torch.testing.assert_close(mine.conv, layer.conv_states[0][..., 1:], atol=1e-4, rtol=0)
+            assert mine.conv.shape[-1] == K - 1
+        else:
+            n = mine.filled
+            torch.testing.assert_close(mine.k[:, :, :n], layer.keys, atol=1e-4, rtol=0)
+            torch.testing.assert_close(mine.v[:, :, :n], layer.values, atol=1e-4, rtol=0)
+
+
+def test_decode_states_equal_transformers_cache_also_with_several_new_tokens(tiny):
+    """Prefill 66 tokens (two of transformers' chunks), feed 3 tokens at once onto the state, then
+    one at a time. transformers handles several new tokens on a cache correctly here (its chunked
+    form starts from the cached state and its convolution from the cached window): states
+    and logits (to 1e-4, see the test above for this model's float32 floor) agree with zoo's at every
+    step, and both agree with one full forward."""
+    hf, model, _ = tiny
+    ids = torch.randint(0, 128, (2, T_LONG + 2), generator=torch.Generator().manual_seed(4))
+    cuts = [0, 66, 69, 70, 71, T_LONG + 2]
+    state, cache, got, want = model.new_state(2, None), None, [], []
+    for a, b in zip(cuts, cuts[1:]):
+        with torch.no_grad():
+            got.append(model(ids[:, a:b], state=state))
+        logits, cache = hf_step(hf, ids[:, a:b], cache)
+        want.append(logits)
+        torch.testing.assert_close(got[-1], logits, atol=1e-4, rtol=0)
+        assert_states_equal(model, state, cache)
+    # Against one full forward both drift alike: the chunk boundaries differ, so the float32 sums do
+    # (transformers' own steps differ from its full forward by up to 8e-5 on these logits of up to 9).
+    with torch.no_grad():
+        full = hf(ids).logits
+    torch.testing.assert_close(torch.cat(want, 1), full, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.cat(got, 1), full, atol=1e-4, rtol=0)
+
+
+def test_mtp_tensors_are_left_out_of_the_load(tiny, tmp_path):
+    """Released checkpoints carry an ``mtp.*`` module that transformers drops: zoo's format does too."""
+    _, model, path = tiny
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    tensors = load_file(path / "model.safetensors")
+    tensors["mtp.fc.weight"] = torch.randn(64, 128)
+    tensors["mtp.layers.0.input_layernorm.weight"] = torch.randn(64)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded = zoo.from_pretrained(tmp_path)
+    a, b = loaded.state_dict(), model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "mtp.*" in zoo.checkpoints.get_format("qwen3_next").ignore
+
+
+def test_a_state_dimension_that_disagrees_with_the_checkpoint_names_the_tensor(tiny, tmp_path):
+    _, _, path = tiny
+    config = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "linear_key_head_dim": 16}))
+    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"linear_attn\.in_proj_qkvz\.weight.*do not fit grouped_qkvz"):
+        zoo.from_pretrained(tmp_path)
+
+
+def test_bad_qwen3_next_configs_name_the_field():
+    base = {**tiny_config("qwen3_next"), "model_type": "qwen3_next"}
+    with pytest.raises(ConfigError, match="'layer_types'.*'sliding_attention' is not supported"):
+        config_to_spec({**base, "layer_types": ["linear_attention", "sliding_attention"] * 2})
+    with pytest.raises(ConfigError, match="'layer_types'.*3 entries for 4 layers"):
+        config_to_spec({**base, "layer_types": ["linear_attention"] * 3})
+    with pytest.raises(SpecError, match="n_key_heads.*not divisible"):
+        config_to_spec({**base, "linear_num_key_heads": 3})
+
+
+def test_without_layer_types_every_fourth_layer_is_full_attention():
+    base = {**tiny_config("qwen3_next", num_hidden_layers=8), "model_type": "qwen3_next"}
+    spec = config_to_spec(base)
+    hc = transformers.AutoConfig.for_model(**base)
+    assert [spec.layer(i).mixer.name == "attention" for i in range(8)] == [t == "full_attention" for t in hc.layer_types]
+    assert hc.layer_types[3] == "full_attention" and hc.layer_types[2] == "linear_attention"
+
+
+def test_the_preset_is_the_released_model():
+    """The recipe builds what the released config.json describes (the parameter count transformers
+    builds from it is checked in test_released_configs.py)."""
+    from pathlib import Path
+
+    released = Path(__file__).parent / "data" / "configs" / "Qwen--Qwen3-Next-80B-A3B-Instruct.json"
+    from_config = config_to_spec(json.loads(released.read_text()))
+    preset = zoo.get_spec("qwen3-next-80b-a3b")
+    assert zoo.spec.differences({**preset.to_dict(), "label": None}, from_config.to_dict()) == []
+    assert zoo.build("qwen3-next-80b-a3b", device="meta").num_parameters() == 79_674_391_296
