@@ -205,9 +205,9 @@ class CheckpointFormat:
 
     #: A small HF config of this model_type that reaches its tricky paths (``zoo verify --tiny``).
     tiny: dict[str, Any] = {}
-    #: Buffers ``make_tiny`` leaves as transformers sets them, because others are derived from them
-    #: (randomising each on its own would write a checkpoint no real model has).
-    tiny_fixed_buffers: tuple[str, ...] = ()
+    #: Buffers (by the end of their name) ``make_tiny`` draws at random: those holding free values
+    #: (DeepSeek-V3's selection bias), not tables derived from other tensors (MiniMax's decay tables).
+    random_buffers: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return f"<checkpoint format {self.model_type}>"

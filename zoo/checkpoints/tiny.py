@@ -26,12 +26,11 @@ def make_tiny(model_type: str, directory: str | Path, *, seed: int = 0, std: flo
               overrides: Optional[dict[str, Any]] = None, **save_kw: Any):
     """Build a random transformers model of ``model_type`` from its tiny config, save it with
     ``save_pretrained`` and return it. Every parameter (norms and biases too) is drawn from
-    N(0, std) around its initial value, so no weight is left at a trivially symmetric value; so is
-    every floating-point buffer saved with the weights (DeepSeek-V3's ``e_score_correction_bias``)
-    but those the format names in ``tiny_fixed_buffers``."""
+    N(0, std) around its initial value, so no weight is left at a trivially symmetric value; so are
+    the buffers the format names in ``random_buffers`` (by the end of their name): those that hold
+    free values, such as DeepSeek-V3's ``e_score_correction_bias``, not tables derived from others."""
     import transformers
 
-    fixed = _registry.get("checkpoint_format", model_type).tiny_fixed_buffers
     cfg = transformers.AutoConfig.for_model(model_type, **tiny_config(model_type, **(overrides or {})))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
@@ -39,9 +38,9 @@ def make_tiny(model_type: str, directory: str | Path, *, seed: int = 0, std: flo
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * std)
-        saved = model.state_dict()
+        free = tuple(_registry.get("checkpoint_format", model_type).random_buffers)
         for name, b in model.named_buffers():
-            if name in saved and b.is_floating_point() and name.rsplit(".", 1)[-1] not in fixed:
+            if free and name.endswith(free):
                 b.add_(torch.randn(b.shape, generator=gen) * std)
     model.eval()
     model.save_pretrained(str(directory), **save_kw)

@@ -240,7 +240,8 @@ class DeepseekV3(DeepSeek):
                 "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
                 "norm_topk_prob": True, "routed_scaling_factor": 2.5, "max_position_embeddings": 4096,
                 "rope_interleave": True, "num_key_value_heads": 128, "intermediate_size": 18432}
-    extra_fields = ("num_mtp_layers",)  # (the attribute name of num_nextn_predict_layers; not in saved configs)
+    extra_fields = ("num_nextn_predict_layers", "num_mtp_layers")  # the MTP module, which transformers does not build
+    random_buffers = ("e_score_correction_bias",)  # drawn at random in tiny checkpoints (zoo.checkpoints.tiny)
     tiny = {**TINY, "q_lora_rank": 16, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
             "norm_topk_prob": True}
 

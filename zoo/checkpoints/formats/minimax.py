@@ -58,7 +58,6 @@ def slopes(block: int) -> Transform:
 class MiniMax(Mixtral):
     model_type, architecture = "minimax", "MiniMaxForCausalLM"
     defaults = {**Mixtral.defaults, "block_size": 256}
-    tiny_fixed_buffers = ("slope_rate", *DECAY_TABLES)  # the tables are derived from the slopes
     tiny = {**TINY, "num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48,
             "layer_types": [LINEAR, LINEAR, FULL, LINEAR], "block_size": 6,
             "full_attn_alpha_factor": 1.5, "full_attn_beta_factor": 0.8, "linear_attn_alpha_factor": 1.25,
