@@ -38,7 +38,7 @@ def make_tiny(model_type: str, directory: str | Path, *, seed: int = 0, std: flo
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * std)
-        free = tuple(_registry.get("checkpoint_format", model_type).random_buffers)
+        free = tuple(getattr(_registry.get("checkpoint_format", model_type), "random_buffers", ()))  # plugin formats may lack it
         for name, b in model.named_buffers():
             if free and name.endswith(free):
                 b.add_(torch.randn(b.shape, generator=gen) * std)
