@@ -238,7 +238,7 @@ def test_mtp_tensors_are_loaded_into_the_mtp_module(tiny, tmp_path):
     _, model, path = tiny
     mtp = with_mtp(path, tmp_path / "mtp")  # no num_nextn_predict_layers: 1, as vLLM reads it
     loaded = zoo.from_pretrained(tmp_path / "mtp")
-    assert loaded.spec.mtp.depth == 1 and loaded.spec.mtp.layer == loaded.spec.layer_kind(3) == "full_moe"
+    assert loaded.spec.mtp.depth == 1 and zoo.mtp.mtp_layer_kind(loaded.spec) == loaded.spec.layer_kind(3) == "full_moe"
     module = loaded.mtp.layers[0]
     for hf, z in [("fc", module.eh_proj), ("pre_fc_norm_embedding", module.enorm),
                   ("pre_fc_norm_hidden", module.hnorm), ("norm", module.norm)]:

@@ -142,7 +142,8 @@ class Qwen3Next(MoEStyle):
     def mtp(self, config, names: list[str], layers: dict[str, Any]):
         """The spec's ``mtp`` table: ``num_nextn_predict_layers`` modules (1 when absent, as vLLM
         reads the released config), each block a gated-attention MoE layer (vLLM builds it as a
-        ``full_attention`` layer), of the last such kind of the main model."""
+        ``full_attention`` layer), of the last such kind of the main model (``mtp.layer``, left out when
+        it is the last layer's kind, as in the released model)."""
         f = Fields(config, self.model_type, {"num_nextn_predict_layers": 1})
         mtp = read_mtp(f)
         if not mtp:
@@ -157,7 +158,7 @@ class Qwen3Next(MoEStyle):
                 return None  # no layer of the MTP block's kind: the config declares no MTP either
             raise f.error("num_nextn_predict_layers", "the MTP module is a gated-attention MoE layer, and this "
                                                        "model has none (every attention layer is in mlp_only_layers)")
-        return {**mtp, "layer": kind}
+        return mtp if kind == names[-1] else {**mtp, "layer": kind}  # (None: the last layer's kind)
 
     # -- spec -> config -------------------------------------------------------------------------
     def spec_to_config(self, spec):
