@@ -212,18 +212,99 @@ def test_decode_states_equal_transformers_cache_also_with_several_new_tokens(tin
     torch.testing.assert_close(torch.cat(got, 1), full, atol=1e-4, rtol=0)
 
 
-def test_mtp_tensors_are_left_out_of_the_load(tiny, tmp_path):
-    """Released checkpoints carry an ``mtp.*`` module that transformers drops: zoo's format does too."""
-    _, model, path = tiny
-    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+def with_mtp(path, out, **config):
+    """The checkpoint at ``path`` with a random MTP module added as released checkpoints store it:
+    ``mtp.fc`` (d, 2d), three zero-centred norms, and ``mtp.layers.0.*`` named and shaped as the
+    file's own last layer (a gated-attention MoE layer); ``config`` fields set in config.json.
+    Returns the MTP tensors."""
+    out.mkdir(exist_ok=True)
     tensors = load_file(path / "model.safetensors")
-    tensors["mtp.fc.weight"] = torch.randn(64, 128)
-    tensors["mtp.layers.0.input_layernorm.weight"] = torch.randn(64)
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    d = tensors["model.embed_tokens.weight"].shape[1]
+    g = torch.Generator().manual_seed(1)
+    mtp = {f"mtp.{n}.weight": 0.1 * torch.randn(d, generator=g) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    mtp["mtp.fc.weight"] = torch.randn(d, 2 * d, generator=g) / d ** 0.5
+    last = "model.layers.3."  # the tiny config's full-attention MoE layer
+    mtp.update({"mtp.layers.0." + n[len(last):]: torch.randn(t.shape, generator=g) * 0.1
+                for n, t in tensors.items() if n.startswith(last)})
+    save_file({**tensors, **mtp}, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps({**json.loads((path / "config.json").read_text()), **config}))
+    return mtp
+
+
+def test_mtp_tensors_are_loaded_into_the_mtp_module(tiny, tmp_path):
+    """Released checkpoints carry an ``mtp.*`` module that transformers drops: zoo loads it. The
+    block's tensors land where the same tensors stored as main layer 3 land; ``mtp.fc`` is
+    ``eh_proj`` as stored (embedding half first, as vLLM's qwen3_next_mtp concatenates)."""
+    _, model, path = tiny
+    mtp = with_mtp(path, tmp_path / "mtp")  # no num_nextn_predict_layers: 1, as vLLM reads it
+    loaded = zoo.from_pretrained(tmp_path / "mtp")
+    assert loaded.spec.mtp.depth == 1 and zoo.mtp.mtp_layer_kind(loaded.spec) == loaded.spec.layer_kind(3) == "full_moe"
+    module = loaded.mtp.layers[0]
+    for hf, z in [("fc", module.eh_proj), ("pre_fc_norm_embedding", module.enorm),
+                  ("pre_fc_norm_hidden", module.hnorm), ("norm", module.norm)]:
+        assert torch.equal(z.weight, mtp[f"mtp.{hf}.weight"]), hf
+    # The same block tensors as main layer 3, through the main layers' map.
+    tensors = load_file(path / "model.safetensors")
+    as_main = {"model.layers.3." + n[len("mtp.layers.0."):]: t for n, t in mtp.items() if n.startswith("mtp.layers.0.")}
+    assert as_main.keys() <= tensors.keys()
+    (tmp_path / "main").mkdir()
+    save_file({**tensors, **as_main}, tmp_path / "main" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "main" / "config.json").write_text((path / "config.json").read_text())
+    want = zoo.from_pretrained(tmp_path / "main").layers[3].state_dict()
+    got = module.block.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    # The main model is the one transformers wrote.
+    a, b = model.state_dict(), {k: v for k, v in loaded.state_dict().items() if not k.startswith("mtp.")}
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "mtp.*" not in zoo.checkpoints.get_format("qwen3_next").ignore
+
+
+def test_the_mtp_loss_is_finite_and_reaches_the_module(tiny, tmp_path):
+    _, _, path = tiny
+    with_mtp(path, tmp_path, num_nextn_predict_layers=1)
+    model = zoo.from_pretrained(tmp_path).train()
+    ids = torch.randint(0, model.spec.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    out = model.loss(ids)
+    assert "mtp_1" in out.aux and all(torch.isfinite(v) for v in out.aux.values())
+    out.loss.backward()
+    assert model.mtp.layers[0].eh_proj.weight.grad.abs().sum() > 0
+
+
+def test_mtp_tensors_save_back_bit_for_bit(tiny, tmp_path):
+    _, _, path = tiny
+    mtp = with_mtp(path, tmp_path / "in", num_nextn_predict_layers=1)
+    zoo.save_pretrained(zoo.from_pretrained(tmp_path / "in"), tmp_path / "out")
+    stored, back = load_file(tmp_path / "in" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert back.keys() == stored.keys() and mtp.keys() <= back.keys()
+    for name, t in stored.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+def test_a_checkpoint_without_mtp_tensors_loads_the_main_model_alone(tiny, tmp_path):
+    _, model, path = tiny
+    config = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
     loaded = zoo.from_pretrained(tmp_path)
+    assert loaded.mtp is None and loaded.spec.mtp is None
     a, b = loaded.state_dict(), model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert "mtp.*" in zoo.checkpoints.get_format("qwen3_next").ignore
+    zoo.save_pretrained(loaded, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
+def test_a_partial_mtp_module_or_a_second_depth_is_refused_by_name(tiny, tmp_path):
+    _, _, path = tiny
+    with_mtp(path, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["mtp.norm.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="'mtp.norm.weight' is missing"):
+        zoo.from_pretrained(tmp_path)
+    base = {**tiny_config("qwen3_next"), "model_type": "qwen3_next"}
+    with pytest.raises(ConfigError, match="'num_nextn_predict_layers'.*one MTP module"):
+        config_to_spec({**base, "num_nextn_predict_layers": 2})
 
 
 def test_a_state_dimension_that_disagrees_with_the_checkpoint_names_the_tensor(tiny, tmp_path):

@@ -12,9 +12,14 @@ The FFN is zoo's ``moe`` (softmax, top-k, renormalised when ``norm_topk_prob``) 
 expert gated by ``sigmoid(shared_expert_gate(x))``, as Qwen2-MoE; ``mlp_only_layers`` and
 ``decoder_sparse_step`` make dense layers as there.
 
-Released checkpoints also carry a multi-token-prediction module under ``mtp.*``. transformers
-drops it on load; so does this format (the tensors are listed in :attr:`Qwen3Next.ignore` and
-not loaded).
+Released checkpoints also carry a multi-token-prediction module under ``mtp.*`` (zoo/mtp.py's
+``QWEN3_NEXT`` layout): ``mtp.fc`` projects ``[pre_fc_norm_embedding(embed(t[i+1]));
+pre_fc_norm_hidden(h[i])]``, embedding first as vLLM's ``qwen3_next_mtp`` concatenates them, into
+``mtp.layers.0``, a gated-attention MoE layer, then ``mtp.norm``. transformers drops it; zoo loads
+and saves it. ``num_nextn_predict_layers`` counts the modules; the released config.json leaves it
+out and vLLM then reads 1, as zoo does. A checkpoint without ``mtp.*`` tensors (one transformers
+wrote) loads the main model alone (zoo.mtp.without_absent_mtp). The layout stores one ``mtp.fc``,
+so a depth above 1 is refused.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from zoo.checkpoints.format import Fields
 from zoo.checkpoints.formats.llama import FULL, GEMMA_NORM, LAYER, TINY, ZLAYER, LlamaStyle
 from zoo.checkpoints.formats.moe import MOE_TINY, MoEStyle
 from zoo.checkpoints.maps import Transform, rule
+from zoo.mtp import QWEN3_NEXT, mtp_layer_kind, mtp_rules, read_mtp
 from zoo.spec import ModelSpec
 
 LINEAR = "linear_attention"
@@ -57,14 +63,15 @@ def grouped(name: str, groups: int, sizes: list[int]) -> Transform:
 
 class Qwen3Next(MoEStyle):
     model_type, architecture = "qwen3_next", "Qwen3NextForCausalLM"
-    ignore = LlamaStyle.ignore + ("mtp.*",)
+    ignore = LlamaStyle.ignore
     mlp_bias_key = None
     qk_norm = "head"
     norm_extra = GEMMA_NORM
     sparse_layers = True
     shared = True
     norm_topk_default = True
-    moe_fields = MoEStyle.moe_fields + ("layer_types", "full_attention_interval", *DELTANET_FIELDS)
+    moe_fields = MoEStyle.moe_fields + ("layer_types", "full_attention_interval", *DELTANET_FIELDS,
+                                        "num_nextn_predict_layers")
     # Qwen3NextConfig's defaults for absent fields.
     defaults = {"num_key_value_heads": 2, "head_dim": 256, "max_position_embeddings": 32768, "num_experts": 512,
                 "num_experts_per_tok": 10, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
@@ -80,15 +87,16 @@ class Qwen3Next(MoEStyle):
     def rules(self, spec):
         rules = super().rules(spec)
         gdn = next((spec.layer(i).mixer for i in range(spec.n_layers) if spec.layer(i).mixer.name == "gated_deltanet"), None)
-        if gdn is None:
-            return rules
-        Hk = gdn.n_key_heads or gdn.n_heads
-        r = gdn.n_heads // Hk
-        hf, z = f"{LAYER}linear_attn.", f"{ZLAYER}attention."
-        rules.append(rule(f"{hf}in_proj_qkvz.weight", f"{z}in_proj_qkvz.weight",
-                          grouped("grouped_qkvz", Hk, [gdn.key_dim, gdn.key_dim, r * gdn.value_dim, r * gdn.value_dim])))
-        rules.append(rule(f"{hf}in_proj_ba.weight", f"{z}in_proj_ba.weight", grouped("grouped_ba", Hk, [r, r])))
-        return rules + [rule(f"{hf}{t}", f"{z}{t}") for t in DELTANET_TENSORS]
+        if gdn is not None:
+            Hk = gdn.n_key_heads or gdn.n_heads
+            r = gdn.n_heads // Hk
+            hf, z = f"{LAYER}linear_attn.", f"{ZLAYER}attention."
+            rules.append(rule(f"{hf}in_proj_qkvz.weight", f"{z}in_proj_qkvz.weight",
+                              grouped("grouped_qkvz", Hk, [gdn.key_dim, gdn.key_dim, r * gdn.value_dim, r * gdn.value_dim])))
+            rules.append(rule(f"{hf}in_proj_ba.weight", f"{z}in_proj_ba.weight", grouped("grouped_ba", Hk, [r, r])))
+            rules += [rule(f"{hf}{t}", f"{z}{t}") for t in DELTANET_TENSORS]
+        # The multi-token prediction module under mtp.*: its block named as a main layer's.
+        return mtp_rules(rules, spec, QWEN3_NEXT) + rules
 
     # -- config -> spec -------------------------------------------------------------------------
     def rope_for(self, f, layer_type, max_pos):
@@ -126,7 +134,31 @@ class Qwen3Next(MoEStyle):
                 layers[name] = layer
             names.append(name)
         data["layers"], data["layer_pattern"] = layers, list(pattern(names))
+        mtp = self.mtp(config, names, layers)
+        if mtp:
+            data["mtp"] = mtp
         return ModelSpec.from_dict(data)
+
+    def mtp(self, config, names: list[str], layers: dict[str, Any]):
+        """The spec's ``mtp`` table: ``num_nextn_predict_layers`` modules (1 when absent, as vLLM
+        reads the released config), each block a gated-attention MoE layer (vLLM builds it as a
+        ``full_attention`` layer), of the last such kind of the main model (``mtp.layer``, left out when
+        it is the last layer's kind, as in the released model)."""
+        f = Fields(config, self.model_type, {"num_nextn_predict_layers": 1})
+        mtp = read_mtp(f)
+        if not mtp:
+            return None
+        if mtp["depth"] > 1:
+            raise f.error("num_nextn_predict_layers", f"is {mtp['depth']}; a qwen3_next checkpoint stores one MTP "
+                                                       "module (one mtp.fc), so zoo reads at most 1")
+        kind = next((k for k in reversed(names) if layers[k]["mixer"]["name"] == "attention"
+                     and layers[k]["ffn"]["name"] == "moe"), None)
+        if kind is None:
+            if "num_nextn_predict_layers" not in config:
+                return None  # no layer of the MTP block's kind: the config declares no MTP either
+            raise f.error("num_nextn_predict_layers", "the MTP module is a gated-attention MoE layer, and this "
+                                                       "model has none (every attention layer is in mlp_only_layers)")
+        return mtp if kind == names[-1] else {**mtp, "layer": kind}  # (None: the last layer's kind)
 
     # -- spec -> config -------------------------------------------------------------------------
     def spec_to_config(self, spec):
@@ -150,6 +182,12 @@ class Qwen3Next(MoEStyle):
                 raise ValueError("qwen3_next has one Gated DeltaNet configuration for every linear-attention layer")
             cfg.update({hf: getattr(deltanet, z) for hf, z in DELTANET_FIELDS.items()})
             cfg["linear_num_key_heads"] = deltanet.n_key_heads or deltanet.n_heads
+        cfg["num_nextn_predict_layers"] = spec.mtp.depth if spec.mtp is not None else 0
+        if spec.mtp is not None:
+            block = spec.layers[mtp_layer_kind(spec)]
+            if spec.mtp.depth > 1 or block.mixer.name != "attention" or block.ffn.name != "moe":
+                raise ValueError("qwen3_next stores one multi-token prediction module, a gated-attention MoE layer "
+                                 "(mtp.depth 1, mtp.layer an 'attention' + 'moe' layer kind)")
         return cfg
 
 
