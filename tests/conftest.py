@@ -1,7 +1,13 @@
 import os
 
-import pytest
-import torch
+# Before anything imports Triton: triton.language's own helpers are made for the interpreter only
+# if it is on when Triton is first imported, and importing torch._dynamo (as transformers' modeling
+# modules do) imports Triton. The kernel tests run on the CPU under the interpreter; the choice of
+# kernels on CPU tensors does not depend on it (Triton is chosen automatically on CUDA only).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Under pytest-xdist each worker gets one thread: more oversubscribes the 2-core CI machine
