@@ -232,3 +232,12 @@ def test_a_state_size_that_disagrees_with_the_checkpoint_is_refused(pair, tmp_pa
 def test_a_layer_schedule_naming_an_unregistered_mixer_says_so():
     with pytest.raises(SpecError, match=r"layers\.ssm\.mixer\.name.*mamba3.*mamba2"):
         zt.tiny_model({"layers": {"ssm": {"mixer": {"name": "mamba3", "n_heads": 4}}}, "layer_pattern": ["ssm"]})
+
+
+def test_verify_lines_up_transformers_hidden_states(tmp_path):
+    """transformers' mamba2 lists each layer's output and then the normed last one, without the
+    embeddings; zoo verify lines them up, so every layer agrees (not only the logits)."""
+    tiny.make_tiny("mamba2", tmp_path)
+    report = zoo.verify(tmp_path, seq_len=12)
+    assert report.passed and len(report.hidden) == zoo.from_pretrained(tmp_path).spec.n_layers + 1
+    assert max(report.hidden) < 1e-4, report.hidden

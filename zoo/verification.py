@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from zoo import registry as _registry
+
 # Default pass criteria. fp32 must match closely; bf16 rounds every matmul, so it is judged by
 # the distributions (KL, top-1), not by single logits.
 TOLERANCES = {
@@ -115,6 +117,11 @@ def run_reference(directory: Path, ids: torch.Tensor, dtype: str):
     with torch.no_grad():
         out = hf(ids, output_hidden_states=True)
     logits, hidden = out.logits.float(), [h.float() for h in out.hidden_states]
+    if getattr(_registry.get("checkpoint_format", hf.config.model_type), "hidden_states_skip_embeddings", False):
+        # transformers lists each layer's output, then the normed last one, without the embeddings:
+        # line them up with zoo's (embeddings, layer 1, ..., normed last layer).
+        with torch.no_grad():
+            hidden = [hf.get_input_embeddings()(ids).float(), *hidden[:-2], hidden[-1]]
     del hf, out
     gc.collect()
     return logits, hidden, f"transformers {transformers.__version__}"

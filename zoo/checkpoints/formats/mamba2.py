@@ -48,6 +48,7 @@ MAX_SEQ_LEN = 1 << 20
 
 class Mamba2Format(CheckpointFormat):
     model_type, architecture = "mamba2", "Mamba2ForCausalLM"
+    hidden_states_skip_embeddings = True  # transformers' output_hidden_states (zoo verify lines them up)
     base_prefix = "backbone."
     ignore = ("lm_head.weight",)  # a tied head's stored copy
     # Mamba2Config's defaults for absent fields.
