@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.components.recurrent import FixedState
 from zoo.interfaces import Cost, Mixer
 from zoo.registry import register
 from zoo.spec import SpecError, positive
@@ -111,32 +112,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: Optional[torch.Tensor] = Non
     return out.reshape(B, H, N * C, Dv)[:, :, :T], S
 
 
-# ---------------------------------------------------------------------------------- decode state
-
-class GatedDeltaState:
-    """One layer's decode state: ``conv`` (B, channels, conv_kernel - 1), the last convolution inputs,
-    and ``S`` (B, value heads, key_dim, value_dim). Fixed in size; updated in place (so the static
-    state of compiled decoding is this state itself)."""
-
-    def __init__(self, batch: Optional[int], conv_shape: tuple, state_shape: tuple, dtype, device):
-        self.conv_shape, self.state_shape, self.dtype, self.device = conv_shape, state_shape, dtype, device
-        self.conv = self.S = None
-        if batch is not None:
-            self.get(batch)
-
-    def get(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.S is None:
-            self.conv = torch.zeros(batch, *self.conv_shape, dtype=self.dtype, device=self.device)
-            self.S = torch.zeros(batch, *self.state_shape, dtype=self.dtype, device=self.device)
-        return self.conv, self.S
-
-    def nbytes(self) -> int:
-        return 0 if self.S is None else sum(t.numel() * t.element_size() for t in (self.conv, self.S))
-
-    def to_static(self, max_len: int) -> "GatedDeltaState":
-        return self
-
-
 # ----------------------------------------------------------------------------------------- mixer
 
 class GatedRMSNorm(nn.Module):
@@ -213,9 +188,12 @@ class GatedDeltaNet(Mixer):
             self.A_log.uniform_(1.0, 16.0).log_()
 
     # -- what this part states about itself ---------------------------------------------------------
-    def new_state(self, batch, max_len, *, dtype, device) -> GatedDeltaState:
-        return GatedDeltaState(batch, (self.conv_dim, self.cfg.conv_kernel - 1),
-                               (self.n_heads, self.cfg.key_dim, self.cfg.value_dim), dtype, device)
+    def new_state(self, batch, max_len, *, dtype, device) -> FixedState:
+        """The last ``conv_kernel - 1`` convolution inputs (B, channels, K - 1) and ``S`` (B, value heads,
+        key_dim, value_dim): of fixed size whatever the length."""
+        cfg = self.cfg
+        return FixedState(batch, device, conv=((self.conv_dim, cfg.conv_kernel - 1), dtype),
+                          S=((self.n_heads, cfg.key_dim, cfg.value_dim), dtype))
 
     def cost(self, context: int) -> Cost:
         """Per token the state is decayed, read by the key, written and read by the query:

@@ -19,7 +19,6 @@ the reference.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Optional, Union
 
@@ -43,27 +42,6 @@ FEATURE_MAPS = {
 }
 
 
-class MatrixState:
-    """One layer's recurrent state: ``S`` (B, H, Dk, Dv), whatever the length of the context.
-    Allocated by the first forward that uses it when the batch was not known; updated in place, so
-    it is already the fixed-size state compiled decoding needs."""
-
-    def __init__(self, batch: Optional[int], shape: tuple[int, int, int], dtype, device):
-        self.shape, self.dtype, self.device = shape, dtype, device
-        self.S = None if batch is None else torch.zeros(batch, *shape, dtype=dtype, device=device)
-
-    def get(self, batch: int) -> torch.Tensor:
-        if self.S is None:
-            self.S = torch.zeros(batch, *self.shape, dtype=self.dtype, device=self.device)
-        return self.S
-
-    def nbytes(self) -> int:
-        return 0 if self.S is None else self.S.numel() * self.S.element_size()
-
-    def to_static(self, max_len: int) -> "MatrixState":
-        return self
-
-
 class ScalarDecayMixer(nn.Module):
     """What the two mixers share: heads, the state, the choice between chunked and one-step forms,
     the Triton fast path, and the cost of a recurrence."""
@@ -81,7 +59,7 @@ class ScalarDecayMixer(nn.Module):
         return None  # no position encoding: the decay and the order of the recurrence carry position
 
     def new_state(self, batch, max_len, *, dtype, device):
-        return MatrixState(batch, (self.n_heads, self.head_dim, self.value_dim), dtype, device)
+        return recurrent.FixedState(batch, device, S=((self.n_heads, self.head_dim, self.value_dim), dtype))
 
     def cost(self, context):
         H, Dk, Dv = self.n_heads, self.head_dim, self.value_dim
@@ -99,7 +77,7 @@ class ScalarDecayMixer(nn.Module):
         layer's decode state when there is one. Returns (B, H, T, Dv)."""
         B, H, T, _ = q.shape
         layer = ctx.state.layers[self.index] if ctx.state is not None else None
-        S0 = layer.get(B) if layer is not None else None
+        S0 = layer.get(B)[0] if layer is not None else None
         if S0 is not None and T == 1:
             y, S = recurrent.step(q[:, :, 0], k[:, :, 0], v[:, :, 0], log_decay[:, :, 0], S0)
             y = y[:, :, None]

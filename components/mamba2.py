@@ -42,34 +42,6 @@ from zoo.registry import register
 from zoo.spec import SpecError, positive
 
 
-class Mamba2State:
-    """One Mamba-2 layer's decode state, of fixed size whatever the length: ``conv`` (B, conv_dim,
-    conv_kernel), the last inputs of the short convolution, in the model's dtype; ``ssm`` (B, H, N,
-    P), float32. Made on the first forward when the batch is not known up front; updated in place
-    (so the static state of compiled decoding is this object itself)."""
-
-    def __init__(self, batch: Optional[int], conv: tuple[int, int], ssm: tuple[int, int, int], dtype, device):
-        self.conv_shape, self.ssm_shape, self.dtype, self.device = conv, ssm, dtype, device
-        self.conv: Optional[torch.Tensor] = None
-        self.ssm: Optional[torch.Tensor] = None
-        if batch is not None:
-            self.get(batch)
-
-    def get(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.conv is None:
-            self.conv = torch.zeros(batch, *self.conv_shape, dtype=self.dtype, device=self.device)
-            self.ssm = torch.zeros(batch, *self.ssm_shape, dtype=torch.float32, device=self.device)
-        return self.conv, self.ssm
-
-    def nbytes(self) -> int:
-        if self.conv is None:
-            return 0
-        return self.conv.numel() * self.conv.element_size() + self.ssm.numel() * self.ssm.element_size()
-
-    def to_static(self, max_len: int) -> "Mamba2State":
-        return self  # already of fixed size, updated in place
-
-
 class GatedGroupRMSNorm(nn.Module):
     """``w * RMSNorm_groups(y * silu(z))`` in float32: the RMS is taken over each of ``groups`` equal
     slices of the features (Mamba-2's ``RMSNormGated`` with ``norm_before_gate=False``)."""
@@ -174,10 +146,12 @@ class Mamba2(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
 
     # -- what this part states about itself -------------------------------------------------------
-    def new_state(self, batch, max_len, *, dtype, device) -> Mamba2State:
+    def new_state(self, batch, max_len, *, dtype, device) -> recurrent.FixedState:
+        """The last ``conv_kernel`` convolution inputs (B, conv_dim, K) in the model's dtype and the SSM
+        state (B, H, N, P) in float32: of fixed size whatever the length."""
         cfg = self.cfg
-        return Mamba2State(batch, (self.conv_dim, cfg.conv_kernel), (cfg.n_heads, cfg.state_size, cfg.head_dim),
-                           dtype, device)
+        return recurrent.FixedState(batch, device, conv=((self.conv_dim, cfg.conv_kernel), dtype),
+                                    ssm=((cfg.n_heads, cfg.state_size, cfg.head_dim), torch.float32))
 
     def cost(self, context: int) -> Cost:
         """Per token: the convolution (``2 * conv_dim * conv_kernel``), the state update and read-out
@@ -194,7 +168,7 @@ class Mamba2(nn.Module):
                 "conv kernel": cfg.conv_kernel, "chunk": cfg.chunk_size}
 
     # -- forward ----------------------------------------------------------------------------------
-    def _conv(self, xBC: torch.Tensor, state: Optional[Mamba2State]) -> torch.Tensor:
+    def _conv(self, xBC: torch.Tensor, state: Optional[recurrent.FixedState]) -> torch.Tensor:
         """The causal depthwise convolution of (B, T, conv_dim) inputs, then SiLU; with a state, its
         window continues the previous inputs, and keeps the last ``conv_kernel`` of them."""
         K = self.cfg.conv_kernel

@@ -27,6 +27,33 @@ import torch
 import torch.nn.functional as F
 
 
+class FixedState:
+    """A recurrent layer's decode state: named tensors of fixed shape whatever the length, made on
+    the first forward when the batch is not known up front and updated in place (so the static state
+    of compiled decoding is this object itself). ``FixedState(batch, device, S=((H, Dk, Dv),
+    torch.float32))`` holds ``.S``; ``get(batch)`` returns the tensors in the order given."""
+
+    def __init__(self, batch: Optional[int], device, **tensors: tuple[tuple[int, ...], torch.dtype]):
+        self.specs, self.device = tensors, device
+        for name in tensors:
+            setattr(self, name, None)
+        if batch is not None:
+            self.get(batch)
+
+    def get(self, batch: int) -> tuple[torch.Tensor, ...]:
+        if getattr(self, next(iter(self.specs))) is None:
+            for name, (shape, dtype) in self.specs.items():
+                setattr(self, name, torch.zeros(batch, *shape, dtype=dtype, device=self.device))
+        return tuple(getattr(self, name) for name in self.specs)
+
+    def nbytes(self) -> int:
+        tensors = [getattr(self, name) for name in self.specs]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def to_static(self, max_len: int) -> "FixedState":
+        return self  # already of fixed size, updated in place
+
+
 def _check(q, k, v, log_decay, state, *, steps: bool):
     lead = q.shape[:-1]
     if k.shape != q.shape:
