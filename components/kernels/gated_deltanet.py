@@ -41,6 +41,7 @@ import triton.language as tl
 
 from zoo.components.kernels import on_device
 from zoo.components.kernels.recurrent import _advance, _decay_matrix, _state_ptrs, _store_tile, _tile
+from zoo.components.kernels.recurrent import _blocks as scalar_decay_blocks
 
 
 @triton.jit
@@ -187,14 +188,14 @@ class _InterChunk(torch.autograd.Function):
                 None, None, None)
 
 
-def _blocks(T, chunk_size, Dv, block_v):
-    """The chunk (a power of two, at least 16 for the tensor cores, no longer than T needs) and the
-    width of a block of value columns (one that divides Dv, else all of them)."""
-    C = _width(min(chunk_size, T))
-    BV = block_v or (64 if Dv % 64 == 0 and Dv > 64 else _width(Dv))
+def _blocks(T, chunk_size, Dk, Dv, block_v):
+    """The width of a block of value columns (one that divides Dv, else all of them) and the chunk:
+    a power of two of at least 16 (for the tensor cores), no longer than ``chunk_size`` or than T
+    needs, and shorter for wide heads as the scalar-decay kernel's (so that a program's tiles fit)."""
+    BV = block_v or next((b for b in (64, 32) if Dv > 64 and Dv % b == 0), _width(Dv))
     if Dv % BV and BV < Dv:
         raise ValueError(f"gated delta kernel: block_v {BV} must divide the value width {Dv} or cover it")
-    return C, BV
+    return min(_width(min(chunk_size, T)), scalar_decay_blocks(Dk, BV)[0]), BV
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk_size=64, *, block_v=None):
@@ -209,7 +210,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk_size=64, *, block
                          f"v {tuple(v.shape)} (B, H, T, Dv) with H a multiple of the key heads, g {tuple(g.shape)} "
                          f"and beta {tuple(beta.shape)} (B, H, T)")
     prec, out_dtype = ("ieee" if q.dtype == torch.float32 else "tf32"), v.dtype
-    C, BV = _blocks(T, chunk_size, Dv, block_v)
+    C, BV = _blocks(T, chunk_size, Dk, Dv, block_v)
     pad = -T % C
     q, k, v = (F.pad(x.float(), (0, 0, 0, pad)) for x in (q, k, v))  # padded steps neither write nor decay
     g, beta = (F.pad(x.float(), (0, pad)) for x in (g, beta))
