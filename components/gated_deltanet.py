@@ -138,7 +138,7 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(Mixer):
     """Gated DeltaNet with its short convolution, L2-normalised q/k and gated RMSNorm (see the module)."""
 
-    # The chunked form's inter-chunk pass runs a Triton kernel on CUDA (components/kernels/gated_deltanet.py).
+    # The chunked form runs Triton kernels on CUDA (components/kernels/gated_deltanet.py).
     kernel: ClassVar[str] = "gated_delta"
     backends: ClassVar[tuple] = ("triton", "torch")
 

@@ -1,5 +1,5 @@
-"""The chunked gated delta rule (``zoo.components.gated_deltanet.chunk_gated_delta_rule``): its
-inter-chunk pass as Triton kernels, forward and backward; the per-chunk UT transform in PyTorch.
+"""The chunked gated delta rule (``zoo.components.gated_deltanet.chunk_gated_delta_rule``) as Triton
+kernels, forward and backward.
 
 Per value head and chunk of ``C`` tokens, with ``G`` the cumulative log decay from the chunk's start
 and ``D[i, j] = exp(G_i - G_j)`` (``j <= i``), the chunked form is::
@@ -11,29 +11,33 @@ and ``D[i, j] = exp(G_i - G_j)`` (``j <= i``), the chunked form is::
 
 What runs where:
 
-- PyTorch (batched over all chunks at once, no loop; autograd gives its backward): padding to a
-  whole number of chunks, the cumulative decays ``G``, and ``u``, ``w`` by the unit-lower-triangular
-  solve of the UT transform.
-- Triton, forward (:func:`_fwd`): one program per (batch, value head, block of value columns)
-  walks the chunks in order with its columns of ``S`` (Dk x BV, fp32) on chip and computes ``v'``,
-  the masked ``(q k^T) * D``, the decayed ``q`` and ``k``, the outputs and the next state. The key
-  head of value head ``h`` is ``h // (H / Hk)``: grouped q and k are read, never repeated.
-- Triton, backward (:func:`_bwd`): a reverse sweep carrying ``dS`` back from the final state's
-  gradient, giving ``du = dv'``, ``dw``, ``dq``, ``dk`` (within the chunk and through the state),
-  ``dG`` (through ``D``, the decayed ``q`` and ``k`` and ``exp(G_C)``) and the initial state's
-  gradient. The states before each chunk and ``v'`` are not kept from the forward: the backward
-  first reruns :func:`_fwd` to write them ((B, H, N, Dk, Dv) fp32, held only during the backward).
-  Keeping them from the forward would hold ``Dk * Dv / C`` floats per token and head per layer
-  (256 at Qwen3-Next's 128 x 128 and C = 64: twice q, k and v together) from every layer's forward
-  to its backward; the rerun costs one more sweep of three small products per chunk.
-  Terms that sum over the value columns (``dq``, ``dk``, ``dw``, ``dG``) are written per column
-  block and per value head and summed in PyTorch, also over the value heads a key head serves.
+- PyTorch: padding to a whole number of chunks, the cumulative sums ``G`` of the log decays within
+  each chunk (autograd gives their backward), and the sums of the kernels' per-value-head gradient
+  shares over blocks of value columns and over the value heads a key head serves.
+- Triton, the UT transform (:func:`_ut_fwd`, :func:`_ut_bwd`, the two :class:`_UTTransform`
+  runs): one program per (chunk, batch and value head), all chunks in parallel. It builds ``A``,
+  inverts ``I + A`` by forward substitution (row ``r`` of the inverse ``T`` is ``e_r - sum_{j<r}
+  A_rj T_j``: exact, as a triangular solve is) and multiplies out ``u`` and ``w``; its backward
+  rebuilds ``T`` and gives ``dk``, ``dv``, ``dG`` and ``dbeta`` through ``T``, ``A`` and the right-hand side.
+- Triton, the inter-chunk pass (:func:`_fwd`, :class:`_InterChunk`): one program per (batch, value
+  head, block of value columns) walks the chunks in order with its columns of ``S`` (Dk x BV,
+  fp32) on chip and computes ``v'``, the masked ``(q k^T) * D``, the decayed ``q`` and ``k``, the
+  outputs and the next state. Its backward (:func:`_bwd`) is a reverse sweep carrying ``dS`` back
+  from the final state's gradient, giving ``du = dv'``, ``dw``, ``dq``, ``dk`` (within the chunk
+  and through the state), ``dG`` (through ``D``, the decayed ``q`` and ``k`` and ``exp(G_C)``) and
+  the initial state's gradient. The states before each chunk and ``v'`` are not kept from the
+  forward: the backward first reruns :func:`_fwd` to write them ((B, H, N, Dk, Dv) fp32, held only
+  during the backward). Keeping them would hold ``Dk * Dv / C`` floats per token and value head
+  (512 at Qwen3-Next's 128 x 128 heads and the 32-token chunk used there: more than q, k and v
+  together) from every layer's forward to its backward; the rerun is one more sweep of three small
+  products per chunk.
 
+The key head of value head ``h`` is ``h // (H / Hk)``: grouped q and k are read, never repeated.
 The value columns are split into blocks only when a block width divides ``Dv`` (so the scalar-decay
-kernel's tile helpers mask them right); otherwise one block holds them all. Products run in fp32:
-IEEE for fp32 inputs, TF32 tensor cores for 16-bit ones (which carry no more precision).
+kernel's tile helpers, imported from it, mask them right); otherwise one block holds them all.
+Products run in fp32: IEEE for fp32 inputs, TF32 tensor cores for 16-bit ones (which carry no more
+precision).
 """
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -143,6 +147,72 @@ def _bwd(Q, K, Gp, W, SB, VN, DO, DST, DQ, DK, DG, DU, DW, DS0, Tp, H, Hk, Dk, D
     tl.store(ds_ptrs, dS, mask=ds_mask)
 
 
+@triton.jit
+def _ut(k, G, beta, PREC: tl.constexpr, C: tl.constexpr):
+    """The chunk's A (strictly lower part of (beta k k^T) * D), its (k k^T) * D, and
+    T = (I + A)^{-1} by forward substitution: row r of T is e_r - sum_{j<r} A_rj T_j."""
+    i = tl.arange(0, C)
+    KD = tl.dot(k, tl.trans(k), input_precision=PREC) * _decay_matrix(G, C)
+    A = tl.where(i[:, None] > i[None, :], KD * beta[:, None], 0.0)
+    T = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
+    for r in range(1, C):
+        a = tl.sum(tl.where(i[:, None] == r, A, 0.0), 0)  # row r of A
+        T = tl.where(i[:, None] == r, T - tl.sum(a[:, None] * T, 0)[None, :], T)
+    return A, KD, T
+
+
+@triton.jit
+def _ut_fwd(K, V, Gp, Beta, U, W, Tp, H, Hk, Dk, Dv, PREC: tl.constexpr,
+            C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr):
+    """One program per (chunk, batch and value head): u = T (beta v), w = T (beta exp(G) k)."""
+    n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    bk = (bh // H) * Hk + (bh % H) // (H // Hk)
+    G, _ = _decays(Gp, bh, n, Tp, C)
+    beta = tl.load(Beta + bh * Tp + n * C + tl.arange(0, C))
+    k, _ = _tile(K, bk * Tp * Dk, n * C, Tp, Dk, C, BK)
+    v, _ = _tile(V, bh * Tp * Dv, n * C, Tp, Dv, C, BVF)
+    _, _, T = _ut(k, G, beta, PREC, C)
+    _store_tile(U, bh * Tp * Dv, n * C, Tp, Dv, tl.dot(T, v * beta[:, None], input_precision=PREC), C, BVF)
+    w = tl.dot(T, k * (beta * tl.exp(G))[:, None], input_precision=PREC)
+    _store_tile(W, bh * Tp * Dk, n * C, Tp, Dk, w, C, BK)
+
+
+@triton.jit
+def _ut_bwd(K, V, Gp, Beta, DU, DW, DK, DV, DG, DB, Tp, H, Hk, Dk, Dv, PREC: tl.constexpr,
+            C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr):
+    """With R = [beta v | beta exp(G) k] and [u | w] = T R: dR = T^T [du | dw],
+    dA = -T^T ([du | dw] R^T) T^T on the strictly lower part, then through A = beta_i (k k^T) * D
+    and R to dk (this value head's share), dv, dG and dbeta."""
+    n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    bk = (bh // H) * Hk + (bh % H) // (H // Hk)
+    i = tl.arange(0, C)
+    G, _ = _decays(Gp, bh, n, Tp, C)
+    beta = tl.load(Beta + bh * Tp + n * C + i)
+    k, _ = _tile(K, bk * Tp * Dk, n * C, Tp, Dk, C, BK)
+    v, _ = _tile(V, bh * Tp * Dv, n * C, Tp, Dv, C, BVF)
+    du, _ = _tile(DU, bh * Tp * Dv, n * C, Tp, Dv, C, BVF)
+    dw, _ = _tile(DW, bh * Tp * Dk, n * C, Tp, Dk, C, BK)
+    A, KD, T = _ut(k, G, beta, PREC, C)
+    ek = k * tl.exp(G)[:, None]
+    dRu = tl.dot(tl.trans(T), du, input_precision=PREC)
+    dRw = tl.dot(tl.trans(T), dw, input_precision=PREC)
+    dT = tl.dot(du, tl.trans(v * beta[:, None]), input_precision=PREC) \
+        + tl.dot(dw, tl.trans(ek * beta[:, None]), input_precision=PREC)
+    dA = -tl.dot(tl.dot(tl.trans(T), dT, input_precision=PREC), tl.trans(T), input_precision=PREC)
+    dA = tl.where(i[:, None] > i[None, :], dA, 0.0)
+    dKK = dA * beta[:, None] * _decay_matrix(G, C)
+    dk = tl.dot(dKK + tl.trans(dKK), k, input_precision=PREC) + dRw * (beta * tl.exp(G))[:, None]
+    Z = dA * A  # dA_ij A_ij: A_ij depends on G_i - G_j
+    dG = tl.sum(Z, 1) - tl.sum(Z, 0) + tl.sum(dRw * ek, 1) * beta
+    db = tl.sum(dA * KD, 1) + tl.sum(dRu * v, 1) + tl.sum(dRw * ek, 1)
+    _store_tile(DK, bh * Tp * Dk, n * C, Tp, Dk, dk, C, BK)
+    _store_tile(DV, bh * Tp * Dv, n * C, Tp, Dv, dRu * beta[:, None], C, BVF)
+    tl.store(DG + bh * Tp + n * C + i, dG)
+    tl.store(DB + bh * Tp + n * C + i, db)
+
+
 def _width(d):
     return max(16, triton.next_power_of_2(d))
 
@@ -188,6 +258,36 @@ class _InterChunk(torch.autograd.Function):
                 None, None, None)
 
 
+class _UTTransform(torch.autograd.Function):
+    """(k per key head; v, G, beta per value head) -> (u, w), each chunk on its own. All inputs fp32
+    and contiguous, the length a whole number of chunks."""
+
+    @staticmethod
+    def forward(ctx, k, v, G, beta, C, prec):
+        B, H, Tp, Dv = v.shape
+        Hk, Dk = k.shape[1], k.shape[-1]
+        u, w = torch.empty_like(v), v.new_empty(B, H, Tp, Dk)
+        with on_device(v):
+            _ut_fwd[(Tp // C, B * H)](k, v, G, beta, u, w, Tp, H, Hk, Dk, Dv, PREC=prec, C=C,
+                                      BK=_width(Dk), BVF=_width(Dv))
+        ctx.save_for_backward(k, v, G, beta)
+        ctx.C, ctx.prec = C, prec
+        return u, w
+
+    @staticmethod
+    def backward(ctx, du, dw):
+        k, v, G, beta = ctx.saved_tensors
+        B, H, Tp, Dv = v.shape
+        Hk, Dk = k.shape[1], k.shape[-1]
+        du = torch.zeros_like(v) if du is None else du.contiguous()
+        dw = v.new_zeros(B, H, Tp, Dk) if dw is None else dw.contiguous()
+        dk, dv, dG, db = v.new_empty(B, H, Tp, Dk), torch.empty_like(v), torch.empty_like(G), torch.empty_like(beta)
+        with on_device(v):
+            _ut_bwd[(Tp // ctx.C, B * H)](k, v, G, beta, du, dw, dk, dv, dG, db, Tp, H, Hk, Dk, Dv, PREC=ctx.prec,
+                                          C=ctx.C, BK=_width(Dk), BVF=_width(Dv))
+        return dk.view(B, Hk, H // Hk, Tp, Dk).sum(2), dv, dG, db, None, None
+
+
 def _blocks(T, chunk_size, Dk, Dv, block_v):
     """The width of a block of value columns (one that divides Dv, else all of them) and the chunk:
     a power of two of at least 16 (for the tensor cores), no longer than ``chunk_size`` or than T
@@ -199,10 +299,10 @@ def _blocks(T, chunk_size, Dk, Dv, block_v):
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk_size=64, *, block_v=None):
-    """:func:`zoo.components.gated_deltanet.chunk_gated_delta_rule` with its inter-chunk pass on
-    Triton: the same arguments and results. ``chunk_size`` is a hint (the kernel's chunk is a
-    power of two of at least 16, which changes only the order of fp32 sums); ``block_v`` forces the
-    width of a block of value columns (tests)."""
+    """:func:`zoo.components.gated_deltanet.chunk_gated_delta_rule` on Triton: the same arguments and
+    results (outputs in ``v``'s dtype, the final state in fp32). ``chunk_size`` bounds the kernels'
+    chunk (see :func:`_blocks`; the chunk changes only the order of fp32 sums); ``block_v`` forces
+    the width of a block of value columns (tests)."""
     B, Hk, T, Dk = k.shape
     H, Dv = v.shape[1], v.shape[-1]
     if q.shape != k.shape or v.shape[:3] != (B, H, T) or H % Hk or g.shape != (B, H, T) or beta.shape != (B, H, T):
@@ -215,17 +315,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk_size=64, *, block
     q, k, v = (F.pad(x.float(), (0, 0, 0, pad)) for x in (q, k, v))  # padded steps neither write nor decay
     g, beta = (F.pad(x.float(), (0, pad)) for x in (g, beta))
     N, Tp = (T + pad) // C, T + pad
-    # The UT transform, all chunks at once: (B, key heads, value heads per key head, chunks, C, .).
-    kc = k.view(B, Hk, 1, N, C, Dk)
-    G = g.view(B, Hk, H // Hk, N, C).cumsum(-1)
-    bc = beta.view(B, Hk, H // Hk, N, C, 1)
-    upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
-    D = (G[..., :, None] - G[..., None, :]).masked_fill(upper, float("-inf")).exp()
-    A = (kc @ kc.transpose(-1, -2)) * bc * D  # the solve reads only its strictly lower part
-    rhs = torch.cat([v.view(B, Hk, H // Hk, N, C, Dv) * bc, kc * (bc * G.exp()[..., None])], -1)
-    uw = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
-    u, w = (x.reshape(B, H, Tp, -1).contiguous() for x in uw.split([Dv, Dk], -1))
+    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    G = g.view(B, H, N, C).cumsum(-1).view(B, H, Tp)
+    u, w = _UTTransform.apply(k, v, G, beta, C, prec)
     s0 = state.float().contiguous() if state is not None else None
-    out, S = _InterChunk.apply(q.contiguous(), k.contiguous(), G.reshape(B, H, Tp).contiguous(), u, w, s0,
-                               C, BV, prec)
+    out, S = _InterChunk.apply(q, k, G, u, w, s0, C, BV, prec)
     return out[:, :, :T].to(out_dtype), S
