@@ -1,6 +1,6 @@
 """zoo's fast kernels against eager PyTorch and torch.compile, side by side in one process.
 
-For each kernel (forward + backward): median time and peak memory above the inputs, for the
+For each kernel: median time of forward + backward (and of the forward alone) and peak memory above the inputs, for the
 eager reference, the reference under ``torch.compile``, and zoo's fast path, after several
 warm-ups; long-context attention with its masks looked up or rebuilt every step, as training
 does; then a training step (forward, backward, AdamW) of a Llama-3-8B-shaped model in zoo's
@@ -41,7 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--long", type=int, default=16384,
                    help="tokens of the long-context attention cases (default 16384: the eager reference must fit)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
-    p.add_argument("--only", default=None, help="comma-separated subset: rmsnorm,layernorm,rope,swiglu,loss,attention,scalar_decay,train")
+    p.add_argument("--only", default=None, help="comma-separated subset: rmsnorm,layernorm,rope,swiglu,loss,attention,scalar_decay,gated_delta,train")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
     if args.dry_run:
@@ -215,7 +215,34 @@ def kernel_cases(a, dev, dtype):
     ra = (-torch.rand(batch, rheads, seq, device=dev) * 0.1).requires_grad_()
     cases.append(("scalar_decay (chunked recurrence)", f"q {shape}", "scalar_decay:triton", _scalar_decay(),
                   [rq, rk, rv, ra]))
+
+    # The chunked gated delta rule of Gated DeltaNet at Qwen3-Next's head widths (Dk = Dv = 128, two
+    # value heads per key head), a 4k sequence, against the PyTorch chunked form (in fp32, as the
+    # mixer runs it; the kernel takes the inputs in the benchmark's dtype: TF32 products for 16-bit).
+    from zoo.components.gated_deltanet import l2norm
+    for gb, gh in ((1, 4) if tiny else (1, 16), (2, 8) if tiny else (4, 32)):
+        gd = hd if tiny else 128
+        unit = lambda *s: l2norm(torch.randn(*s, device=dev)).to(dtype)  # noqa: E731
+        gq = (unit(gb, gh // 2, seq, gd) * gd ** -0.5).requires_grad_()
+        gk = unit(gb, gh // 2, seq, gd).requires_grad_()
+        gv = torch.randn(gb, gh, seq, gd, **mk, requires_grad=True)
+        gg = (-torch.rand(gb, gh, seq, device=dev) * 0.5).to(dtype).requires_grad_()
+        gbeta = torch.rand(gb, gh, seq, **mk).requires_grad_()
+        cases.append((f"gated_delta (chunked, B={gb} H={gh})", f"v {tuple(gv.shape)}, {gh // 2} key heads",
+                      "gated_delta:triton", _gated_delta(), [gq, gk, gv, gg, gbeta]))
     return cases
+
+
+def _gated_delta():
+    from zoo.components import gated_deltanet as gdn
+    from zoo.components.kernels import gated_deltanet as fast
+
+    def run(q, k, v, g, beta):
+        if kernels.setting_for("gated_delta") == "triton":
+            return fast.chunk_gated_delta_rule(q, k, v, g, beta)
+        return gdn.chunk_gated_delta_rule(*(t.float() for t in (q, k, v, g, beta)))
+
+    return run
 
 
 def _scalar_decay():
@@ -270,7 +297,10 @@ def run_kernels(a, bench, dtype, only):
         for label, fn in variants:
             t, peak = bench.measure(fwd_bwd(fn, inputs))
             row[f"{label}_ms"], row[f"{label}_peak_mb"] = t * 1e3, None if peak is None else peak / 2**20
+            with torch.no_grad():
+                row[f"{label}_fwd_ms"] = bench.measure(lambda: fn(*inputs))[0] * 1e3
         row["speedup_vs_eager"] = row["eager_ms"] / row["zoo_ms"]
+        row["fwd_speedup_vs_eager"] = row["eager_fwd_ms"] / row["zoo_fwd_ms"]
         if "compile_ms" in row:
             row["speedup_vs_compile"] = row["compile_ms"] / row["zoo_ms"]
         if row["zoo_peak_mb"] is not None:

@@ -27,12 +27,13 @@ The decode state is fixed in size: the last ``conv_kernel - 1`` convolution inpu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo import kernels
 from zoo.components.recurrent import FixedState
 from zoo.interfaces import Cost, Mixer
 from zoo.registry import register
@@ -137,6 +138,10 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(Mixer):
     """Gated DeltaNet with its short convolution, L2-normalised q/k and gated RMSNorm (see the module)."""
 
+    # The chunked form runs Triton kernels on CUDA (components/kernels/gated_deltanet.py).
+    kernel: ClassVar[str] = "gated_delta"
+    backends: ClassVar[tuple] = ("triton", "torch")
+
     @dataclass(frozen=True)
     class Config:
         n_heads: int  # value heads (each has its own state matrix)
@@ -230,7 +235,7 @@ class GatedDeltaNet(Mixer):
         if state is not None and T == 1:  # each key head serves r consecutive value heads
             y, S = recurrent_gated_delta_rule(q.repeat_interleave(r, 1), k.repeat_interleave(r, 1), v, g, beta, S0)
         else:
-            y, S = chunk_gated_delta_rule(q, k, v, g, beta, S0, self.cfg.chunk_size)
+            y, S = (kernels.fast(self, v) or chunk_gated_delta_rule)(q, k, v, g, beta, S0, self.cfg.chunk_size)
         if state is not None:
             state.S.copy_(S)
         y = self.norm(y.transpose(1, 2).to(x.dtype), z.view(B, T, Hv, Dv))

@@ -334,7 +334,8 @@ def backend_table(model: torch.nn.Module, *, device: Any = None, dtype: Optional
 
 def format_table(rows: list[dict]) -> str:
     """``backend_table`` as aligned text."""
-    lines = [f"{'component':<10} {'class':<12} {'modules':>7}  {'backend':<8} why"]
+    w = max([10] + [len(r["component"]) for r in rows])  # scalar_decay, gated_delta are wider than 10
+    lines = [f"{'component':<{w}} {'class':<13} {'modules':>7}  {'backend':<8} why"]
     for r in rows:
-        lines.append(f"{r['component']:<10} {r['class']:<12} {len(r['modules']):>7}  {r['backend']:<8} {r['reason']}")
+        lines.append(f"{r['component']:<{w}} {r['class']:<13} {len(r['modules']):>7}  {r['backend']:<8} {r['reason']}")
     return "\n".join(lines)

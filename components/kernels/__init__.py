@@ -26,6 +26,7 @@ BACKENDS = (
     Backend("loss", "triton", "zoo.components.kernels.cross_entropy:decoder_loss"),
     Backend("attention", "flex", "zoo.components.kernels.attention:flex_attend", needs="flex", traced=True),
     Backend("scalar_decay", "triton", "zoo.components.kernels.recurrent:chunked"),
+    Backend("gated_delta", "triton", "zoo.components.kernels.gated_deltanet:chunk_gated_delta_rule"),
 )
 
 manager().add_kind(KIND)

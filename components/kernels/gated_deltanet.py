@@ -1,0 +1,323 @@
+"""The chunked gated delta rule (``zoo.components.gated_deltanet.chunk_gated_delta_rule``) as Triton
+kernels, forward and backward.
+
+Per value head and chunk of ``C`` tokens, with ``G`` the cumulative log decay from the chunk's start
+and ``D[i, j] = exp(G_i - G_j)`` (``j <= i``), the chunked form is::
+
+    (I + A) [u | w] = [beta v | beta k exp(G)]      A: strictly lower part of (beta k k^T) * D
+    v' = u - w S
+    out = (q exp(G)) S + ((q k^T) * D) v'
+    S  <- exp(G_C) S + (k exp(G_C - G))^T v'
+
+What runs where:
+
+- PyTorch: padding to a whole number of chunks, the cumulative sums ``G`` of the log decays within
+  each chunk (autograd gives their backward), and the sums of the kernels' per-value-head gradient
+  shares over blocks of value columns and over the value heads a key head serves.
+- Triton, the UT transform (:func:`_ut_fwd`, :func:`_ut_bwd`, the two :class:`_UTTransform`
+  runs): one program per (chunk, batch and value head), all chunks in parallel. It builds ``A``,
+  inverts ``I + A`` by forward substitution (row ``r`` of the inverse ``T`` is ``e_r - sum_{j<r}
+  A_rj T_j``: exact, as a triangular solve is) and multiplies out ``u`` and ``w``; its backward
+  rebuilds ``T`` and gives ``dk``, ``dv``, ``dG`` and ``dbeta`` through ``T``, ``A`` and the right-hand side.
+- Triton, the inter-chunk pass (:func:`_fwd`, :class:`_InterChunk`): one program per (batch, value
+  head, block of value columns) walks the chunks in order with its columns of ``S`` (Dk x BV,
+  fp32) on chip and computes ``v'``, the masked ``(q k^T) * D``, the decayed ``q`` and ``k``, the
+  outputs and the next state. Its backward (:func:`_bwd`) is a reverse sweep carrying ``dS`` back
+  from the final state's gradient, giving ``du = dv'``, ``dw``, ``dq``, ``dk`` (within the chunk
+  and through the state), ``dG`` (through ``D``, the decayed ``q`` and ``k`` and ``exp(G_C)``) and
+  the initial state's gradient. The states before each chunk and ``v'`` are not kept from the
+  forward: the backward first reruns :func:`_fwd` to write them ((B, H, N, Dk, Dv) fp32, held only
+  during the backward). Keeping them would hold ``Dk * Dv / C`` floats per token and value head
+  (512 at Qwen3-Next's 128 x 128 heads and the 32-token chunk used there: more than q, k and v
+  together) from every layer's forward to its backward; the rerun is one more sweep of three small
+  products per chunk.
+
+The key head of value head ``h`` is ``h // (H / Hk)``: grouped q and k are read, never repeated.
+The value columns are split into blocks only when a block width divides ``Dv`` (so the scalar-decay
+kernel's tile helpers, imported from it, mask them right); otherwise one block holds them all.
+Products run in fp32: IEEE for fp32 inputs, TF32 tensor cores for 16-bit ones (which carry no more
+precision).
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from zoo.components.kernels import on_device
+from zoo.components.kernels.recurrent import _advance, _decay_matrix, _state_ptrs, _store_tile, _tile
+from zoo.components.kernels.recurrent import _blocks as scalar_decay_blocks
+
+
+@triton.jit
+def _decays(Gp, bh, n, Tp, C: tl.constexpr):
+    """The chunk's cumulative log decays ``G`` (C,) and its total ``G_C``."""
+    i = tl.arange(0, C)
+    G = tl.load(Gp + bh * Tp + n * C + i)
+    return G, tl.sum(tl.where(i == C - 1, G, 0.0), 0)
+
+
+@triton.jit
+def _fwd(Q, K, Gp, U, W, S0, O, ST, SB, VN, Tp, H, Hk, Dk, Dv,
+         HAS_S0: tl.constexpr, STORE: tl.constexpr, PREC: tl.constexpr,
+         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Forward over the chunks. ``STORE``: also write the state before each chunk (SB) and ``v'``
+    (VN) for the backward, instead of the outputs and the final state."""
+    v0 = tl.program_id(0) * BV
+    bh = tl.program_id(1).to(tl.int64)
+    bk = (bh // H) * Hk + (bh % H) // (H // Hk)  # the key head serving this value head
+    N = Tp // C
+    S = tl.zeros((BK, BV), dtype=tl.float32)
+    if HAS_S0:
+        s_ptrs, s_mask = _state_ptrs(S0 + v0, bh, Dk, Dv, BK, BV)
+        S = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    for n in range(N):
+        G, G_C = _decays(Gp, bh, n, Tp, C)
+        q, _ = _tile(Q, bk * Tp * Dk, n * C, Tp, Dk, C, BK)
+        k, _ = _tile(K, bk * Tp * Dk, n * C, Tp, Dk, C, BK)
+        w, _ = _tile(W, bh * Tp * Dk, n * C, Tp, Dk, C, BK)
+        u, _ = _tile(U + v0, bh * Tp * Dv, n * C, Tp, Dv, C, BV)
+        vn = u - tl.dot(w, S, input_precision=PREC)
+        if STORE:
+            sb_ptrs, sb_mask = _state_ptrs(SB + v0, bh * N + n, Dk, Dv, BK, BV)
+            tl.store(sb_ptrs, S, mask=sb_mask)
+            _store_tile(VN + v0, bh * Tp * Dv, n * C, Tp, Dv, vn, C, BV)
+        else:
+            att = tl.dot(q, tl.trans(k), input_precision=PREC) * _decay_matrix(G, C)
+            o = tl.dot(q * tl.exp(G)[:, None], S, input_precision=PREC) + tl.dot(att, vn, input_precision=PREC)
+            _store_tile(O + v0, bh * Tp * Dv, n * C, Tp, Dv, o, C, BV)
+        S = _advance(S, k, vn, G, G_C, PREC)
+    if not STORE:
+        st_ptrs, st_mask = _state_ptrs(ST + v0, bh, Dk, Dv, BK, BV)
+        tl.store(st_ptrs, S, mask=st_mask)
+
+
+@triton.jit
+def _bwd(Q, K, Gp, W, SB, VN, DO, DST, DQ, DK, DG, DU, DW, DS0, Tp, H, Hk, Dk, Dv,
+         HAS_DST: tl.constexpr, PREC: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """From the last chunk back, with ``dS`` the gradient of the state after the chunk:
+    dv' = P^T dO + kd dS (= du), dP = dO v'^T, d(q e^G) = dO S^T, d(kd) = v' dS^T, dw = -dv' S^T,
+    and dS before the chunk = e^{G_C} dS + (q e^G)^T dO - w^T dv'. DQ, DK, DW, DG are this column
+    block's share (per value head); DU and DS0 are whole."""
+    j = tl.program_id(0)
+    v0 = j * BV
+    bh = tl.program_id(1).to(tl.int64)
+    bk = (bh // H) * Hk + (bh % H) // (H // Hk)
+    N = Tp // C
+    part = j * tl.num_programs(1).to(tl.int64)  # offset of this column block's shares, in value heads
+    dS = tl.zeros((BK, BV), dtype=tl.float32)
+    if HAS_DST:
+        d_ptrs, d_mask = _state_ptrs(DST + v0, bh, Dk, Dv, BK, BV)
+        dS = tl.load(d_ptrs, mask=d_mask, other=0.0)
+    i = tl.arange(0, C)
+    for m in range(N):
+        n = N - 1 - m
+        G, G_C = _decays(Gp, bh, n, Tp, C)
+        q, _ = _tile(Q, bk * Tp * Dk, n * C, Tp, Dk, C, BK)
+        k, _ = _tile(K, bk * Tp * Dk, n * C, Tp, Dk, C, BK)
+        w, _ = _tile(W, bh * Tp * Dk, n * C, Tp, Dk, C, BK)
+        vn, _ = _tile(VN + v0, bh * Tp * Dv, n * C, Tp, Dv, C, BV)
+        do, _ = _tile(DO + v0, bh * Tp * Dv, n * C, Tp, Dv, C, BV)
+        sb_ptrs, sb_mask = _state_ptrs(SB + v0, bh * N + n, Dk, Dv, BK, BV)
+        S = tl.load(sb_ptrs, mask=sb_mask, other=0.0)
+        L = _decay_matrix(G, C)
+        eG = tl.exp(G)[:, None]
+        to_end = tl.exp(G_C - G)[:, None]
+        P = tl.dot(q, tl.trans(k), input_precision=PREC) * L
+        dP = tl.dot(do, tl.trans(vn), input_precision=PREC)
+        dvn = tl.dot(tl.trans(P), do, input_precision=PREC) + tl.dot(k * to_end, dS, input_precision=PREC)
+        dqg = tl.dot(do, tl.trans(S), input_precision=PREC)       # d(q e^G)
+        dkd = tl.dot(vn, tl.trans(dS), input_precision=PREC)      # d(k e^{G_C - G})
+        dw = -tl.dot(dvn, tl.trans(S), input_precision=PREC)
+        dqk = dP * L                                               # d(q k^T)
+        dq = tl.dot(dqk, k, input_precision=PREC) + dqg * eG
+        dk = tl.dot(tl.trans(dqk), q, input_precision=PREC) + dkd * to_end
+        # dG_i: through q e^G and k e^{G_C - G} row i, and through D's row i minus its column i
+        M = dP * P
+        from_k = tl.sum(dkd * k * to_end, 1)
+        dG = tl.sum(dqg * q * eG, 1) - from_k + tl.sum(M, 1) - tl.sum(M, 0)
+        dG += tl.where(i == C - 1, tl.sum(from_k, 0) + tl.exp(G_C) * tl.sum(tl.sum(dS * S, 1), 0), 0.0)
+        _store_tile(DU + v0, bh * Tp * Dv, n * C, Tp, Dv, dvn, C, BV)
+        _store_tile(DQ, (part + bh) * Tp * Dk, n * C, Tp, Dk, dq, C, BK)
+        _store_tile(DK, (part + bh) * Tp * Dk, n * C, Tp, Dk, dk, C, BK)
+        _store_tile(DW, (part + bh) * Tp * Dk, n * C, Tp, Dk, dw, C, BK)
+        tl.store(DG + (part + bh) * Tp + n * C + i, dG)
+        dS = dS * tl.exp(G_C) + tl.dot(tl.trans(q * eG), do, input_precision=PREC) \
+            - tl.dot(tl.trans(w), dvn, input_precision=PREC)
+    ds_ptrs, ds_mask = _state_ptrs(DS0 + v0, bh, Dk, Dv, BK, BV)
+    tl.store(ds_ptrs, dS, mask=ds_mask)
+
+
+@triton.jit
+def _ut(k, G, beta, PREC: tl.constexpr, C: tl.constexpr):
+    """The chunk's A (strictly lower part of (beta k k^T) * D), its (k k^T) * D, and
+    T = (I + A)^{-1} by forward substitution: row r of T is e_r - sum_{j<r} A_rj T_j."""
+    i = tl.arange(0, C)
+    KD = tl.dot(k, tl.trans(k), input_precision=PREC) * _decay_matrix(G, C)
+    A = tl.where(i[:, None] > i[None, :], KD * beta[:, None], 0.0)
+    T = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
+    for r in range(1, C):
+        a = tl.sum(tl.where(i[:, None] == r, A, 0.0), 0)  # row r of A
+        T = tl.where(i[:, None] == r, T - tl.sum(a[:, None] * T, 0)[None, :], T)
+    return A, KD, T
+
+
+@triton.jit
+def _ut_fwd(K, V, Gp, Beta, U, W, Tp, H, Hk, Dk, Dv, PREC: tl.constexpr,
+            C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr):
+    """One program per (chunk, batch and value head): u = T (beta v), w = T (beta exp(G) k)."""
+    n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    bk = (bh // H) * Hk + (bh % H) // (H // Hk)
+    G, _ = _decays(Gp, bh, n, Tp, C)
+    beta = tl.load(Beta + bh * Tp + n * C + tl.arange(0, C))
+    k, _ = _tile(K, bk * Tp * Dk, n * C, Tp, Dk, C, BK)
+    v, _ = _tile(V, bh * Tp * Dv, n * C, Tp, Dv, C, BVF)
+    _, _, T = _ut(k, G, beta, PREC, C)
+    _store_tile(U, bh * Tp * Dv, n * C, Tp, Dv, tl.dot(T, v * beta[:, None], input_precision=PREC), C, BVF)
+    w = tl.dot(T, k * (beta * tl.exp(G))[:, None], input_precision=PREC)
+    _store_tile(W, bh * Tp * Dk, n * C, Tp, Dk, w, C, BK)
+
+
+@triton.jit
+def _ut_bwd(K, V, Gp, Beta, DU, DW, DK, DV, DG, DB, Tp, H, Hk, Dk, Dv, PREC: tl.constexpr,
+            C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr):
+    """With R = [beta v | beta exp(G) k] and [u | w] = T R: dR = T^T [du | dw],
+    dA = -T^T ([du | dw] R^T) T^T on the strictly lower part, then through A = beta_i (k k^T) * D
+    and R to dk (this value head's share), dv, dG and dbeta."""
+    n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    bk = (bh // H) * Hk + (bh % H) // (H // Hk)
+    i = tl.arange(0, C)
+    G, _ = _decays(Gp, bh, n, Tp, C)
+    beta = tl.load(Beta + bh * Tp + n * C + i)
+    k, _ = _tile(K, bk * Tp * Dk, n * C, Tp, Dk, C, BK)
+    v, _ = _tile(V, bh * Tp * Dv, n * C, Tp, Dv, C, BVF)
+    du, _ = _tile(DU, bh * Tp * Dv, n * C, Tp, Dv, C, BVF)
+    dw, _ = _tile(DW, bh * Tp * Dk, n * C, Tp, Dk, C, BK)
+    A, KD, T = _ut(k, G, beta, PREC, C)
+    ek = k * tl.exp(G)[:, None]
+    dRu = tl.dot(tl.trans(T), du, input_precision=PREC)
+    dRw = tl.dot(tl.trans(T), dw, input_precision=PREC)
+    dT = tl.dot(du, tl.trans(v * beta[:, None]), input_precision=PREC) \
+        + tl.dot(dw, tl.trans(ek * beta[:, None]), input_precision=PREC)
+    dA = -tl.dot(tl.dot(tl.trans(T), dT, input_precision=PREC), tl.trans(T), input_precision=PREC)
+    dA = tl.where(i[:, None] > i[None, :], dA, 0.0)
+    dKK = dA * beta[:, None] * _decay_matrix(G, C)
+    dk = tl.dot(dKK + tl.trans(dKK), k, input_precision=PREC) + dRw * (beta * tl.exp(G))[:, None]
+    Z = dA * A  # dA_ij A_ij: A_ij depends on G_i - G_j
+    dG = tl.sum(Z, 1) - tl.sum(Z, 0) + tl.sum(dRw * ek, 1) * beta
+    db = tl.sum(dA * KD, 1) + tl.sum(dRu * v, 1) + tl.sum(dRw * ek, 1)
+    _store_tile(DK, bh * Tp * Dk, n * C, Tp, Dk, dk, C, BK)
+    _store_tile(DV, bh * Tp * Dv, n * C, Tp, Dv, dRu * beta[:, None], C, BVF)
+    tl.store(DG + bh * Tp + n * C + i, dG)
+    tl.store(DB + bh * Tp + n * C + i, db)
+
+
+def _width(d):
+    return max(16, triton.next_power_of_2(d))
+
+
+class _InterChunk(torch.autograd.Function):
+    """The sequential pass over chunks: (q, k per key head; G, u, w per value head; S0) -> (outputs,
+    final state). All inputs fp32 and contiguous, the length a whole number of chunks."""
+
+    @staticmethod
+    def forward(ctx, q, k, G, u, w, s0, C, BV, prec):
+        B, H, Tp, Dv = u.shape
+        Hk, Dk = q.shape[1], q.shape[-1]
+        o = torch.empty_like(u)
+        st = u.new_empty(B, H, Dk, Dv)
+        grid = (triton.cdiv(Dv, BV), B * H)
+        with on_device(u):
+            _fwd[grid](q, k, G, u, w, s0 if s0 is not None else st, o, st, st, o, Tp, H, Hk, Dk, Dv,
+                       HAS_S0=s0 is not None, STORE=False, PREC=prec, C=C, BK=_width(Dk), BV=BV)
+        ctx.save_for_backward(q, k, G, u, w, s0)
+        ctx.C, ctx.BV, ctx.prec = C, BV, prec
+        return o, st
+
+    @staticmethod
+    def backward(ctx, do, dst):
+        q, k, G, u, w, s0 = ctx.saved_tensors
+        C, BV, prec = ctx.C, ctx.BV, ctx.prec
+        B, H, Tp, Dv = u.shape
+        Hk, Dk = q.shape[1], q.shape[-1]
+        N, NV, BK = Tp // C, triton.cdiv(Dv, BV), _width(Dk)
+        grid = (NV, B * H)
+        states, vn = u.new_empty(B, H, N, Dk, Dv), torch.empty_like(u)
+        do = torch.zeros_like(u) if do is None else do.float().contiguous()
+        dst = dst.float().contiguous() if dst is not None else None
+        dq, dk, dw = (u.new_empty(NV, B, H, Tp, Dk) for _ in range(3))
+        dG, du, ds0 = u.new_empty(NV, B, H, Tp), torch.empty_like(u), u.new_empty(B, H, Dk, Dv)
+        with on_device(u):
+            _fwd[grid](q, k, G, u, w, s0 if s0 is not None else ds0, vn, ds0, states, vn, Tp, H, Hk, Dk, Dv,
+                       HAS_S0=s0 is not None, STORE=True, PREC=prec, C=C, BK=BK, BV=BV)
+            _bwd[grid](q, k, G, w, states, vn, do, dst if dst is not None else ds0, dq, dk, dG, du, dw, ds0,
+                       Tp, H, Hk, Dk, Dv, HAS_DST=dst is not None, PREC=prec, C=C, BK=BK, BV=BV)
+        group = lambda t: t.sum(0).view(B, Hk, H // Hk, Tp, Dk).sum(2)  # noqa: E731  blocks, then heads
+        return (group(dq), group(dk), dG.sum(0), du, dw.sum(0), ds0 if s0 is not None else None,
+                None, None, None)
+
+
+class _UTTransform(torch.autograd.Function):
+    """(k per key head; v, G, beta per value head) -> (u, w), each chunk on its own. All inputs fp32
+    and contiguous, the length a whole number of chunks."""
+
+    @staticmethod
+    def forward(ctx, k, v, G, beta, C, prec):
+        B, H, Tp, Dv = v.shape
+        Hk, Dk = k.shape[1], k.shape[-1]
+        u, w = torch.empty_like(v), v.new_empty(B, H, Tp, Dk)
+        with on_device(v):
+            _ut_fwd[(Tp // C, B * H)](k, v, G, beta, u, w, Tp, H, Hk, Dk, Dv, PREC=prec, C=C,
+                                      BK=_width(Dk), BVF=_width(Dv))
+        ctx.save_for_backward(k, v, G, beta)
+        ctx.C, ctx.prec = C, prec
+        return u, w
+
+    @staticmethod
+    def backward(ctx, du, dw):
+        k, v, G, beta = ctx.saved_tensors
+        B, H, Tp, Dv = v.shape
+        Hk, Dk = k.shape[1], k.shape[-1]
+        du = torch.zeros_like(v) if du is None else du.contiguous()
+        dw = v.new_zeros(B, H, Tp, Dk) if dw is None else dw.contiguous()
+        dk, dv, dG, db = v.new_empty(B, H, Tp, Dk), torch.empty_like(v), torch.empty_like(G), torch.empty_like(beta)
+        with on_device(v):
+            _ut_bwd[(Tp // ctx.C, B * H)](k, v, G, beta, du, dw, dk, dv, dG, db, Tp, H, Hk, Dk, Dv, PREC=ctx.prec,
+                                          C=ctx.C, BK=_width(Dk), BVF=_width(Dv))
+        return dk.view(B, Hk, H // Hk, Tp, Dk).sum(2), dv, dG, db, None, None
+
+
+def _blocks(T, chunk_size, Dk, Dv, block_v):
+    """The width of a block of value columns (one that divides Dv, else all of them) and the chunk:
+    a power of two of at least 16 (for the tensor cores), no longer than ``chunk_size`` or than T
+    needs, and shorter for wide heads as the scalar-decay kernel's (so that a program's tiles fit)."""
+    BV = block_v or next((b for b in (64, 32) if Dv > 64 and Dv % b == 0), _width(Dv))
+    if Dv % BV and BV < Dv:
+        raise ValueError(f"gated delta kernel: block_v {BV} must divide the value width {Dv} or cover it")
+    return min(_width(min(chunk_size, T)), scalar_decay_blocks(Dk, BV)[0]), BV
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk_size=64, *, block_v=None):
+    """:func:`zoo.components.gated_deltanet.chunk_gated_delta_rule` on Triton: the same arguments and
+    results (outputs in ``v``'s dtype, the final state in fp32). ``chunk_size`` bounds the kernels'
+    chunk (see :func:`_blocks`; the chunk changes only the order of fp32 sums); ``block_v`` forces
+    the width of a block of value columns (tests)."""
+    B, Hk, T, Dk = k.shape
+    H, Dv = v.shape[1], v.shape[-1]
+    if q.shape != k.shape or v.shape[:3] != (B, H, T) or H % Hk or g.shape != (B, H, T) or beta.shape != (B, H, T):
+        raise ValueError(f"gated delta kernel: q {tuple(q.shape)} and k {tuple(k.shape)} must be (B, key heads, T, Dk), "
+                         f"v {tuple(v.shape)} (B, H, T, Dv) with H a multiple of the key heads, g {tuple(g.shape)} "
+                         f"and beta {tuple(beta.shape)} (B, H, T)")
+    prec, out_dtype = ("ieee" if q.dtype == torch.float32 else "tf32"), v.dtype
+    C, BV = _blocks(T, chunk_size, Dk, Dv, block_v)
+    pad = -T % C
+    q, k, v = (F.pad(x.float(), (0, 0, 0, pad)) for x in (q, k, v))  # padded steps neither write nor decay
+    g, beta = (F.pad(x.float(), (0, pad)) for x in (g, beta))
+    N, Tp = (T + pad) // C, T + pad
+    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    G = g.view(B, H, N, C).cumsum(-1).view(B, H, Tp)
+    u, w = _UTTransform.apply(k, v, G, beta, C, prec)
+    s0 = state.float().contiguous() if state is not None else None
+    out, S = _InterChunk.apply(q, k, G, u, w, s0, C, BV, prec)
+    return out[:, :, :T].to(out_dtype), S
