@@ -6,7 +6,7 @@ interleaved; medians are reported.
 - decode: tokens/s of ``--decode`` single-token steps after a prefill of each ``--contexts`` length
   (target: flat in the context, as the state is of fixed size).
 
-    python benchmarks/recurrent.py                       # both cases (Mamba-2- and Qwen3-Next-shaped)
+    python benchmarks/recurrent.py                       # every case (Mamba-2- and Qwen3-Next-shaped)
     python benchmarks/recurrent.py --case mamba2 --prefill 4096 --contexts 1024 4096 16384
     python benchmarks/recurrent.py --json out.json
 
@@ -38,24 +38,40 @@ def mamba2(args, directory):
     return hf
 
 
-def qwen3_next(args, directory):
-    """A small Qwen3-Next (d_model 256, 3 Gated DeltaNet : 1 gated attention, MoE of 8 experts top-2
-    with a gated shared expert in every layer): the layout of Qwen3-Next-80B-A3B at a CPU-friendly width."""
+def _qwen3_next(args, directory, **widths):
     import transformers
 
     cfg = transformers.AutoConfig.for_model(
-        "qwen3_next", vocab_size=args.vocab, hidden_size=256, num_hidden_layers=2 * args.layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, partial_rotary_factor=0.25, linear_num_value_heads=8,
-        linear_num_key_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
-        intermediate_size=512, max_position_embeddings=32768, tie_word_embeddings=False)
+        "qwen3_next", vocab_size=args.vocab, hidden_size=256, num_hidden_layers=2 * args.layers,
+        partial_rotary_factor=0.25, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=128, shared_expert_intermediate_size=128, intermediate_size=512,
+        max_position_embeddings=32768, tie_word_embeddings=False, **widths)
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     hf.save_pretrained(directory)
     return hf
 
 
-CASES = {"mamba2": mamba2, "qwen3_next": qwen3_next}
+def qwen3_next(args, directory):
+    """A small Qwen3-Next with the released per-head widths of Qwen3-Next-80B-A3B and fewer heads:
+    Gated DeltaNet of 4 value heads over 2 key heads, each 128 wide (released: 32 over 16); gated
+    attention of 2 query heads over 1 KV head, 256 wide, a quarter rotary (released: 16 over 2);
+    d_model 256, 3 Gated DeltaNet : 1 gated attention, MoE of 8 experts top-2 with a gated shared
+    expert in every layer."""
+    return _qwen3_next(args, directory, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=128,
+                       linear_value_head_dim=128)
+
+
+def qwen3_next_narrow(args, directory):
+    """The same model with its heads shrunk to 32 (DeltaNet: 8 value heads over 4 key heads) and 64
+    (attention: 4 over 2): the per-head recurrence is then a small share of the work."""
+    return _qwen3_next(args, directory, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                       linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=32,
+                       linear_value_head_dim=32)
+
+
+CASES = {"mamba2": mamba2, "qwen3_next": qwen3_next, "qwen3_next_narrow": qwen3_next_narrow}
 
 
 def hf_step(hf):
