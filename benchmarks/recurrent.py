@@ -9,6 +9,7 @@ interleaved; medians are reported.
     python benchmarks/recurrent.py                       # every case (Mamba-2- and Qwen3-Next-shaped)
     python benchmarks/recurrent.py --case mamba2 --prefill 4096 --contexts 1024 4096 16384
     python benchmarks/recurrent.py --json out.json
+    python benchmarks/recurrent.py --case qwen3_next --clock cpu --profile   # prefill time per part
 
 Each case is its own function in CASES (building the pair of models); the timing is shared.
 """
@@ -152,6 +153,63 @@ def measure(args, hf, ours) -> dict:
     return result
 
 
+def profile(args, hf, ours) -> None:
+    """Each part's share of one prefill of ``--prefill`` tokens, both models: the time inside each
+    submodule (by parent class, attribute and class, summed over the layers) and inside the recurrent
+    cores and the DeltaNet's convolution, which are functions; minimum over ``--repeat`` runs. Forward
+    hooks time each module call, so nested rows overlap (a layer's row includes its parts')."""
+    import collections
+    import importlib
+
+    spent = collections.defaultdict(float)
+
+    def hooks(model, tag):
+        for parent in model.modules():
+            for attr, child in parent.named_children():
+                key = (tag, f"{type(parent).__name__}.{attr}: {type(child).__name__}" if not attr.isdigit()
+                       else type(child).__name__)
+                child.register_forward_pre_hook(lambda m, a: setattr(m, "_t0", CLOCK()))
+                child.register_forward_hook(lambda m, a, o, key=key: spent.__setitem__(key, spent[key] + CLOCK() - m._t0))
+
+    def wrap(module, name, key):
+        module = importlib.import_module(module)
+        fn = getattr(module, name)
+
+        def timed_fn(*a, **k):
+            t = CLOCK()
+            out = fn(*a, **k)
+            spent[key] += CLOCK() - t
+            return out
+
+        setattr(module, name, timed_fn)
+
+    # the cores and transformers' convolution are module functions, looked up when called
+    wrap("zoo.components.gated_deltanet", "chunk_gated_delta_rule", ("zoo", "(function) chunk_gated_delta_rule"))
+    wrap("zoo.components.recurrent", "chunked", ("zoo", "(function) recurrent.chunked"))
+    hf_module = importlib.import_module(type(hf).__module__)
+    for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
+        if hasattr(hf_module, name):
+            wrap(type(hf).__module__, name, ("transformers", f"(function) {name}"))
+    hooks(ours, "zoo")
+    hooks(hf, "transformers")
+    ids = torch.randint(0, args.vocab, (1, args.prefill), generator=torch.Generator().manual_seed(0))
+    best = {}
+    with torch.no_grad():
+        for _ in range(args.repeat):
+            for tag, run in (("zoo", lambda: ours(ids)), ("transformers", lambda: hf(ids, use_cache=False))):
+                spent.clear()
+                t = CLOCK()
+                run()
+                spent[tag, "(whole forward)"] = CLOCK() - t
+                for key, value in spent.items():
+                    best[key] = min(best.get(key, float("inf")), value)
+    for tag in ("zoo", "transformers"):
+        print(f"{tag}: seconds in each part, prefill of {args.prefill} tokens (min of {args.repeat})")
+        for (t, key), value in sorted(best.items(), key=lambda kv: -kv[1]):
+            if t == tag and value >= 0.002:
+                print(f"  {value:7.3f}  {key}")
+
+
 def report(case, r) -> None:
     z, t = r["prefill"]["zoo"], r["prefill"]["transformers"]
     print(f"[{case}] logits at 512 tokens: max |diff| {r['max_logit_diff_512']:.2e} (largest |logit| "
@@ -176,6 +234,7 @@ def main() -> None:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: the process's CPU time, which other jobs on a shared machine disturb far less")
     ap.add_argument("--json")
+    ap.add_argument("--profile", action="store_true", help="time each part of one prefill instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     global CLOCK
@@ -188,6 +247,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             hf = CASES[case](args, d)
             ours = zoo.from_pretrained(d, progress=False)
+        if args.profile:
+            print(f"[{case}]")
+            profile(args, hf, ours)
+            continue
         results[case] = measure(args, hf, ours)
         report(case, results[case])
     if args.json:
