@@ -163,13 +163,16 @@ def profile(args, hf, ours) -> None:
 
     spent = collections.defaultdict(float)
 
+    def add(key, seconds):
+        spent[key] += seconds
+
     def hooks(model, tag):
         for parent in model.modules():
             for attr, child in parent.named_children():
                 key = (tag, f"{type(parent).__name__}.{attr}: {type(child).__name__}" if not attr.isdigit()
                        else type(child).__name__)
                 child.register_forward_pre_hook(lambda m, a: setattr(m, "_t0", CLOCK()))
-                child.register_forward_hook(lambda m, a, o, key=key: spent.__setitem__(key, spent[key] + CLOCK() - m._t0))
+                child.register_forward_hook(lambda m, a, o, key=key: add(key, CLOCK() - m._t0))
 
     def wrap(module, name, key):
         module = importlib.import_module(module)
@@ -178,7 +181,7 @@ def profile(args, hf, ours) -> None:
         def timed_fn(*a, **k):
             t = CLOCK()
             out = fn(*a, **k)
-            spent[key] += CLOCK() - t
+            add(key, CLOCK() - t)
             return out
 
         setattr(module, name, timed_fn)

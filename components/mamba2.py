@@ -157,7 +157,8 @@ class Mamba2(nn.Module):
         z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, H], -1)
         if mask is not None:
             xBC = xBC * mask[..., None].to(xBC.dtype)
-        x, Bm, Cm = self.conv1d(xBC, state.get(Bsz)[0] if state is not None else None).split([self.d_inner, G * N, G * N], -1)
+        xBC = self.conv1d(xBC, state.get(Bsz)[0] if state is not None else None)  # then SiLU
+        x, Bm, Cm = xBC.split([self.d_inner, G * N, G * N], -1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(cfg.dt_limit_min, cfg.dt_limit_max)
         if mask is not None:
             dt = dt * mask[..., None]  # a padded step: no decay, no input
