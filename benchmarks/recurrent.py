@@ -6,9 +6,10 @@ interleaved; medians are reported.
 - decode: tokens/s of ``--decode`` single-token steps after a prefill of each ``--contexts`` length
   (target: flat in the context, as the state is of fixed size).
 
-    python benchmarks/recurrent.py                       # both cases (Mamba-2- and Qwen3-Next-shaped)
+    python benchmarks/recurrent.py                       # every case (Mamba-2- and Qwen3-Next-shaped)
     python benchmarks/recurrent.py --case mamba2 --prefill 4096 --contexts 1024 4096 16384
     python benchmarks/recurrent.py --json out.json
+    python benchmarks/recurrent.py --case qwen3_next --clock cpu --profile   # prefill time per part
 
 Each case is its own function in CASES (building the pair of models); the timing is shared.
 """
@@ -38,24 +39,40 @@ def mamba2(args, directory):
     return hf
 
 
-def qwen3_next(args, directory):
-    """A small Qwen3-Next (d_model 256, 3 Gated DeltaNet : 1 gated attention, MoE of 8 experts top-2
-    with a gated shared expert in every layer): the layout of Qwen3-Next-80B-A3B at a CPU-friendly width."""
+def _qwen3_next(args, directory, **widths):
     import transformers
 
     cfg = transformers.AutoConfig.for_model(
-        "qwen3_next", vocab_size=args.vocab, hidden_size=256, num_hidden_layers=2 * args.layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, partial_rotary_factor=0.25, linear_num_value_heads=8,
-        linear_num_key_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
-        intermediate_size=512, max_position_embeddings=32768, tie_word_embeddings=False)
+        "qwen3_next", vocab_size=args.vocab, hidden_size=256, num_hidden_layers=2 * args.layers,
+        partial_rotary_factor=0.25, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=128, shared_expert_intermediate_size=128, intermediate_size=512,
+        max_position_embeddings=32768, tie_word_embeddings=False, **widths)
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     hf.save_pretrained(directory)
     return hf
 
 
-CASES = {"mamba2": mamba2, "qwen3_next": qwen3_next}
+def qwen3_next(args, directory):
+    """A small Qwen3-Next with the released per-head widths of Qwen3-Next-80B-A3B and fewer heads:
+    Gated DeltaNet of 4 value heads over 2 key heads, each 128 wide (released: 32 over 16); gated
+    attention of 2 query heads over 1 KV head, 256 wide, a quarter rotary (released: 16 over 2);
+    d_model 256, 3 Gated DeltaNet : 1 gated attention, MoE of 8 experts top-2 with a gated shared
+    expert in every layer."""
+    return _qwen3_next(args, directory, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=128,
+                       linear_value_head_dim=128)
+
+
+def qwen3_next_narrow(args, directory):
+    """The same model with its heads shrunk to 32 (DeltaNet: 8 value heads over 4 key heads) and 64
+    (attention: 4 over 2): the per-head recurrence is then a small share of the work."""
+    return _qwen3_next(args, directory, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                       linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=32,
+                       linear_value_head_dim=32)
+
+
+CASES = {"mamba2": mamba2, "qwen3_next": qwen3_next, "qwen3_next_narrow": qwen3_next_narrow}
 
 
 def hf_step(hf):
@@ -136,6 +153,66 @@ def measure(args, hf, ours) -> dict:
     return result
 
 
+def profile(args, hf, ours) -> None:
+    """Each part's share of one prefill of ``--prefill`` tokens, both models: the time inside each
+    submodule (by parent class, attribute and class, summed over the layers) and inside the recurrent
+    cores and the DeltaNet's convolution, which are functions; minimum over ``--repeat`` runs. Forward
+    hooks time each module call, so nested rows overlap (a layer's row includes its parts')."""
+    import collections
+    import importlib
+
+    spent = collections.defaultdict(float)
+
+    def add(key, seconds):
+        spent[key] += seconds
+
+    def hooks(model, tag):
+        for parent in model.modules():
+            for attr, child in parent.named_children():
+                key = (tag, f"{type(parent).__name__}.{attr}: {type(child).__name__}" if not attr.isdigit()
+                       else type(child).__name__)
+                child.register_forward_pre_hook(lambda m, a: setattr(m, "_t0", CLOCK()))
+                child.register_forward_hook(lambda m, a, o, key=key: add(key, CLOCK() - m._t0))
+
+    def wrap(module, name, key):
+        module = importlib.import_module(module)
+        fn = getattr(module, name)
+
+        def timed_fn(*a, **k):
+            t = CLOCK()
+            out = fn(*a, **k)
+            add(key, CLOCK() - t)
+            return out
+
+        setattr(module, name, timed_fn)
+
+    # the cores and transformers' convolution are module functions, looked up when called
+    wrap("zoo.components.gated_deltanet", "chunk_gated_delta_rule", ("zoo", "(function) chunk_gated_delta_rule"))
+    wrap("zoo.components.recurrent", "chunked", ("zoo", "(function) recurrent.chunked"))
+    hf_module = importlib.import_module(type(hf).__module__)
+    for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
+        if hasattr(hf_module, name):
+            wrap(type(hf).__module__, name, ("transformers", f"(function) {name}"))
+    hooks(ours, "zoo")
+    hooks(hf, "transformers")
+    ids = torch.randint(0, args.vocab, (1, args.prefill), generator=torch.Generator().manual_seed(0))
+    best = {}
+    with torch.no_grad():
+        for _ in range(args.repeat):
+            for tag, run in (("zoo", lambda: ours(ids)), ("transformers", lambda: hf(ids, use_cache=False))):
+                spent.clear()
+                t = CLOCK()
+                run()
+                spent[tag, "(whole forward)"] = CLOCK() - t
+                for key, value in spent.items():
+                    best[key] = min(best.get(key, float("inf")), value)
+    for tag in ("zoo", "transformers"):
+        print(f"{tag}: seconds in each part, prefill of {args.prefill} tokens (min of {args.repeat})")
+        for (t, key), value in sorted(best.items(), key=lambda kv: -kv[1]):
+            if t == tag and value >= 0.002:
+                print(f"  {value:7.3f}  {key}")
+
+
 def report(case, r) -> None:
     z, t = r["prefill"]["zoo"], r["prefill"]["transformers"]
     print(f"[{case}] logits at 512 tokens: max |diff| {r['max_logit_diff_512']:.2e} (largest |logit| "
@@ -160,6 +237,7 @@ def main() -> None:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: the process's CPU time, which other jobs on a shared machine disturb far less")
     ap.add_argument("--json")
+    ap.add_argument("--profile", action="store_true", help="time each part of one prefill instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     global CLOCK
@@ -172,6 +250,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             hf = CASES[case](args, d)
             ours = zoo.from_pretrained(d, progress=False)
+        if args.profile:
+            print(f"[{case}]")
+            profile(args, hf, ours)
+            continue
         results[case] = measure(args, hf, ours)
         report(case, results[case])
     if args.json:

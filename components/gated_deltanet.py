@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo import kernels
-from zoo.components.recurrent import FixedState
+from zoo.components.recurrent import FixedState, GatedRMSNorm, ShortConv
 from zoo.interfaces import Cost, Mixer
 from zoo.registry import register
 from zoo.spec import SpecError, positive
@@ -67,6 +67,24 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state: Optional[torch.Tensor] =
     return out, S
 
 
+#: In the chunked form, exp() of a log-decay below this (e^-50 < 2e-22) is taken as exactly 0. Each such
+#: factor multiplies a term that is added to one ~1e21 times larger (every output and state
+#: update has an undecayed term, exp(0) = 1), so float32 cannot see it; kept, it and its products turn
+#: subnormal, and the CPU computes with subnormal floats many times slower (2-3x on the whole core at
+#: decays a randomly initialised Qwen3-Next has).
+FLUSH_LOG_DECAY = -50.0
+
+#: The chunked form computes what depends on one chunk only for this many chunks at a time: fewer, larger
+#: ops than one chunk at a time (at narrow heads the per-op cost dominates), still small enough to stay
+#: in cache (all chunks at once is slower on the CPU). The result does not depend on it.
+BLOCK = 8
+
+
+def _exp_flushed_(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` in place, exactly 0 where ``x < FLUSH_LOG_DECAY``."""
+    return x.masked_fill_(x < FLUSH_LOG_DECAY, float("-inf")).exp_()
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, state: Optional[torch.Tensor] = None, chunk_size: int = 64):
     """The chunked (parallel) form: the same arguments and results as :func:`recurrent_gated_delta_rule`,
     except that ``q`` and ``k`` may have fewer heads than ``v`` (each serving a group of consecutive
@@ -77,7 +95,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: Optional[torch.Tensor] = Non
     ``(beta k k^T) * D``: ``(I + A) [u | w] = [beta v | beta k exp(G)]`` (one triangular solve).
     Then, from the state ``S`` before the chunk: ``v' = u - w S``, outputs
     ``(q exp(G)) S + ((q k^T) * D) v'``, and ``S <- exp(G_C) S + (k exp(G_C - G))^T v'``.
-    The work is O(T * C); the loop runs over the T / C chunks only.
+    The work is O(T * C); the loop runs over the T / C chunks only. Decay factors below
+    ``exp(FLUSH_LOG_DECAY)`` are taken as 0. The outputs come as a (B, H, T, Dv) view of a
+    (B, T, H, Dv) tensor.
     """
     B, Hk, T, Dk = k.shape
     H, Dv = v.shape[1], v.shape[-1]
@@ -91,48 +111,36 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: Optional[torch.Tensor] = Non
     q, k = (x.reshape(B, Hk, 1, N, C, Dk) for x in (q, k))
     v = v.reshape(B, Hk, H // Hk, N, C, Dv)
     G = g.reshape(B, Hk, H // Hk, N, C).cumsum(-1)
+    eG = _exp_flushed_(G.clone())[..., None]  # decay from the chunk's start
+    to_end = _exp_flushed_(G[..., -1:] - G)[..., None, :]  # from each step to the chunk's end
+    decay = _exp_flushed_(G[..., -1].clone()).flatten(1, 2)[..., None, None]  # over the whole chunk
     beta = beta.reshape(B, Hk, H // Hk, N, C, 1)
     upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
     S = q.new_zeros(B, H, Dk, Dv) if state is None else state
-    out = v.new_empty(B, H, N, C, Dv)
-    # One chunk at a time, so that its C x C matrices stay in cache.
-    for n in range(N):
-        qn, kn, vn, Gn, bn = q[:, :, :, n], k[:, :, :, n], v[:, :, :, n], G[:, :, :, n], beta[:, :, :, n]
-        D = (Gn[..., :, None] - Gn[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
-        kt = kn.transpose(-1, -2)
-        eG = Gn.exp()[..., None]
-        A = (kn @ kt).mul(bn).mul_(D)  # solve_triangular reads only its strictly lower part
-        uw = torch.linalg.solve_triangular(A, torch.cat([vn * bn, kn * (bn * eG)], -1), upper=False,
-                                           unitriangular=True).flatten(1, 2)
-        read = torch.cat([uw[..., Dv:], (qn * eG).flatten(1, 2)], -2) @ S  # w S and (q exp(G)) S at once
-        v_new = uw[..., :Dv] - read[..., :C, :]
-        out[:, :, n] = torch.baddbmm(read[..., C:, :].flatten(0, 1), ((qn @ kt) * D).flatten(0, 2),
-                                     v_new.flatten(0, 1)).view(B, H, C, Dv)
-        k_end = (kt * (Gn[..., -1:] - Gn).exp()[..., None, :]).flatten(1, 2)  # (B, H, Dk, C)
-        S = S * Gn[..., -1].exp().flatten(1, 2)[..., None, None] + k_end @ v_new
-    return out.reshape(B, H, N * C, Dv)[:, :, :T], S
+    out = []
+    # What depends on one chunk only is computed for BLOCK chunks at a time (one batched op each, small
+    # enough to stay in cache); then the state passes from chunk to chunk, a few ops per chunk.
+    for n0 in range(0, N, BLOCK):
+        qb, kb, vb, Gb, bb, eGb, te = (x[:, :, :, n0 : n0 + BLOCK] for x in (q, k, v, G, beta, eG, to_end))
+        D = _exp_flushed_((Gb[..., :, None] - Gb[..., None, :]).masked_fill_(upper, float("-inf")))
+        kt = kb.transpose(-1, -2)
+        A = (kb @ kt).mul(bb).mul_(D)  # solve_triangular reads only its strictly lower part
+        uw = torch.linalg.solve_triangular(A, torch.cat([vb * bb, kb * (bb * eGb)], -1), upper=False,
+                                           unitriangular=True).flatten(1, 2)  # (B, H, chunks, C, Dv + Dk)
+        wq = torch.cat([uw[..., Dv:], (qb * eGb).flatten(1, 2)], -2)  # w and q exp(G): read S at once
+        attn = ((qb @ kt) * D).flatten(1, 2)
+        k_end = (kt * te).flatten(1, 2)  # (B, H, chunks, Dk, C)
+        for i in range(wq.shape[2]):
+            read = wq[:, :, i] @ S
+            v_new = uw[:, :, i, :, :Dv] - read[..., :C, :]
+            y = torch.baddbmm(read[..., C:, :].flatten(0, 1), attn[:, :, i].flatten(0, 1), v_new.flatten(0, 1))
+            out.append(y.view(B, H, C, Dv).transpose(1, 2))
+            S = S * decay[:, :, n0 + i] + k_end[:, :, i] @ v_new
+    # (B, H, T, Dv), a view of one (B, T, H, Dv) tensor: the layout the gated norm reads next
+    return torch.cat(out, 1)[:, :T].transpose(1, 2), S
 
 
 # ----------------------------------------------------------------------------------------- mixer
-
-class GatedRMSNorm(nn.Module):
-    """``w * rms_norm(x) * silu(z)``: normalised first, then gated (Qwen3-Next's order), in float32."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def reset_parameters(self):
-        nn.init.ones_(self.weight)
-
-    def forward(self, x, z):
-        dtype = x.dtype
-        f32 = torch.promote_types(dtype, torch.float32)
-        h = x.to(f32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h.to(dtype) * F.silu(z.to(f32))).to(dtype)
-
 
 @register("mixer", "gated_deltanet")
 class GatedDeltaNet(Mixer):
@@ -179,7 +187,7 @@ class GatedDeltaNet(Mixer):
         self.conv_dim = 2 * Hk * Dk + Hv * Dv
         self.in_proj_qkvz = nn.Linear(d_model, 2 * Hk * Dk + 2 * Hv * Dv, bias=False)
         self.in_proj_ba = nn.Linear(d_model, 2 * Hv, bias=False)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, K, groups=self.conv_dim, bias=False, padding=K - 1)
+        self.conv1d = ShortConv(self.conv_dim, K, bias=False, state_width=K - 1)
         self.dt_bias = nn.Parameter(torch.ones(Hv))
         self.A_log = nn.Parameter(torch.empty(Hv))
         self.norm = GatedRMSNorm(Dv, cfg.norm_eps)
@@ -225,9 +233,9 @@ class GatedDeltaNet(Mixer):
         mixed, z = self.in_proj_qkvz(x).split([self.conv_dim, Hv * Dv], -1)
         b, a = self.in_proj_ba(x).split([Hv, Hv], -1)
         state = ctx.state.layers[self.index] if ctx.state is not None else None
-        mixed = F.silu(self._conv(mixed.transpose(1, 2), state))  # (B, channels, T)
-        q, k, v = (t.unflatten(1, (-1, d)).transpose(-1, -2).to(f32)  # (B, heads, T, d)
-                   for t, d in zip(mixed.split([Hk * Dk, Hk * Dk, Hv * Dv], 1), (Dk, Dk, Dv)))
+        mixed = self.conv1d(mixed, state.get(B)[0] if state is not None else None)  # (B, T, channels)
+        q, k, v = (t.unflatten(-1, (-1, d)).transpose(1, 2).to(f32)  # (B, heads, T, d)
+                   for t, d in zip(mixed.split([Hk * Dk, Hk * Dk, Hv * Dv], -1), (Dk, Dk, Dv)))
         q, k = l2norm(q) * Dk ** -0.5, l2norm(k)
         beta = b.transpose(1, 2).to(f32).sigmoid()
         g = (-self.A_log.to(f32).exp() * F.softplus(a.to(f32) + self.dt_bias)).transpose(1, 2)
@@ -240,14 +248,3 @@ class GatedDeltaNet(Mixer):
             state.S.copy_(S)
         y = self.norm(y.transpose(1, 2).to(x.dtype), z.view(B, T, Hv, Dv))
         return self.out_proj(y.reshape(B, T, Hv * Dv))
-
-    def _conv(self, mixed, state):
-        """The causal depthwise convolution of (B, channels, T) inputs; with a decode state, the
-        window continues from its last inputs, which it then holds."""
-        w = self.conv1d.weight
-        if state is None:
-            return F.conv1d(mixed, w, padding=w.shape[-1] - 1, groups=self.conv_dim)[..., : mixed.shape[-1]]
-        conv = state.get(mixed.shape[0])[0]
-        full = torch.cat([conv.to(mixed.dtype), mixed], -1)
-        conv.copy_(full[..., -conv.shape[-1]:])
-        return F.conv1d(full, w, groups=self.conv_dim)

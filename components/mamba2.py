@@ -42,26 +42,6 @@ from zoo.registry import register
 from zoo.spec import SpecError, positive
 
 
-class GatedGroupRMSNorm(nn.Module):
-    """``w * RMSNorm_groups(y * silu(z))`` in float32: the RMS is taken over each of ``groups`` equal
-    slices of the features (Mamba-2's ``RMSNormGated`` with ``norm_before_gate=False``)."""
-
-    def __init__(self, dim: int, groups: int, eps: float):
-        super().__init__()
-        self.groups, self.eps = groups, eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def reset_parameters(self):
-        nn.init.ones_(self.weight)
-
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype = y.dtype
-        h = y.float() * F.silu(z.float())
-        g = h.unflatten(-1, (self.groups, -1))
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * g.flatten(-2).to(dtype)
-
-
 #: On the CPU the parallel form cuts chunks of at most this many tokens. A chunk of C tokens costs each
 #: token ~C * (N + P) per head within the chunk and ~2 * N * P across chunks, so for Mamba-2's widths
 #: (N, P = 64..128) C ~ 64 does the least work; checkpoints say 256, sized for GPUs. The result does not
@@ -125,12 +105,12 @@ class Mamba2(nn.Module):
         self.d_inner = H * P
         self.conv_dim = H * P + 2 * G * N
         self.in_proj = nn.Linear(d_model, self.d_inner + self.conv_dim + H, bias=cfg.bias)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim,
-                                bias=cfg.conv_bias)
+        self.conv1d = recurrent.ShortConv(self.conv_dim, cfg.conv_kernel, bias=cfg.conv_bias,
+                                          state_width=cfg.conv_kernel)
         self.dt_bias = nn.Parameter(torch.empty(H))
         self.A_log = nn.Parameter(torch.empty(H))
         self.D = nn.Parameter(torch.empty(H))
-        self.norm = GatedGroupRMSNorm(self.d_inner, G, cfg.norm_eps)
+        self.norm = recurrent.GatedRMSNorm(self.d_inner, cfg.norm_eps, groups=G, norm_before_gate=False)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=cfg.bias)
         self.reset_parameters()
 
@@ -168,24 +148,6 @@ class Mamba2(nn.Module):
                 "conv kernel": cfg.conv_kernel, "chunk": cfg.chunk_size}
 
     # -- forward ----------------------------------------------------------------------------------
-    def _conv(self, xBC: torch.Tensor, state: Optional[recurrent.FixedState]) -> torch.Tensor:
-        """The causal depthwise convolution of (B, T, conv_dim) inputs, then SiLU; with a state, its
-        window continues the previous inputs, and keeps the last ``conv_kernel`` of them."""
-        K = self.cfg.conv_kernel
-        x = xBC.transpose(1, 2)
-        B, C, T = x.shape
-        prev = state.get(B)[0] if state is not None else x.new_zeros(B, C, K)
-        window = torch.cat([prev.to(x.dtype), x], -1)
-        if state is not None:
-            state.conv.copy_(window[..., -K:])
-        # Depthwise with a short kernel: K shifted products, which on the CPU beat F.conv1d's grouped path
-        # many times over (the same sums; float32 rounding aside).
-        w, window = self.conv1d.weight[:, 0].to(x.dtype), window[..., 1:]
-        out = sum(w[:, k, None] * window[..., k : k + T] for k in range(K))
-        if self.conv1d.bias is not None:
-            out = out + self.conv1d.bias[:, None].to(x.dtype)
-        return F.silu(out).transpose(1, 2)
-
     def forward(self, u: torch.Tensor, ctx, pos=None) -> torch.Tensor:
         cfg = self.cfg
         Bsz, T, _ = u.shape
@@ -195,7 +157,8 @@ class Mamba2(nn.Module):
         z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, H], -1)
         if mask is not None:
             xBC = xBC * mask[..., None].to(xBC.dtype)
-        x, Bm, Cm = self._conv(xBC, state).split([self.d_inner, G * N, G * N], -1)
+        xBC = self.conv1d(xBC, state.get(Bsz)[0] if state is not None else None)  # then SiLU
+        x, Bm, Cm = xBC.split([self.d_inner, G * N, G * N], -1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(cfg.dt_limit_min, cfg.dt_limit_max)
         if mask is not None:
             dt = dt * mask[..., None]  # a padded step: no decay, no input

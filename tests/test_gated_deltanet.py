@@ -12,7 +12,7 @@ import zoo
 import zoo.testing as zt
 from zoo.checkpoints import CheckpointError, ConfigError, config_to_spec
 from zoo.checkpoints.tiny import make_tiny, tiny_config
-from zoo.components.gated_deltanet import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from zoo.components.gated_deltanet import FLUSH_LOG_DECAY, chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
 from zoo.spec import SpecError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,11 +31,25 @@ def inputs(B, H, T, Dk, Dv, seed=0):
     return q, k, v, g, beta, S0
 
 
-@pytest.mark.parametrize("T, chunk", [(1, 4), (7, 4), (13, 8), (33, 16), (67, 64)])
+@pytest.mark.parametrize("T, chunk", [(1, 4), (7, 4), (13, 8), (33, 16), (67, 64), (77, 4)])  # 77/4: blocks of chunks
 def test_the_chunked_and_recurrent_forms_agree_on_odd_lengths(T, chunk):
     q, k, v, g, beta, S0 = inputs(2, 3, T, 8, 6, seed=T)
     for state in (None, S0):
         y_c, S_c = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk)
+        y_r, S_r = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+        torch.testing.assert_close(y_c, y_r, atol=1e-5, rtol=0)
+        torch.testing.assert_close(S_c, S_r, atol=1e-5, rtol=0)
+
+
+def test_decays_flushed_to_zero_in_the_chunked_form_change_nothing():
+    """The chunked form takes decay factors below exp(FLUSH_LOG_DECAY) as 0 (their products turn
+    subnormal, which the CPU computes slowly). With decays of up to exp(-30) per step most factors
+    within each chunk are flushed; the recurrent form, which flushes nothing, still agrees."""
+    q, k, v, g, beta, S0 = inputs(2, 3, 45, 8, 6, seed=5)
+    g = g * 15
+    assert (g[..., :16].sum(-1) < FLUSH_LOG_DECAY).all()  # every chunk of 16 reaches the flushed range
+    for state in (None, S0):
+        y_c, S_c = chunk_gated_delta_rule(q, k, v, g, beta, state, 16)
         y_r, S_r = recurrent_gated_delta_rule(q, k, v, g, beta, state)
         torch.testing.assert_close(y_c, y_r, atol=1e-5, rtol=0)
         torch.testing.assert_close(S_c, S_r, atol=1e-5, rtol=0)
