@@ -75,6 +75,8 @@ def test_casting_a_model_keeps_the_declared_tensors_fp32(checkpoint):
         assert model.embed.weight.dtype != torch.float32
         for router, bias in zip(routers(model), exact):
             assert router.bias.dtype == torch.float32 and torch.equal(router.bias, bias)
+    wide = ours.to(torch.float64)  # a wider model takes the bias with it
+    assert {r.bias.dtype for r in routers(wide)} == {torch.float64}
     built = zoo.build_model(ours.spec, dtype=torch.bfloat16)
     assert {r.bias.dtype for r in routers(built)} == {torch.float32}
     assert built.embed.weight.dtype == torch.bfloat16

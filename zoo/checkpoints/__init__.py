@@ -26,7 +26,7 @@ from zoo.checkpoints.maps import bind
 from zoo.checkpoints.quantized import read_quantization, without_quantization
 from zoo.model import Decoder, build_model
 from zoo.mtp import missing_depth, without_absent_mtp
-from zoo.precision import fp32_tensors
+from zoo.precision import fp32_tensors, narrower
 from zoo.registry import list_components
 from zoo.spec import ModelSpec, differences
 
@@ -171,7 +171,7 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
     uncovered = sorted(set(meta) - covered)
     if uncovered:
         raise CheckpointError(f"the {fmt.model_type} name map leaves zoo parameter {uncovered[0]!r} unfilled")
-    fp32 = set(fp32_tensors(model))  # read as float32 whatever the rest (zoo/precision.py)
+    fp32 = set(fp32_tensors(model))  # never read narrower than float32 (zoo/precision.py)
     first_of: dict[torch.dtype, str] = {}  # each stored floating dtype -> the first tensor that has it
     for b in bound:
         floating = any(meta[z].is_floating_point() for z in b.zoo)
@@ -219,7 +219,7 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
                     + (f": {hint}" if hint else "")
                 )
             target_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
-            if zname in fp32 and t.is_floating_point():
+            if zname in fp32 and narrower(target_dtype):
                 target_dtype = torch.float32
             state[zname] = t.to(device=device or "cpu", dtype=target_dtype)
         del hf_tensors, zoo_tensors
