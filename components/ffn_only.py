@@ -40,6 +40,9 @@ class NoMixer(nn.Module):
     def cost(self, context: int) -> Cost:
         return Cost()
 
+    def facts(self) -> dict:
+        return {"token mixing": "none (ffn_only: the mixer setting is not built)"}
+
 
 @register("block", "ffn_only")
 class FFNOnly(nn.Module):
