@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 import zoo
 import zoo.testing as zt
-from zoo.checkpoints import ConfigError, config_to_spec, ignored_fields
+from zoo.checkpoints import CheckpointError, ConfigError, config_to_spec, ignored_fields
 
 transformers = pytest.importorskip("transformers")
 tiny = pytest.importorskip("zoo.checkpoints.tiny")
@@ -170,6 +170,15 @@ def test_what_zoo_cannot_read_is_refused_by_name():
         config_to_spec({**config, "num_nextn_predict_layers": 1})
     with pytest.raises(ConfigError, match="'mamba_hidden_act'"):
         config_to_spec({**config, "mamba_hidden_act": "gelu"})
+
+
+def test_a_state_size_that_disagrees_with_the_checkpoint_is_refused(pair, tmp_path):
+    _, _, d = pair
+    config = json.loads((d / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "ssm_state_size": 8}))
+    (tmp_path / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match=r"in_proj\.weight.*the weights have ssm_state_size = 16 .*says 8"):
+        zoo.from_pretrained(tmp_path)
 
 
 def test_every_field_transformers_declares_is_read():

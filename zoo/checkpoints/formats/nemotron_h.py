@@ -39,7 +39,7 @@ from typing import Any
 
 from zoo.checkpoints.common import activation, activation_name, pattern
 from zoo.checkpoints.format import CheckpointFormat, Fields
-from zoo.checkpoints.formats.mamba2 import MIXER_TENSORS
+from zoo.checkpoints.formats.mamba2 import MIXER_TENSORS, Mamba2Format
 from zoo.checkpoints.maps import rule
 from zoo.spec import ModelSpec
 
@@ -82,6 +82,10 @@ class NemotronH(CheckpointFormat):
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12, "intermediate_size": 48,
             "mamba_num_heads": 8, "mamba_head_dim": 8, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 8,
             "max_position_embeddings": 64, "tie_word_embeddings": False}
+
+    # A Mamba-2 tensor whose shape contradicts the config names the field (as the mamba2 format does).
+    heads_field, state_field = "mamba_num_heads", "ssm_state_size"
+    shape_hint = Mamba2Format.shape_hint
 
     # -- the weight-name map ----------------------------------------------------------------------
     def rules(self, spec):
