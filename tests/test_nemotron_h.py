@@ -112,6 +112,35 @@ def test_several_new_tokens_onto_an_existing_state(pair):
     torch.testing.assert_close(ours(ids[:, 19:], state=state), full[:, 19:], atol=SSD_ATOL, rtol=0)
 
 
+@torch.no_grad()
+def test_where_the_step_clamp_binds_zoo_decodes_as_transformers_forward(tmp_path):
+    """With ``time_step_min`` 0.001 and larger weights, softplus(dt + dt_bias) falls below it. transformers'
+    chunked forward clamps the step there, its one-token step does not, so its cached decoding departs
+    from its own forward. zoo clamps both forms: its decoding equals its forward and transformers'."""
+    hf = tiny.make_tiny("nemotron_h", tmp_path, overrides={"time_step_min": 0.001})
+    ours = zoo.from_pretrained(tmp_path)
+    ids = ids_of(1, 24)
+    lowest = []
+    for layer in ours.layers:
+        m = layer.mixer
+        if hasattr(m, "dt_bias"):  # the steps of this layer on its input (a hook records it)
+            m.register_forward_hook(lambda m, i, o: lowest.append(torch.nn.functional.softplus(
+                m.in_proj(i[0])[..., -m.cfg.n_heads:] + m.dt_bias).min().item()))
+    full = ours(ids)
+    assert min(lowest) < 0.001  # the clamp binds
+    ref = hf(ids).logits
+    torch.testing.assert_close(full, ref, atol=SSD_ATOL, rtol=0)
+    state, mine = ours.new_state(1), []
+    cache = hf(ids[:, :12], use_cache=True).past_key_values
+    mine.append(ours(ids[:, :12], state=state))
+    theirs = []
+    for t in range(12, 24):
+        mine.append(ours(ids[:, t : t + 1], state=state))
+        theirs.append(hf(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(mine, 1), ref, atol=SSD_ATOL, rtol=0)
+    assert (torch.cat(theirs, 1) - ref[:, 12:]).abs().max() > 1e-3  # transformers' steps: no clamp
+
+
 def test_decoding_conformance(pair):
     _, ours, _ = pair
     zt.check_decoding(ours, ids_of(2, 14, seed=4))
