@@ -179,6 +179,7 @@ def test_the_pattern_string_and_the_legacy_names_read_as_the_list():
     listed = config_to_spec(config)
     text = {k: v for k, v in config.items() if k != "layers_block_type"}
     assert config_to_spec({**text, "hybrid_override_pattern": "M-*M-M"}) == listed
+    assert config_to_spec({**text, "layer_types": config["layers_block_type"]}) == listed
     legacy = {**config, "layers_block_type": ["mamba", "mlp", "attention", "mamba", "mlp", "mamba"]}
     assert config_to_spec(legacy) == listed
     renamed = {k: v for k, v in config.items() if k not in ("n_groups", "chunk_size")}

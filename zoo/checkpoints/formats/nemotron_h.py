@@ -107,8 +107,9 @@ class NemotronH(CheckpointFormat):
 
     # -- config -> spec ---------------------------------------------------------------------------
     def layer_types(self, f: Fields) -> list[str]:
-        if "layers_block_type" in f:
-            types, key = f.get("layers_block_type", kind=list), "layers_block_type"
+        listed = next((k for k in ("layers_block_type", "layer_types") if k in f), None)  # (an alias in transformers)
+        if listed is not None:
+            types, key = f.get(listed, kind=list), listed
             f.get("hybrid_override_pattern")  # transformers takes the list when both are given
         elif "hybrid_override_pattern" in f:
             key, text = "hybrid_override_pattern", f.get("hybrid_override_pattern", kind=str)
