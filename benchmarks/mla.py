@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
 
 import torch
+
+from timing import interleaved, rate, timed
 
 
 def make(args, directory):
@@ -34,7 +34,7 @@ def make(args, directory):
         num_hidden_layers=args.layers, first_k_dense_replace=args.layers, num_attention_heads=args.heads,
         num_key_value_heads=args.heads, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
         qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=8, n_group=1, topk_group=1, num_experts_per_tok=2,
-        max_position_embeddings=args.context + args.new + 8,
+        max_position_embeddings=args.context + args.new + 8, num_nextn_predict_layers=0,  # dense layers: no MTP
     )
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
@@ -77,29 +77,23 @@ def main() -> None:
         def run():
             state = model.new_state(args.batch, args.context + args.new)
             model(prompt, state=state)
-            t = time.perf_counter()
-            outs = [model(steps[:, i : i + 1], state=state) for i in range(args.new)]
-            return time.perf_counter() - t, torch.cat(outs, 1)
+            return timed(lambda: torch.cat([model(steps[:, i : i + 1], state=state) for i in range(args.new)], 1))
 
         return run
 
     def hf_decode():
         cache = transformers.DynamicCache(config=hf.config)
         hf(prompt, past_key_values=cache, use_cache=True)
-        t = time.perf_counter()
-        outs = [hf(steps[:, i : i + 1], past_key_values=cache, use_cache=True).logits for i in range(args.new)]
-        return time.perf_counter() - t, torch.cat(outs, 1)
+        return timed(lambda: torch.cat([hf(steps[:, i : i + 1], past_key_values=cache, use_cache=True).logits
+                                        for i in range(args.new)], 1))
 
     runs = {"absorbed": zoo_decode(absorbed), "plain": zoo_decode(plain), "transformers": hf_decode}
     with torch.no_grad():
         outs = {k: fn()[1] for k, fn in runs.items()}  # also the warm-up
         diff = {k: (outs[k] - outs["transformers"]).abs().max().item() for k in ("absorbed", "plain")}
-        times = {k: [] for k in runs}
-        for _ in range(args.repeat):  # interleaved
-            for k, fn in runs.items():
-                times[k].append(fn()[0])
+        times = interleaved({k: (lambda fn=fn: fn()[0]) for k, fn in runs.items()}, args.repeat)
     n = args.batch * args.new
-    speed = {k: n / statistics.median(v) for k, v in times.items()}
+    speed = {k: rate(n, v) for k, v in times.items()}
     for k, s in speed.items():
         print(f"{k:13s} {s:9.1f} decode tok/s")
     print(f"absorbed / plain        {speed['absorbed'] / speed['plain']:.2f}x")

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
 
 import torch
+
+from timing import interleaved, rate, timed
 
 
 def make(args, directory):
@@ -38,12 +38,6 @@ def make(args, directory):
             p.normal_(0.0, 0.05) if p.ndim > 1 else p.fill_(1.0)
     hf.save_pretrained(directory)
     return hf
-
-
-def timed(fn):
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def main() -> None:
@@ -103,11 +97,8 @@ def main() -> None:
         for what, make_fn in (("forward", forward), ("train_step", train_step)):
             a, b = make_fn(ours, True), make_fn(hf, False)
             a(), b()  # warm up
-            za, hb = [], []
-            for _ in range(args.repeat):  # interleaved
-                za.append(timed(a))
-                hb.append(timed(b))
-            z, h = n / statistics.median(za), n / statistics.median(hb)
+            times = interleaved({"zoo": lambda: timed(a)[0], "transformers": lambda: timed(b)[0]}, args.repeat)
+            z, h = rate(n, times["zoo"]), rate(n, times["transformers"])
             results[f"{what}/{impl}"] = {"zoo_tokens_per_s": z, "transformers_tokens_per_s": h, "ratio": z / h}
             print(f"{what:10s} vs transformers {impl:10s}: zoo {z:9.0f} tok/s   transformers {h:9.0f} tok/s   "
                   f"ratio {z / h:.2f}x", flush=True)

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 
 import torch
+
+from timing import rate, timed
 
 
 def main() -> None:
@@ -88,20 +89,17 @@ def main() -> None:
         model.generate(p, 8, speculative="mtp")
     plain_t, spec_t, stats, same = [], [], SpeculationStats(), True
     for p in prompts:
-        t = time.perf_counter()
-        a = model.generate(p, args.new)
-        plain_t.append(time.perf_counter() - t)
+        seconds, a = timed(lambda: model.generate(p, args.new))
+        plain_t.append(seconds)
         s = SpeculationStats()
-        t = time.perf_counter()
-        b = model.generate(p, args.new, speculative="mtp", stats=s)
-        spec_t.append(time.perf_counter() - t)
+        seconds, b = timed(lambda: model.generate(p, args.new, speculative="mtp", stats=s))
+        spec_t.append(seconds)
         same &= bool(torch.equal(a, b))
         sample = bytes(a[0, -64:].tolist())
         stats.drafted += s.drafted
         stats.accepted += s.accepted
         stats.steps += s.steps
-    plain = args.new / statistics.median(plain_t)
-    spec = args.new / statistics.median(spec_t)
+    plain, spec = rate(args.new, plain_t), rate(args.new, spec_t)
     res = {
         "layers": args.layers, "d_model": args.d_model, "steps": args.steps, "train_s": round(train_s),
         "ce": last["ce"], "mtp_1": last["mtp_1"], "acceptance": stats.acceptance, "teacher_forced_agreement": forced,

@@ -5,7 +5,7 @@ import importlib
 from zoo.hookspecs import hookimpl
 
 MODULES = ("stability", "norms", "activations", "ffn", "positions", "rope_scaling", "attention", "blocks", "moe", "kernels",
-           "mla", "dsa", "linear_attention", "mamba2", "gated_deltanet")
+           "mla", "dsa", "linear_attention", "mamba2", "gated_deltanet", "ffn_only")
 
 
 @hookimpl

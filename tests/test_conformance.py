@@ -714,6 +714,19 @@ def test_mixer_only_block_adds_the_mixer_of_the_normed_input_and_nothing_else():
         torch.testing.assert_close(block(x, ctx, pos), x)
 
 
+@covers(("block", "ffn_only"))
+def test_ffn_only_block_adds_the_ffn_of_the_normed_input_and_keeps_no_state():
+    spec = zt.tiny_spec_with("block", "ffn_only")
+    block = spec.layer(0).block.build(spec=spec, layer=spec.layer(0), index=0)
+    assert not any(n.startswith("attention") for n, _ in block.named_parameters())
+    x, ctx, pos = zt.attention_inputs(spec)
+    with torch.no_grad():
+        torch.testing.assert_close(block(x, ctx, pos), x + block.ffn(block.ffn_norm(x)))
+        block.ffn.down.weight.zero_()
+        torch.testing.assert_close(block(x, ctx, pos), x)
+    assert block.mixer.new_state(2, None, dtype=torch.float32, device="cpu").nbytes() == 0
+
+
 # ----------------------------------------------------------------- recurrent mixers (linear attention)
 
 def _mixer(name, **cfg):

@@ -15,6 +15,7 @@ import zoo
 from zoo.accounting import account
 from zoo.checkpoints import ConfigError, config_to_spec, ignored_fields
 
+from hf_pairs import assert_logits_equal_with_a_left_padded_row, tiny_pairs
 from test_released_configs import load
 
 transformers = pytest.importorskip("transformers")
@@ -35,18 +36,9 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    made = {}
-
-    def get(case):
-        if case not in made:
-            d = tmp_path_factory.mktemp(case)
-            model_type, overrides = CASES[case]
-            # Weights at std 0.1 (as tests/test_moe.py: fp32 summation order alone moves larger logits by
-            # 1e-5); the routers' e_score_correction_bias buffers are drawn at random too.
-            made[case] = (tiny.make_tiny(model_type, d, std=0.1, overrides=overrides), zoo.from_pretrained(d))
-        return made[case]
-
-    return get
+    # Weights at std 0.1 (as tests/test_moe.py: fp32 summation order alone moves larger logits by
+    # 1e-5); the routers' e_score_correction_bias buffers are drawn at random too.
+    return tiny_pairs(tmp_path_factory, CASES, std=0.1)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -59,14 +51,7 @@ def test_logits_equal_transformers_with_a_left_padded_row(case, pair):
         unbiased = dataclasses.replace(router.cfg, selection_bias=False)
         plain = type(router)(unbiased, d_model=64, n_experts=router.n_experts, top_k=router.top_k)
         assert not torch.equal(router.select(scores).sort(-1).values, plain.select(scores).sort(-1).values)
-    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    mask[1, :6] = 0
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    ref = hf(ids, attention_mask=mask, position_ids=pos).logits
-    got = ours(ids, attention_mask=mask)
-    real = mask.bool()
-    torch.testing.assert_close(got[real], ref[real], atol=1e-5, rtol=0)
+    assert_logits_equal_with_a_left_padded_row(hf, ours)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -16,6 +16,8 @@ from zoo.checkpoints import ConfigError, _architecture, config_to_spec
 from zoo.components.dsa import LightningIndexer
 from zoo.spec import SpecError
 
+from hf_pairs import assert_logits_equal_with_a_left_padded_row, tiny_pairs
+
 transformers = pytest.importorskip("transformers")
 tiny = pytest.importorskip("zoo.checkpoints.tiny")
 
@@ -26,29 +28,15 @@ CASES = {"dense": {}, "sparse": {"index_topk": 5, "index_n_heads": 8}}
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    made = {}
-
-    def get(case):
-        if case not in made:
-            d = tmp_path_factory.mktemp(case)
-            # every parameter and saved buffer (the routers' selection bias) moved by N(0, 0.15)
-            made[case] = (tiny.make_tiny("deepseek_v32", d, std=0.15, overrides=CASES[case]), zoo.from_pretrained(d))
-        return made[case]
-
-    return get
+    # every parameter and saved buffer (the routers' selection bias) moved by N(0, 0.15)
+    return tiny_pairs(tmp_path_factory, {case: ("deepseek_v32", o) for case, o in CASES.items()}, std=0.15)
 
 
 @torch.no_grad()
 def test_logits_equal_transformers_with_a_left_padded_row(pair):
     hf, ours = pair("dense")
     assert all(layer.ffn.router.bias.abs().sum() > 0 for layer in ours.layers if hasattr(layer.ffn, "router"))
-    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    mask[1, :6] = 0
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    ref = hf(ids, attention_mask=mask, position_ids=pos).logits
-    got = ours(ids, attention_mask=mask)
-    torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=1e-5, rtol=0)
+    assert_logits_equal_with_a_left_padded_row(hf, ours)
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo import kernels as _kernels
+from zoo import precision as _precision
 from zoo import registry as _registry
 from zoo.interfaces import ForwardContext, PositionEncoding, PositionState, rotary_dim_of
 from zoo.mtp import MTP
@@ -126,6 +127,10 @@ class Decoder(nn.Module):
             self.head_bias.zero_()
 
     # -- decoding ---------------------------------------------------------------------------------
+    def _apply(self, fn, recurse=True):
+        # .to(dtype), .half(), .bfloat16(): tensors a part declares float32 stay float32 (zoo/precision.py)
+        return _precision.apply_keeping_fp32(self, super()._apply, fn, recurse)
+
     def new_state(self, batch: Optional[int], max_len: Optional[int] = None, *, dtype=None, device=None) -> DecodeState:
         """A decode state for ``batch`` rows of up to ``max_len`` tokens (None: unknown): each
         layer's mixer makes its own state. A model with a mixer that cannot decode is refused."""

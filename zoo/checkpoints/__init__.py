@@ -26,6 +26,7 @@ from zoo.checkpoints.maps import bind
 from zoo.checkpoints.quantized import read_quantization, without_quantization
 from zoo.model import Decoder, build_model
 from zoo.mtp import missing_depth, without_absent_mtp
+from zoo.precision import fp32_tensors, narrower
 from zoo.registry import list_components
 from zoo.spec import ModelSpec, differences
 
@@ -170,6 +171,7 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
     uncovered = sorted(set(meta) - covered)
     if uncovered:
         raise CheckpointError(f"the {fmt.model_type} name map leaves zoo parameter {uncovered[0]!r} unfilled")
+    fp32 = set(fp32_tensors(model))  # never read narrower than float32 (zoo/precision.py)
     first_of: dict[torch.dtype, str] = {}  # each stored floating dtype -> the first tensor that has it
     for b in bound:
         floating = any(meta[z].is_floating_point() for z in b.zoo)
@@ -179,7 +181,7 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
                 raise CheckpointError(
                     f"{files.where[names[h]]}: tensor {names[h]!r} is {stored}, where zoo's {', '.join(b.zoo)} "
                     "needs floating-point weights; the file is corrupt or is not this model")
-            if dtype is None and stored.is_floating_point:
+            if dtype is None and stored.is_floating_point and not fp32 >= set(b.zoo):
                 first_of.setdefault(stored, names[h])
     if len(first_of) > 1:
         (common, first), (odd, name) = list(first_of.items())[:2]
@@ -217,6 +219,8 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
                     + (f": {hint}" if hint else "")
                 )
             target_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            if zname in fp32 and narrower(target_dtype):
+                target_dtype = torch.float32
             state[zname] = t.to(device=device or "cpu", dtype=target_dtype)
         del hf_tensors, zoo_tensors
     model.load_state_dict(state, strict=True, assign=True)

@@ -84,8 +84,11 @@ class Mamba2Format(CheckpointFormat):
             rule("lm_head.weight", "lm_head.weight"),
         ]
 
+    # The config fields of the mixer's heads and state width (named by shape_hint).
+    heads_field, state_field = "num_heads", "state_size"
+
     def shape_hint(self, spec, zoo_name: str, shape: tuple) -> Optional[str]:
-        """The config field a mixer tensor's shape contradicts: in_proj's rows are 2 H P + 2 G N + H,
+        """The config field a Mamba-2 mixer tensor's shape contradicts: in_proj's rows are 2 H P + 2 G N + H,
         the convolution's channels H P + 2 G N, A_log, D and dt_bias have H entries."""
         i = int(zoo_name.split(".")[1]) if zoo_name.startswith("layers.") else None
         if i is None or spec.layer(i).mixer.name != "mamba2":
@@ -93,13 +96,13 @@ class Mamba2Format(CheckpointFormat):
         m = spec.layer(i).mixer
         H, P, G, N = m.n_heads, m.head_dim, m.n_groups, m.state_size
         if zoo_name.endswith(("A_log", "D", "dt_bias")):
-            return f"the weights have num_heads = {shape[0]}, config.json says {H}"
+            return f"the weights have {self.heads_field} = {shape[0]}, config.json says {H}"
         rows = {"in_proj.weight": 2 * H * P + H, "conv1d.weight": H * P}
         for name, rest in rows.items():
             if zoo_name.endswith(name) and (shape[0] - rest) % (2 * G) == 0:
                 n = (shape[0] - rest) // (2 * G)
                 if n != N:
-                    return f"the weights have state_size = {n} (with n_groups = {G}), config.json says {N}"
+                    return f"the weights have {self.state_field} = {n} (with n_groups = {G}), config.json says {N}"
         return None
 
     def config_to_spec(self, config, *, strict=False):

@@ -1,0 +1,31 @@
+"""Timing helpers the side-by-side benchmarks share (``from timing import ...`` when a script in this
+directory runs): one timed call, runs interleaved so that drift on a shared machine hits every side
+alike, and a rate at the median."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """``(seconds, result)`` of one call of ``fn`` (wall clock)."""
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def interleaved(runs: dict[str, Callable[[], float]], repeat: int) -> dict[str, list[float]]:
+    """Call each of ``runs`` (name -> a function returning the seconds it measured) ``repeat`` times,
+    in turn: name -> its ``repeat`` measurements."""
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeat):
+        for name, fn in runs.items():
+            seconds[name].append(fn())
+    return seconds
+
+
+def rate(n: float, seconds: list[float]) -> float:
+    """``n`` (tokens, steps) per second at the median of ``seconds``."""
+    return n / statistics.median(seconds)

@@ -1,0 +1,227 @@
+"""Nemotron-H (``nemotron_h``, NVIDIA 2025): a hybrid whose every layer is ``x + part(RMSNorm(x))`` with
+one part, as ``layers_block_type`` (or the older ``hybrid_override_pattern``) lists them:
+
+- ``linear_attention`` (``M``): a Mamba-2 mixer, zoo's ``mamba2`` in a ``mixer_only`` block;
+- ``full_attention`` (``*``): GQA softmax attention with no position encoding and no biases, in a
+  ``mixer_only`` block;
+- ``mlp`` (``-``): ``down(relu2(up(x)))``, zoo's ``mlp`` in an ``ffn_only`` block.
+
+The schedule becomes the spec's ``layer_pattern`` (its shortest period, or the whole list). Tensor
+names (transformers writes the ``backbone.`` prefix it reads)::
+
+    backbone.embeddings.weight, backbone.norm_f.weight, lm_head.weight
+    backbone.layers.{i}.norm.weight
+    backbone.layers.{i}.mixer.{in_proj, conv1d, out_proj, norm}.weight, .conv1d.bias, .dt_bias, .A_log, .D
+    backbone.layers.{i}.mixer.{q,k,v,o}_proj.weight
+    backbone.layers.{i}.mixer.{up,down}_proj.weight
+
+What transformers 5.23 builds, read as it reads it:
+
+- the Mamba-2 layers clamp the step to ``[time_step_min, inf)`` (``time_step_limit`` is not read by
+  the mixer); in_proj/out_proj take ``use_bias`` (``mamba_proj_bias`` is not read); the gated norm
+  has ``n_groups`` groups and ``layer_norm_epsilon``; their width is ``mamba_num_heads *
+  mamba_head_dim`` (``expand`` is not read);
+- attention projections never have biases (``attention_bias`` is not read), and no sliding window
+  applies (``sliding_window`` is not read by its mask);
+- ``residual_in_fp32``, ``rescale_prenorm_residual``, ``use_mamba_kernels``, ``num_logits_to_keep``,
+  ``mamba_ssm_cache_dtype`` and the time-step initialisation fields change nothing zoo computes;
+- the legacy names ``mamba_n_groups``, ``mamba_d_conv``, ``mamba_expand``, ``mamba_dt_min``, ...
+  stand for the new ones, and the layer types ``mamba`` / ``attention`` for ``linear_attention`` /
+  ``full_attention``, as transformers maps them.
+
+Not read: MoE layers (``moe``, ``E``: Nemotron 3's routed experts) and multi-token prediction
+(``num_nextn_predict_layers`` > 0) are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zoo.checkpoints.common import activation, activation_name, pattern
+from zoo.checkpoints.format import CheckpointFormat, Fields
+from zoo.checkpoints.formats.mamba2 import MIXER_TENSORS, Mamba2Format
+from zoo.checkpoints.maps import rule
+from zoo.spec import ModelSpec
+
+MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
+PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
+LEGACY_TYPES = {"mamba": MAMBA, "attention": ATTENTION}
+#: Older field names transformers still reads, and the field each stands for.
+LEGACY_FIELDS = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_expand": "expand",
+                 "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max", "mamba_dt_limit": "time_step_limit",
+                 "mamba_dt_init_floor": "time_step_floor", "mamba_conv_bias": "use_conv_bias",
+                 "mamba_chunk_size": "chunk_size"}
+#: Declared by NemotronHConfig, read by nothing zoo builds (see the module docstring), or belonging
+#: to the MoE layers and MTP modules this format refuses when they are used.
+UNUSED = ("expand", "time_step_limit", "mamba_proj_bias", "attention_bias", "sliding_window", "residual_in_fp32",
+          "rescale_prenorm_residual", "use_mamba_kernels", "num_logits_to_keep", "mamba_ssm_cache_dtype",
+          "n_routed_experts", "output_router_logits", "n_shared_experts", "moe_intermediate_size",
+          "moe_shared_expert_intermediate_size", "moe_latent_size", "moe_shared_expert_overlap", "num_experts_per_tok",
+          "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob", "mtp_layers_block_type",
+          "mtp_hybrid_override_pattern", "num_hidden_layers")
+KINDS = {MAMBA: "mamba", ATTENTION: "attention", MLP: "mlp"}
+#: The mixer setting of the MLP layers: an ``ffn_only`` block does not build it (a spec names one).
+UNBUILT_MIXER = {"name": "attention", "n_heads": 1}
+H, Z = "backbone.layers.{i}.", "layers.{i}."
+
+
+class NemotronH(CheckpointFormat):
+    model_type, architecture = "nemotron_h", "NemotronHForCausalLM"
+    base_prefix = "backbone."
+    # NemotronHConfig's defaults for absent fields.
+    defaults = {"vocab_size": 131072, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "head_dim": 128, "max_position_embeddings": 4096, "intermediate_size": 21504, "mlp_hidden_act": "relu2",
+                "mlp_bias": False, "ssm_state_size": 128, "mamba_num_heads": 128, "mamba_head_dim": 64,
+                "mamba_hidden_act": "silu", "n_groups": 8, "conv_kernel": 4, "chunk_size": 128,
+                "time_step_min": 0.001, "time_step_max": 0.1, "time_step_floor": 1e-4, "use_conv_bias": True,
+                "use_bias": False, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False,
+                "num_nextn_predict_layers": 0}
+    # Every kind of layer, attention after Mamba state and between MLPs; two groups of two heads, chunks
+    # shorter than the test sequences, GQA with head_dim != hidden_size / heads. The step's lower clamp
+    # (time_step_min) is put out of reach: transformers' one-token step ignores it, so its decoding departs
+    # from its own forward where it binds (tests/test_nemotron_h.py checks zoo there).
+    tiny = {"vocab_size": 128, "hidden_size": 32, "layers_block_type": [MAMBA, MLP, ATTENTION, MAMBA, MLP, MAMBA],
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12, "intermediate_size": 48,
+            "mamba_num_heads": 8, "mamba_head_dim": 8, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 8,
+            "max_position_embeddings": 64, "tie_word_embeddings": False, "time_step_min": 1e-8}
+
+    # A Mamba-2 tensor whose shape contradicts the config names the field (as the mamba2 format does).
+    heads_field, state_field = "mamba_num_heads", "ssm_state_size"
+    shape_hint = Mamba2Format.shape_hint
+
+    # -- the weight-name map ----------------------------------------------------------------------
+    def rules(self, spec):
+        m = f"{H}mixer."
+        return [
+            rule("backbone.embeddings.weight", "embed.weight"),
+            rule("backbone.norm_f.weight", "final_norm.weight"),
+            rule("lm_head.weight", "lm_head.weight"),
+            # one norm per layer: the mixer's in mixer_only, the FFN's in ffn_only
+            rule(f"{H}norm.weight", f"{Z}attn_norm.weight"),
+            rule(f"{H}norm.weight", f"{Z}ffn_norm.weight"),
+            *[rule(f"{m}{t}", f"{Z}attention.{t}") for t in MIXER_TENSORS],
+            *[rule(f"{m}{p}_proj.weight", f"{Z}attention.{p}_proj.weight") for p in "qkvo"],
+            rule(f"{m}up_proj.weight", f"{Z}ffn.up.weight"), rule(f"{m}up_proj.bias", f"{Z}ffn.up.bias"),
+            rule(f"{m}down_proj.weight", f"{Z}ffn.down.weight"), rule(f"{m}down_proj.bias", f"{Z}ffn.down.bias"),
+        ]
+
+    # -- config -> spec ---------------------------------------------------------------------------
+    def layer_types(self, f: Fields) -> list[str]:
+        listed = next((k for k in ("layers_block_type", "layer_types") if k in f), None)  # (an alias in transformers)
+        if listed is not None:
+            types, key = f.get(listed, kind=list), listed
+            f.get("hybrid_override_pattern")  # transformers takes the list when both are given
+        elif "hybrid_override_pattern" in f:
+            key, text = "hybrid_override_pattern", f.get("hybrid_override_pattern", kind=str)
+            bad = sorted(set(text) - set(PATTERN))
+            if bad:
+                raise f.error(key, f"has {bad[0]!r}; expected M (Mamba-2), * (attention), - (MLP) or E (MoE)")
+            types = [PATTERN[c] for c in text]
+        else:  # NemotronHConfig's default schedule
+            types, key = [MAMBA, MOE, ATTENTION, MLP], "layers_block_type"
+        types = [LEGACY_TYPES.get(t, t) for t in types]
+        for t in types:
+            if t == MOE:
+                raise f.error(key, "has MoE layers ('moe' / 'E', Nemotron 3's routed experts), which zoo's "
+                                   "nemotron_h format does not read yet")
+            if t not in KINDS:
+                raise f.error(key, f"layer type {t!r} is not one of {sorted(KINDS)}")
+        return types
+
+    def config_to_spec(self, config, *, strict=False):
+        config = dict(config)
+        for old, new in LEGACY_FIELDS.items():  # transformers lets the old name win, as here
+            if old in config:
+                config[new] = config.pop(old)
+        f = Fields(config, self.model_type, self.defaults)
+        types = self.layer_types(f)
+        d, eps = f.require("hidden_size"), float(f.get("layer_norm_epsilon"))
+        f.expect("mamba_hidden_act", ("silu",), "Mamba-2's convolution and gate use SiLU")
+        if f.get("num_nextn_predict_layers", 0, kind=int):
+            raise f.error("num_nextn_predict_layers", "multi-token prediction modules are not read by zoo's "
+                                                      "nemotron_h format; set it to 0 to load the main model")
+        for key in UNUSED:
+            f.get(key)
+        norm = {"name": "rmsnorm", "eps": eps, "scale_in_fp32": True}  # weight times the fp32 normed x
+        layers: dict[str, Any] = {}
+        if MAMBA in types:
+            layers["mamba"] = {"mixer": {
+                "name": "mamba2", "n_heads": f.require("mamba_num_heads"), "head_dim": f.require("mamba_head_dim"),
+                "state_size": f.require("ssm_state_size"), "n_groups": f.require("n_groups"),
+                "conv_kernel": f.require("conv_kernel"), "chunk_size": f.require("chunk_size"),
+                "bias": f.get("use_bias", False), "conv_bias": f.get("use_conv_bias", True), "norm_eps": eps,
+                "dt_limit_min": float(f.get("time_step_min", 0.001)), "dt_limit_max": None,
+                "dt_min": float(f.get("time_step_min", 0.001)), "dt_max": float(f.get("time_step_max", 0.1)),
+                "dt_floor": float(f.get("time_step_floor", 1e-4)),
+            }, "norm": norm, "block": "mixer_only"}
+        if ATTENTION in types:
+            layers["attention"] = {"mixer": {
+                "name": "attention", "n_heads": f.require("num_attention_heads"),
+                "n_kv_heads": f.require("num_key_value_heads"), "head_dim": f.require("head_dim"),
+            }, "norm": norm, "block": "mixer_only"}
+        if MLP in types:
+            layers["mlp"] = {"mixer": UNBUILT_MIXER, "ffn": {"name": "mlp", "d_ff": f.require("intermediate_size"),
+                                     "activation": activation(f, "mlp_hidden_act", "relu2"),
+                                     "bias": f.get("mlp_bias", False)},
+                             "norm": norm, "block": "ffn_only"}
+        spec = {
+            "vocab_size": f.require("vocab_size"), "d_model": d, "n_layers": len(types),
+            "max_seq_len": f.require("max_position_embeddings"), "position": "nope", "final_norm": norm,
+            "layers": layers, "layer_pattern": list(pattern([KINDS[t] for t in types])),
+            "head": {"tied": f.get("tie_word_embeddings", False)},
+        }
+        f.finish(strict)
+        return ModelSpec.from_dict(spec)
+
+    # -- spec -> config ---------------------------------------------------------------------------
+    def spec_to_config(self, spec):
+        if spec.position.name != "nope":
+            raise ValueError("nemotron_h has no position encoding")
+        types, parts = [], {}
+        for i in range(spec.n_layers):
+            layer = spec.layer(i)
+            if layer.block.name == "ffn_only" and layer.ffn.name == "mlp":
+                kind, part = MLP, layer.ffn
+            elif layer.block.name == "mixer_only" and layer.mixer.name == "mamba2":
+                kind, part = MAMBA, layer.mixer
+            elif layer.block.name == "mixer_only" and layer.mixer.name == "attention":
+                kind, part = ATTENTION, layer.mixer
+            else:
+                raise ValueError(f"nemotron_h's layers are a mamba2 or attention mixer in a mixer_only block, or an "
+                                 f"mlp in an ffn_only block; layer {i} is {layer.mixer.name!r} / {layer.ffn.name!r} "
+                                 f"in {layer.block.name!r}")
+            if repr(parts.setdefault(kind, part)) != repr(part):
+                raise ValueError(f"nemotron_h has one configuration per kind of layer; layer {i}'s {kind} differs")
+            types.append(kind)
+        norms = {repr(spec.layer(i).norm) for i in range(spec.n_layers)} | {repr(spec.final_norm)}
+        norm = spec.layer(0).norm
+        if len(norms) > 1 or norm.name != "rmsnorm" or not norm.scale_in_fp32:
+            raise ValueError("nemotron_h uses one RMSNorm (weight applied in float32) for every layer and the final norm")
+        cfg: dict[str, Any] = {
+            "vocab_size": spec.vocab_size, "hidden_size": spec.d_model, "layers_block_type": types,
+            "max_position_embeddings": spec.max_seq_len, "layer_norm_epsilon": norm.eps,
+            "tie_word_embeddings": spec.head.tied, "num_nextn_predict_layers": 0,
+        }
+        if MAMBA in parts:
+            m = parts[MAMBA]
+            if m.dt_limit_max is not None or m.norm_eps != norm.eps or m.dt_limit_min != m.dt_min:
+                raise ValueError("nemotron_h's Mamba-2 layers clamp the step to [time_step_min, inf) and share the "
+                                 "layers' RMSNorm epsilon")
+            cfg.update({"mamba_num_heads": m.n_heads, "mamba_head_dim": m.head_dim, "ssm_state_size": m.state_size,
+                        "n_groups": m.n_groups, "conv_kernel": m.conv_kernel, "chunk_size": m.chunk_size,
+                        "use_bias": m.bias, "use_conv_bias": m.conv_bias, "mamba_hidden_act": "silu",
+                        "time_step_min": m.dt_min, "time_step_max": m.dt_max, "time_step_floor": m.dt_floor})
+        if ATTENTION in parts:
+            a = parts[ATTENTION]
+            if a.bias or a.out_bias or a.window or a.softcap or a.qk_norm != "none" or a.output_gate or a.scale_dim:
+                raise ValueError("nemotron_h's attention has no biases, window, soft-cap, QK-norm, gate or scale")
+            cfg.update({"num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads or a.n_heads,
+                        "head_dim": a.head_dim or spec.d_model // a.n_heads})
+        if MLP in parts:
+            p = parts[MLP]
+            cfg.update({"intermediate_size": p.d_ff, "mlp_hidden_act": activation_name(p.activation),
+                        "mlp_bias": p.bias})
+        return cfg
+
+
+FORMATS = [NemotronH()]
