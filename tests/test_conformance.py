@@ -727,6 +727,19 @@ def test_ffn_only_block_adds_the_ffn_of_the_normed_input_and_keeps_no_state():
     assert block.mixer.new_state(2, None, dtype=torch.float32, device="cpu").nbytes() == 0
 
 
+@covers(("mixer", "none"))
+def test_mixer_none_mixes_nothing_and_holds_no_state():
+    """An MLP-only layer (Nemotron-H's): mixer none in an ffn_only block, beside attention; the model decodes."""
+    spec = zt.hybrid_spec("none", **{"layers.part.block": "ffn_only"})
+    model = zt.tiny_model(spec)
+    mixer = model.layers[0].mixer
+    x, ctx, pos = zt.attention_inputs(spec)
+    assert not list(mixer.parameters()) and not mixer(x, ctx, pos).any()
+    assert mixer.new_state(2, None, dtype=torch.float32, device="cpu").nbytes() == 0
+    assert mixer.cost(1024).flops == 0 and mixer.cost(1024).state_fixed == 0
+    zt.check_decoding(model, torch.randint(0, spec.vocab_size, (2, 12)))
+
+
 # ----------------------------------------------------------------- recurrent mixers (linear attention)
 
 def _mixer(name, **cfg):

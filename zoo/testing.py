@@ -475,6 +475,12 @@ def _sequence_mixer(kind: str, name: str, config: dict[str, Any]) -> None:
     assert_builds_on_meta(build, what)
     module = build()
     x, ctx, rot = attention_inputs(spec)
+    if kind == "mixer" and not getattr(module, "mixes_tokens", True):  # mixer ``none``: the layer is its FFN
+        y = module(x, ctx, rot)
+        assert y.shape == x.shape and not y.any(), f"{what}: declares mixes_tokens = False but its output is not zeros"
+        assert not list(module.parameters()), f"{what}: declares mixes_tokens = False but has parameters"
+        check_model(hybrid_spec(name, config, **{"layers.part.block": "ffn_only"}), f"{what} beside standard attention")
+        return
     x.requires_grad_(True)
     y = module(x, ctx, rot)
     assert y.shape == x.shape, f"{what}: output shape {tuple(y.shape)} for input {tuple(x.shape)}"

@@ -60,8 +60,6 @@ UNUSED = ("expand", "time_step_limit", "mamba_proj_bias", "attention_bias", "sli
           "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob", "mtp_layers_block_type",
           "mtp_hybrid_override_pattern", "num_hidden_layers")
 KINDS = {MAMBA: "mamba", ATTENTION: "attention", MLP: "mlp"}
-#: The mixer setting of the MLP layers: an ``ffn_only`` block does not build it (a spec names one).
-UNBUILT_MIXER = {"name": "attention", "n_heads": 1}
 H, Z = "backbone.layers.{i}.", "layers.{i}."
 
 
@@ -160,7 +158,7 @@ class NemotronH(CheckpointFormat):
                 "n_kv_heads": f.require("num_key_value_heads"), "head_dim": f.require("head_dim"),
             }, "norm": norm, "block": "mixer_only"}
         if MLP in types:
-            layers["mlp"] = {"mixer": UNBUILT_MIXER, "ffn": {"name": "mlp", "d_ff": f.require("intermediate_size"),
+            layers["mlp"] = {"mixer": "none", "ffn": {"name": "mlp", "d_ff": f.require("intermediate_size"),
                                      "activation": activation(f, "mlp_hidden_act", "relu2"),
                                      "bias": f.get("mlp_bias", False)},
                              "norm": norm, "block": "ffn_only"}
