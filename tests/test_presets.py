@@ -68,13 +68,11 @@ def shrink(name: str) -> zoo.Decoder:
         if layer.ffn.d_ff is not None:
             over[f"layers.{kind}.ffn.d_ff"] = 96
         att = layer.attention
-        if att.name != "attention":  # another mixer (a recurrent one, MLA) shrinks itself
-            over.update({f"layers.{kind}.mixer.{k}": v for k, v in att.cls.shrink(att.config).items()})
+        if att.name != "attention":  # another mixer (a recurrent one, MLA) shrinks itself, if it has sizes
+            sizes = getattr(att.cls, "shrink", None)
+            over.update({f"layers.{kind}.mixer.{k}": v for k, v in (sizes(att.config) if sizes else {}).items()})
             continue
         base = f"layers.{kind}.attention"
-        if layer.mixer.name != "attention":  # a recurrent mixer shrinks itself
-            over.update({f"{base}.{k}": v for k, v in layer.mixer.cls.shrink(att.config).items()})
-            continue
         kv = att.n_kv_heads
         over[f"{base}.n_heads"] = 4
         over[f"{base}.n_kv_heads"] = None if kv is None else (1 if kv == 1 else 2)
