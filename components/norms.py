@@ -89,8 +89,7 @@ class RMSNorm(nn.Module):
         if fast is not None:
             return fast(self, x)
         dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg.eps)
+        h = F.rms_norm(x.float(), (self.dim,), eps=self.cfg.eps)  # x / sqrt(mean(x^2) + eps), one fused pass
         w = self.weight
         if self.cfg.unit_offset:
             w = 1.0 + w.float()

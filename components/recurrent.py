@@ -191,7 +191,7 @@ class GatedRMSNorm(nn.Module):
 
     def _norm(self, h: torch.Tensor) -> torch.Tensor:
         g = h.unflatten(-1, (self.groups, -1)) if self.groups > 1 else h
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True).add_(self.eps))
+        g = F.rms_norm(g, (g.shape[-1],), eps=self.eps)  # g / sqrt(mean(g^2) + eps), one fused pass
         return g.flatten(-2) if self.groups > 1 else g
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
