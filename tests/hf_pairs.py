@@ -1,5 +1,6 @@
 """Helpers the parity tests of several formats share: tiny transformers checkpoints made once per
-case and loaded by zoo, and the logits check with a left-padded row."""
+case and loaded by zoo, the logits check with a left-padded row, and several tokens fed onto a
+decode state."""
 
 import torch
 
@@ -34,3 +35,20 @@ def assert_logits_equal_with_a_left_padded_row(hf, ours, *, atol: float = 1e-5) 
     ref = hf(ids, attention_mask=mask, position_ids=pos).logits
     got = ours(ids, attention_mask=mask)
     torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=atol, rtol=0)
+
+
+@torch.no_grad()
+def assert_several_tokens_continue_the_full_forward(hf, ours, *, cache: str, atol: float) -> None:
+    """Two rows of 23 tokens: a prefill of 7, then 12 tokens at once onto that state, then the last 4
+    at once. transformers' cache (passed and returned as ``cache``: ``past_key_values`` or
+    ``cache_params``) and zoo's decode state each give what their full forward gives."""
+    ids = torch.randint(0, 128, (2, 23), generator=torch.Generator().manual_seed(3))
+    full = hf(ids).logits
+    kept = getattr(hf(ids[:, :7], use_cache=True), cache)
+    theirs = hf(ids[:, 7:19], use_cache=True, **{cache: kept}).logits
+    state = ours.new_state(2, None)
+    ours(ids[:, :7], state=state)
+    mine = ours(ids[:, 7:19], state=state)
+    torch.testing.assert_close(theirs, full[:, 7:19], atol=atol, rtol=0)
+    torch.testing.assert_close(mine, full[:, 7:19], atol=atol, rtol=0)
+    torch.testing.assert_close(ours(ids[:, 19:], state=state), full[:, 19:], atol=atol, rtol=0)

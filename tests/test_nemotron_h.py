@@ -13,6 +13,8 @@ import zoo
 import zoo.testing as zt
 from zoo.checkpoints import CheckpointError, ConfigError, config_to_spec, ignored_fields
 
+from hf_pairs import assert_several_tokens_continue_the_full_forward
+
 transformers = pytest.importorskip("transformers")
 tiny = pytest.importorskip("zoo.checkpoints.tiny")
 
@@ -100,16 +102,7 @@ def test_several_new_tokens_onto_an_existing_state(pair):
     the cached window, its chunked scan starts from the cached state, attention appends to the cached
     keys): both equal the full forward."""
     hf, ours, _ = pair
-    ids = ids_of(2, 23, seed=3)
-    full = hf(ids).logits
-    cache = hf(ids[:, :7], use_cache=True).past_key_values
-    theirs = hf(ids[:, 7:19], past_key_values=cache, use_cache=True).logits
-    state = ours.new_state(2, None)
-    ours(ids[:, :7], state=state)
-    mine = ours(ids[:, 7:19], state=state)
-    torch.testing.assert_close(theirs, full[:, 7:19], atol=SSD_ATOL, rtol=0)
-    torch.testing.assert_close(mine, full[:, 7:19], atol=SSD_ATOL, rtol=0)
-    torch.testing.assert_close(ours(ids[:, 19:], state=state), full[:, 19:], atol=SSD_ATOL, rtol=0)
+    assert_several_tokens_continue_the_full_forward(hf, ours, cache="past_key_values", atol=SSD_ATOL)
 
 
 @torch.no_grad()
