@@ -20,9 +20,11 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 
 import torch
+
+import timing
+from timing import rate, timed
 
 
 def mamba2(args, directory):
@@ -98,15 +100,6 @@ def zoo_step(model):
     return run
 
 
-CLOCK = time.perf_counter
-
-
-def timed(fn):
-    t = CLOCK()
-    out = fn()
-    return CLOCK() - t, out
-
-
 def measure(args, hf, ours) -> dict:
     V = args.vocab
     gen = torch.Generator().manual_seed(0)
@@ -123,7 +116,7 @@ def measure(args, hf, ours) -> dict:
             for name, run in runs.items():
                 prefill[name].append(timed(lambda: run(ids[:, : args.prefill], None))[0])
     for name, times in prefill.items():
-        result["prefill"][name] = args.prefill / statistics.median(times)
+        result["prefill"][name] = rate(args.prefill, times)
 
     # Decode: a state per (model, context) prefilled once, then the contexts and models interleaved, each
     # run continuing its own state (so a slow spell of the machine hits every context alike).
@@ -171,17 +164,17 @@ def profile(args, hf, ours) -> None:
             for attr, child in parent.named_children():
                 key = (tag, f"{type(parent).__name__}.{attr}: {type(child).__name__}" if not attr.isdigit()
                        else type(child).__name__)
-                child.register_forward_pre_hook(lambda m, a: setattr(m, "_t0", CLOCK()))
-                child.register_forward_hook(lambda m, a, o, key=key: add(key, CLOCK() - m._t0))
+                child.register_forward_pre_hook(lambda m, a: setattr(m, "_t0", timing.clock()))
+                child.register_forward_hook(lambda m, a, o, key=key: add(key, timing.clock() - m._t0))
 
     def wrap(module, name, key):
         module = importlib.import_module(module)
         fn = getattr(module, name)
 
         def timed_fn(*a, **k):
-            t = CLOCK()
+            t = timing.clock()
             out = fn(*a, **k)
-            add(key, CLOCK() - t)
+            add(key, timing.clock() - t)
             return out
 
         setattr(module, name, timed_fn)
@@ -201,9 +194,9 @@ def profile(args, hf, ours) -> None:
         for _ in range(args.repeat):
             for tag, run in (("zoo", lambda: ours(ids)), ("transformers", lambda: hf(ids, use_cache=False))):
                 spent.clear()
-                t = CLOCK()
+                t = timing.clock()
                 run()
-                spent[tag, "(whole forward)"] = CLOCK() - t
+                spent[tag, "(whole forward)"] = timing.clock() - t
                 for key, value in spent.items():
                     best[key] = min(best.get(key, float("inf")), value)
     for tag in ("zoo", "transformers"):
@@ -234,7 +227,7 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=32, help="tokens decoded after each context")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+    ap.add_argument("--clock", choices=sorted(timing.CLOCKS), default="wall",
                     help="cpu: the process's CPU time, which other jobs on a shared machine disturb far less")
     ap.add_argument("--json")
     ap.add_argument("--profile", action="store_true", help="time each part of one prefill instead")
@@ -245,8 +238,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.flush_denormal and not torch.set_flush_denormal(True):
         raise SystemExit("--flush-denormal: this CPU cannot flush subnormals")
-    global CLOCK
-    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    timing.use_clock(args.clock)
 
     import zoo
 

@@ -1,6 +1,6 @@
 """Timing helpers the side-by-side benchmarks share (``from timing import ...`` when a script in this
-directory runs): one timed call, runs interleaved so that drift on a shared machine hits every side
-alike, and a rate at the median."""
+directory runs): the clock, one timed call, runs interleaved so that drift on a shared machine hits
+every side alike, and a rate at the median."""
 
 from __future__ import annotations
 
@@ -9,11 +9,22 @@ import time
 from typing import Any, Callable
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCKS["wall"]  # what every helper here reads; use_clock switches it
+
+
+def use_clock(name: str) -> None:
+    """``"wall"`` (the default) or ``"cpu"``: the process's CPU time, which other jobs on a shared
+    machine disturb far less."""
+    global clock
+    clock = CLOCKS[name]
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    """``(seconds, result)`` of one call of ``fn`` (wall clock)."""
-    t = time.perf_counter()
+    """``(seconds, result)`` of one call of ``fn`` on the chosen clock."""
+    t = clock()
     out = fn()
-    return time.perf_counter() - t, out
+    return clock() - t, out
 
 
 def interleaved(runs: dict[str, Callable[[], float]], repeat: int) -> dict[str, list[float]]:
