@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import zoo
-from zoo.accounting import account
-from zoo import ablate
+from zoo.tools.accounting import account
+from zoo.tools import ablate
 from zoo.cli import main as cli
 
-T = importlib.import_module("zoo.training")
+T = importlib.import_module("zoo.train.loop")
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples" / "ablations").glob("*.toml"))
 
 TINY_FILE = """

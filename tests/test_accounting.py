@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import zoo
-from zoo.accounting import account
+from zoo.tools.accounting import account
 
 
 def test_llama2_70b_kv_cache_worked_example():

@@ -399,7 +399,7 @@ def test_verify_refuses_pickles_before_any_reference_runs(tmp_path, monkeypatch)
     def run_reference(*a, **k):
         raise AssertionError("the reference read the directory")
 
-    monkeypatch.setattr(importlib.import_module("zoo.verification"), "run_reference", run_reference)
+    monkeypatch.setattr(importlib.import_module("zoo.tools.verification"), "run_reference", run_reference)
     d = tmp_path / "pickled"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(TINY))

@@ -7,7 +7,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 import zoo
 from zoo.cli import main
-from zoo.tokenizer import TextStream, Tokenizer
+from zoo.inference.tokenizer import TextStream, Tokenizer
 
 tiny = pytest.importorskip("zoo.checkpoints.tiny")
 pytest.importorskip("transformers")

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import zoo
-from zoo import kernels, registry
+from zoo.core import kernels
+from zoo.core import registry
 from zoo.testing import shrink
 
 FAMILIES = sorted(zoo.list_components("family"))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import zoo
 import zoo.testing as zt
-from zoo.registry import BUILTIN_PLUGINS
+from zoo.core.registry import BUILTIN_PLUGINS
 
 # The configs each part's contract runs with (default config when a part is not listed).
 CONFIGS = {

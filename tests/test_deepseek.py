@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zoo
-from zoo.accounting import account
+from zoo.tools.accounting import account
 from zoo.checkpoints import ConfigError, config_to_spec, ignored_fields
 
 from hf_pairs import assert_logits_equal_with_a_left_padded_row, tiny_pairs

@@ -14,7 +14,7 @@ import torch
 import zoo
 from zoo.checkpoints import ConfigError, _architecture, config_to_spec
 from zoo.components.dsa import LightningIndexer
-from zoo.spec import SpecError
+from zoo.core.spec import SpecError
 
 from hf_pairs import assert_logits_equal_with_a_left_padded_row, tiny_pairs
 
@@ -114,7 +114,7 @@ def test_the_released_config_is_the_preset_with_transformers_parameter_count():
 
 
 def test_describe_gives_dsa_attention_flops_against_dense_mla_by_context():
-    from zoo.accounting import account
+    from zoo.tools.accounting import account
 
     model = zoo.build("deepseek-v3.2-exp", device="meta")
     dsa = model.layers[0].attention

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zoo.components.dsa import IndexKeys, LightningIndexer
-from zoo.spec import SpecError
+from zoo.core.spec import SpecError
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32  # noqa: E402
@@ -152,8 +152,9 @@ def test_nonpositive_topk_is_refused_by_name(topk):
 
 # ------------------------------------------------------------------------- the mixer: MLA + selection
 import zoo.testing as zt  # noqa: E402
-from zoo.interfaces import ForwardContext, PositionState  # noqa: E402
-from zoo.state import DecodeState  # noqa: E402
+from zoo.core.context import ForwardContext  # noqa: E402
+from zoo.core.kinds import PositionState
+from zoo.core.state import DecodeState  # noqa: E402
 
 MIXER = {"name": "dsa", "n_heads": 2, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": ROPE,
          "v_head_dim": 4, "q_lora_rank": Q_RANK, "index_n_heads": 6, "index_head_dim": HD}

@@ -13,7 +13,7 @@ import zoo.testing as zt
 from zoo.checkpoints import CheckpointError, ConfigError, config_to_spec
 from zoo.checkpoints.tiny import make_tiny, tiny_config
 from zoo.components.gated_deltanet import FLUSH_LOG_DECAY, chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
-from zoo.spec import SpecError
+from zoo.core.spec import SpecError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 transformers = pytest.importorskip("transformers")

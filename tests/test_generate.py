@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import zoo
-from zoo.state import DecodeState, KVState
-from zoo.generation import sample_next
+from zoo.core.state import DecodeState, KVState
+from zoo.inference.generate import sample_next
 
 TINY = {
     "n_layers": 2, "d_model": 64, "vocab_size": 128, "layers.*.ffn.d_ff": 96,

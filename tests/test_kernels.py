@@ -18,8 +18,8 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 import zoo  # noqa: E402
-from zoo import kernels  # noqa: E402
-from zoo.model import lm_loss  # noqa: E402
+from zoo.core import kernels  # noqa: E402
+from zoo.model.loss import lm_loss  # noqa: E402
 
 def close(a, b, rtol=1e-5, scale=1e-6, **kw):
     torch.testing.assert_close(a, b, rtol=rtol, atol=scale * max(1.0, float(b.detach().abs().max())), **kw)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zoo
-from zoo import kernels
+from zoo.core import kernels
 
 
 def tiny(name="gemma2-2b", **over):

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 import zoo.testing as zt  # noqa: E402
-from zoo import kernels  # noqa: E402
+from zoo.core import kernels  # noqa: E402
 from zoo.components import gated_deltanet as gdn  # noqa: E402
 from zoo.components.kernels import gated_deltanet as fast  # noqa: E402
 

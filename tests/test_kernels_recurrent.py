@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 import zoo.testing as zt  # noqa: E402
-from zoo import kernels  # noqa: E402
+from zoo.core import kernels  # noqa: E402
 from zoo.components import recurrent  # noqa: E402
 from zoo.components.kernels import recurrent as fast  # noqa: E402
 

@@ -6,7 +6,7 @@ import torch
 
 import zoo
 import zoo.testing as zt
-from zoo.spec import SpecError
+from zoo.core.spec import SpecError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,7 +8,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zoo
-from zoo import kernels
+from zoo.core import kernels
 from zoo.components import masks
 from zoo.components.attention import causal_mask
 from zoo.components.kernels import attention as flex

@@ -9,12 +9,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import zoo
-import zoo.accounting
+import zoo.tools.accounting
 import zoo.testing as zt
 from zoo.checkpoints import CheckpointError, ConfigError, config_to_spec
-from zoo.interfaces import ForwardContext
-from zoo.spec import SpecError
-from zoo.state import DecodeState
+from zoo.core.context import ForwardContext
+from zoo.core.spec import SpecError
+from zoo.core.state import DecodeState
 
 from hf_pairs import assert_several_tokens_continue_the_full_forward
 

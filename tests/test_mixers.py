@@ -11,7 +11,7 @@ from torch import nn
 
 import zoo
 import zoo.testing as zt
-from zoo.accounting import account
+from zoo.tools.accounting import account
 from zoo.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -235,7 +235,7 @@ def test_the_plugin_guides_mixer_example_passes_the_contract():
 
     import torch.nn.functional as F
 
-    from zoo.interfaces import Cost
+    from zoo.core.kinds import Cost
 
     guide = (Path(__file__).parents[1] / "docs" / "plugins.md").read_text()
     code = guide.split("## 5. A mixer with its own state")[1].split("```python")[1].split("```")[0]
@@ -275,17 +275,3 @@ def test_a_loss_pooled_over_layers_is_computed_once_at_the_end(toy):
         h.remove()
     assert set(out.aux) == {"pooled"}
     torch.testing.assert_close(out.aux["pooled"], torch.stack(means).mean())
-
-
-def test_the_old_module_names_still_import():
-    import zoo.cache
-    import zoo.parts
-    from zoo.interfaces import PositionEncoding, PositionState
-
-    assert zoo.parts.PositionEncoding is PositionEncoding and zoo.parts.Rotary is PositionState
-    model = zoo.build(zt.TINY, seed=0).eval()
-    state = zoo.cache.KVCache.for_model(model)
-    ids = torch.randint(0, 64, (1, 6))
-    with torch.no_grad():
-        steps = [model(ids[:, :4], cache=state), model(ids[:, 4:], cache=state)]
-        torch.testing.assert_close(torch.cat(steps, 1), model(ids), atol=1e-5, rtol=1e-5)

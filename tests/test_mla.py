@@ -7,8 +7,8 @@ import torch
 
 import zoo
 import zoo.testing as zt
-from zoo.accounting import account
-from zoo.spec import SpecError
+from zoo.tools.accounting import account
+from zoo.core.spec import SpecError
 
 MLA = {"name": "mla", "n_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
        "v_head_dim": 12}

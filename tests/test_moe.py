@@ -17,9 +17,9 @@ import torch.nn.functional as F
 import zoo
 import zoo.testing as zt
 from zoo.checkpoints import CheckpointError, _architecture, config_to_spec
-from zoo.data import TokenData, load_tokens
-from zoo.interfaces import ForwardContext
-from zoo.spec import SpecError
+from zoo.train.data import TokenData, load_tokens
+from zoo.core.context import ForwardContext
+from zoo.core.spec import SpecError
 
 from test_conformance import D_MOE as D, E, moe, router  # the shared MoE helpers
 from test_released_configs import load
@@ -185,7 +185,7 @@ def test_aux_free_bias_moves_towards_balance_by_the_global_load(rule):
 
 
 def test_aux_free_bias_is_trained_through_zoo_train_hook():
-    from zoo.training import after_optimizer_step
+    from zoo.train.loop import after_optimizer_step
 
     spec = zt.tiny_spec({"layers.default.ffn": {"name": "moe", "n_experts": E, "top_k": 2, "d_ff": 16,
                                                 "router": {"name": "sigmoid_group", "n_groups": 4, "topk_group": 2},
@@ -288,7 +288,7 @@ HEADLINES = {"mixtral-8x7b": 12.9, "qwen1.5-moe-a2.7b": 2.7, "qwen3-30b-a3b": 3.
 
 @pytest.mark.parametrize("preset", sorted(HEADLINES))
 def test_active_parameters_under_the_three_conventions(preset):
-    from zoo.accounting import account
+    from zoo.tools.accounting import account
 
     a = account(preset)
     spec = zoo.get_spec(preset)
@@ -301,7 +301,7 @@ def test_active_parameters_under_the_three_conventions(preset):
 
 
 def test_mixtral_active_parameters_by_hand():
-    from zoo.accounting import account
+    from zoo.tools.accounting import account
 
     d, f, L = 4096, 14336, 32
     attention = 2 * d * d + 2 * d * 1024

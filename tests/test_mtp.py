@@ -9,13 +9,14 @@ import torch
 import torch.nn.functional as F
 
 import zoo
-from zoo import registry as _registry
+from zoo.core import registry as _registry
 from zoo.checkpoints import CheckpointError
 from zoo.checkpoints.formats.llama import LlamaStyle
-from zoo.interfaces import ForwardContext
-from zoo.mtp import DEEPSEEK, QWEN3_NEXT, SpeculationStats, mtp_rules, read_mtp
-from zoo.spec import SpecError
-from zoo.state import KVState, step_layout
+from zoo.core.context import ForwardContext
+from zoo.checkpoints.mtp import DEEPSEEK, QWEN3_NEXT, mtp_rules, read_mtp
+from zoo.inference.speculative import SpeculationStats
+from zoo.core.spec import SpecError
+from zoo.core.state import KVState, step_layout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

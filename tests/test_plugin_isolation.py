@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from zoo.registry import PluginError, PluginManager, PluginWarning, RegistryError
+from zoo.core.registry import PluginError, PluginManager, PluginWarning, RegistryError
 
 HEALTHY = '''
 import zoo
@@ -111,7 +111,7 @@ def test_sys_exit_at_import_is_skipped_with_a_warning_naming_the_plugin(plugins_
 
 
 def test_a_registry_kind_added_by_a_failing_plugin_is_rolled_back(plugins_dir, monkeypatch):
-    from zoo import hookspecs
+    from zoo.core import kinds as hookspecs
 
     m = manager(monkeypatch, "zt_new_kind")
     with pytest.warns(PluginWarning, match="fails after adding a kind"):

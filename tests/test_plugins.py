@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import zoo
-from zoo.registry import DuplicateNameError, InterfaceError, PluginError, PluginManager, PluginWarning
+from zoo.core.registry import DuplicateNameError, InterfaceError, PluginError, PluginManager, PluginWarning
 
 GOOD = '''
 from dataclasses import dataclass

@@ -5,7 +5,7 @@ import json
 import pytest
 
 import zoo
-from zoo.spec import ModelSpec, SpecError, apply_overrides
+from zoo.core.spec import ModelSpec, SpecError, apply_overrides
 
 
 def tiny(**kw):

@@ -5,8 +5,8 @@ import math
 import pytest
 
 import zoo
-from zoo.recipes import Family
-from zoo.spec import MAX_SIZES, ModelSpec, SpecError
+from zoo.core.spec import Family
+from zoo.core.spec import MAX_SIZES, ModelSpec, SpecError
 
 
 @pytest.mark.parametrize("path, value", [

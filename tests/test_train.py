@@ -9,9 +9,9 @@ import torch
 
 import zoo
 from zoo.cli import main as cli
-from zoo.data import ByteTokenizer, TokenData, load_tokens, unigram_entropy
+from zoo.train.data import ByteTokenizer, TokenData, load_tokens, unigram_entropy
 
-T = importlib.import_module("zoo.training")  # the module; `zoo.train` is the function
+T = importlib.import_module("zoo.train.loop")  # the module; `zoo.train` is the function
 
 TINY = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.attention.n_heads": 4,
         "layers.*.attention.n_kv_heads": 2, "layers.*.ffn.d_ff": 64}

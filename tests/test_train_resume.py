@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-T = importlib.import_module("zoo.training")
+T = importlib.import_module("zoo.train.loop")
 
 TINY = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.attention.n_heads": 4,
         "layers.*.attention.n_kv_heads": 2, "layers.*.ffn.d_ff": 64}

@@ -17,8 +17,8 @@ from torch import nn
 import zoo
 from zoo.checkpoints.format import CheckpointFormat, Fields
 from zoo.checkpoints.maps import rule
-from zoo.interfaces import Cost
-from zoo.spec import ModelSpec
+from zoo.core.kinds import Cost
+from zoo.core.spec import ModelSpec
 
 
 # ------------------------------------------------------------------------------ recurrent mixer

@@ -7,10 +7,12 @@
 
 from __future__ import annotations
 
-from zoo.hookspecs import hookimpl
-from zoo.model import Decoder, LossOutput, build_model, lm_loss
-from zoo.recipes import Family, build, get_spec, list_models, published_params
-from zoo.registry import (
+from zoo.core.hooks import hookimpl
+from zoo.model.decoder import Decoder, build_model
+from zoo.model.loss import LossOutput, lm_loss
+from zoo.core.spec import Family
+from zoo.model.recipes import build, get_spec, list_models, published_params
+from zoo.core.registry import (
     DuplicateNameError,
     PluginError,
     RegistryError,
@@ -21,15 +23,16 @@ from zoo.registry import (
     manager,
     register,
 )
-from zoo.spec import ModelSpec, Part, SpecError
-# zoo.train, zoo.generate and zoo.verify are functions; their modules are zoo.training,
-# zoo.generation and zoo.verification (so `zoo.training.TrainConfig` and `zoo.train(...)` both work).
-from zoo.training import TrainConfig, TrainResult, train
-from zoo.verification import verify
-from zoo.generation import generate
-from zoo.upcycling import upcycle
+from zoo.core.spec import ModelSpec, Part, SpecError
+# zoo.train, zoo.generate and zoo.verify are functions; their modules are zoo.train.loop,
+# zoo.inference.generate and zoo.tools.verification (import those by their full path).
+from zoo.train.config import TrainConfig, TrainResult
+from zoo.train.loop import train
+from zoo.tools.verification import verify
+from zoo.inference.generate import generate
+from zoo.tools.upcycling import upcycle
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def from_pretrained(path_or_repo_id, **kw):

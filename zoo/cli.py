@@ -9,8 +9,8 @@ import pkgutil
 import sys
 
 import zoo.commands
-from zoo.registry import PluginError, RegistryError
-from zoo.spec import SpecError
+from zoo.core.registry import PluginError, RegistryError
+from zoo.core.spec import SpecError
 
 
 def _version() -> str:

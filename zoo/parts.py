@@ -1,4 +1,5 @@
-"""Old name of :mod:`zoo.interfaces`, kept so that plugins importing from it keep working."""
+"""Deprecated since zoo 0.2, removed in 0.4: moved to zoo.core.kinds, zoo.core.context, zoo.core.spec."""
 
-from zoo.interfaces import *  # noqa: F401,F403
-from zoo.interfaces import ForwardContext, PositionEncoding, PositionState, Rotary, build_part  # noqa: F401
+from zoo.core.deprecations import moved_module
+
+__getattr__, __dir__ = moved_module(__name__)

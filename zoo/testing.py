@@ -27,9 +27,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from zoo import registry as _registry
-from zoo.interfaces import ForwardContext, PositionState, rotary_dim_of
-from zoo.spec import ModelSpec, Part, apply_overrides, parse_part
+from zoo.core import registry as _registry
+from zoo.core.context import ForwardContext
+from zoo.core.kinds import PositionState, rotary_dim_of
+from zoo.core.spec import ModelSpec, Part, apply_overrides, parse_part
 
 #: The tiny model every part is checked in: 2 layers, d_model 32, 4 query heads of 8, 2 kv heads.
 TINY: dict[str, Any] = {
@@ -137,7 +138,7 @@ def tiny_model(spec: ModelSpec | dict[str, Any] | None = None, *, dtype: Optiona
     of it, as in :func:`tiny_spec`), in eval mode, with the norms' 1-D parameters moved off their
     initial values so that a norm initialised as an identity still shows in the output. Put a part in it with
     ``tiny_model(tiny_spec_with("norm", "dyt"))``."""
-    from zoo.model import build_model
+    from zoo.model.decoder import build_model
 
     if spec is None or isinstance(spec, dict):
         spec = tiny_spec(spec)
@@ -234,7 +235,7 @@ def _dtypes_ok(fn: Callable[[torch.dtype], torch.Tensor], what: str) -> None:
 def check_model(spec: ModelSpec, what: str) -> None:
     """A tiny model with the part: forward shapes and dtypes, gradients everywhere, causal, left
     padding invisible to real tokens, incremental decoding equal to a full forward, meta build."""
-    from zoo.model import Decoder
+    from zoo.model.decoder import Decoder
 
     assert_builds_on_meta(lambda: Decoder(spec), what)
     model = tiny_model(spec)
@@ -509,7 +510,7 @@ def _stability(kind: str, name: str, config: dict[str, Any]) -> None:
 def _family(kind: str, name: str, config: dict[str, Any]) -> None:
     """Every preset validates, builds on the meta device with its published parameter count (when
     given), and a shrunk copy of the first preset runs forward and backward."""
-    from zoo.recipes import build, get_spec
+    from zoo.model.recipes import build, get_spec
 
     fam = _registry.get(kind, name)
     assert fam.presets, f"family {name!r} has no presets"

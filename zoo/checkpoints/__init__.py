@@ -24,11 +24,11 @@ from zoo.checkpoints.hub import resolve
 from zoo.checkpoints.io import WeightFiles, reading, regular_file, replace_checkpoint, write_shards
 from zoo.checkpoints.maps import bind
 from zoo.checkpoints.quantized import read_quantization, without_quantization
-from zoo.model import Decoder, build_model
-from zoo.mtp import missing_depth, without_absent_mtp
-from zoo.precision import fp32_tensors, narrower
-from zoo.registry import list_components
-from zoo.spec import ModelSpec, differences
+from zoo.model.decoder import Decoder, build_model
+from zoo.checkpoints.mtp import missing_depth, without_absent_mtp
+from zoo.core.precision import fp32_tensors, narrower
+from zoo.core.registry import list_components
+from zoo.core.spec import ModelSpec, differences
 
 __all__ = [
     "CheckpointError", "CheckpointFormat", "ConfigError", "config_to_spec", "from_pretrained",
@@ -299,7 +299,7 @@ def _architecture(spec: ModelSpec) -> dict[str, Any]:
     """What decides the function a spec computes, layer by layer, with defaults resolved (not layer
     kind names, labels or training-only settings), so that two spellings of one model compare equal.
     Each part resolves its own defaults (``resolved(config, d_model)``, when it has one)."""
-    from zoo.spec import to_dict
+    from zoo.core.spec import to_dict
 
     def resolved(part):
         fn = getattr(part.cls, "resolved", None)

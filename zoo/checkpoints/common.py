@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from zoo.checkpoints.format import KINDS, Fields, is_kind
-from zoo.spec import ModelSpec, Part
+from zoo.core.spec import ModelSpec, Part
 
 # HF activation names -> zoo activation parts. GPT-2's gelu_new and gelu_fast are the tanh form.
 ACTIVATIONS = {
@@ -23,7 +23,7 @@ def hf_activations(extra: Optional[dict[str, dict[str, Any]]] = None) -> dict[st
     """HF activation name -> zoo activation part: the built-in table, then each registered
     activation's own ``hf_names`` (``{"relu2": {}}``: HF name -> that part's config), then ``extra``
     (a format's own names). A plugin's activation is nameable in configs by declaring ``hf_names``."""
-    from zoo import registry
+    from zoo.core import registry
 
     table = dict(ACTIVATIONS)
     for entry in registry.registry("activation").entries():
@@ -46,7 +46,7 @@ def activation(f: Fields, key: str, default: str, extra: Optional[dict[str, dict
 def activation_name(part: Part, extra: Optional[dict[str, dict[str, Any]]] = None) -> str:
     """The HF name of a zoo activation part (inverse of :func:`activation`): the first name whose
     part is exactly this one; the part's own name when no table has it."""
-    from zoo.spec import parse_part
+    from zoo.core.spec import parse_part
 
     for hf_name, entry in hf_activations(extra).items():
         if entry["name"] == part.name and parse_part("activation", entry, hf_name) == part:

@@ -10,9 +10,9 @@ import contextlib
 from contextvars import ContextVar
 from typing import Any, Iterator, Optional
 
-from zoo import registry as _registry
+from zoo.core import registry as _registry
 from zoo.checkpoints.maps import Rule
-from zoo.spec import ModelSpec
+from zoo.core.spec import ModelSpec
 
 
 class CheckpointError(ValueError):

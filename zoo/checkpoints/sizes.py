@@ -2,7 +2,7 @@
 
 import torch
 
-from zoo.spec import ModelSpec
+from zoo.core.spec import ModelSpec
 
 
 def ffn_size(spec: ModelSpec, i: int = 0) -> int:

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import torch
 
-from zoo import registry as _registry
+from zoo.core import registry as _registry
 
 
 def tiny_formats() -> list[str]:

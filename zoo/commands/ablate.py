@@ -24,7 +24,7 @@ def add_parser(sub):
 
 
 def run(args):
-    from zoo import ablate
+    from zoo.tools import ablate
 
     ablation = ablate.load(args.file, larger=args.larger)
     out_dir = args.out_dir or f"runs/ablations/{ablation.name}"

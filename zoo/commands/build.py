@@ -28,7 +28,7 @@ def parse_sets(items):
 
 
 def run(args):
-    from zoo.recipes import build, list_models
+    from zoo.model.recipes import build, list_models
 
     names = []
     for n in args.names:

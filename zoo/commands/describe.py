@@ -79,9 +79,9 @@ def print_table(rows, title=None):
 
 
 def run(args):
-    from zoo.accounting import account, components
+    from zoo.tools.accounting import account, components
 
-    from zoo.recipes import build
+    from zoo.model.recipes import build
 
     model = build(args.name, device="meta", overrides=parse_sets(args.set))
     figures = account(model, context=args.context, batch=args.batch, dtype=args.dtype)
@@ -95,7 +95,7 @@ def run(args):
     print()
     print_table(figure_rows(figures), f"{args.name}: figures")
     if backends:
-        from zoo.kernels import format_table
+        from zoo.core.kernels import format_table
 
         print(f"\n{args.name}: backends on {backends[0]['device']}, {backends[0]['dtype']}")
         print("  " + format_table(backends).replace("\n", "\n  "))
@@ -106,7 +106,7 @@ def backend_rows(model, args):
     """``zoo.kernels.backend_table`` for the device asked for, in the compute dtype of --dtype."""
     import torch
 
-    from zoo.kernels import backend_table
+    from zoo.core.kernels import backend_table
 
     device = args.backends if args.backends != "here" else ("cuda" if torch.cuda.is_available() else "cpu")
     try:

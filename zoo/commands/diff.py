@@ -27,7 +27,7 @@ def diff_rows(a, b):
 
 
 def run(args):
-    from zoo.accounting import account, components
+    from zoo.tools.accounting import account, components
 
     rows = diff_rows(components(args.a), components(args.b))
     fig_a, fig_b = account(args.a, context=None), account(args.b, context=None)

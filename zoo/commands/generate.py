@@ -28,8 +28,8 @@ def run(args):
     import torch
 
     from zoo.checkpoints import from_pretrained
-    from zoo.generation import generate
-    from zoo.tokenizer import TextStream, Tokenizer
+    from zoo.inference.generate import generate
+    from zoo.inference.tokenizer import TextStream, Tokenizer
 
     from zoo.checkpoints import resolve
 

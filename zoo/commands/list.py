@@ -37,12 +37,12 @@ def settings(obj):
             default = f.default_factory()
         else:
             default = "(required)"
-        from zoo.spec import to_dict
+        from zoo.core.spec import to_dict
 
         tp = hints[f.name]
         name = tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
         if "kind" in f.metadata:  # a part of another kind, by name or as a table
-            name = name.replace("zoo.spec.Part", f"{f.metadata['kind']} part").replace("Part", f"{f.metadata['kind']} part")
+            name = name.replace("zoo.core.spec.Part", f"{f.metadata['kind']} part").replace("Part", f"{f.metadata['kind']} part")
         out.append({"name": f.name, "type": name, "default": to_dict(default)})
     return out
 
@@ -54,7 +54,7 @@ def describe(obj):
 
 
 def rows(kind, pattern):
-    from zoo.registry import manager
+    from zoo.core.registry import manager
 
     m = manager()
     m.ensure_loaded()

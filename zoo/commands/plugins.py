@@ -22,7 +22,7 @@ def summary(registered):
 
 
 def run(args):
-    from zoo.registry import manager
+    from zoo.core.registry import manager
 
     m = manager()
     m.ensure_loaded()

@@ -21,7 +21,7 @@ def _option_type(tp):
 
 
 def add_parser(sub):
-    from zoo.training import TrainConfig
+    from zoo.train.config import TrainConfig
 
     p = sub.add_parser("train", help="train a preset or recipe with Accelerate (one process, DDP or FSDP2)",
                        description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
@@ -43,7 +43,8 @@ def add_parser(sub):
 
 
 def run(args):
-    from zoo.training import TrainConfig, train
+    from zoo.train.config import TrainConfig
+    from zoo.train.loop import train
 
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     fields["data"] = tuple(fields["data"])

@@ -30,7 +30,7 @@ def _tolerances(args):
 
 def run_tiny(args):
     from zoo.checkpoints.tiny import make_tiny, tiny_formats
-    from zoo.verification import verify
+    from zoo.tools.verification import verify
 
     known = tiny_formats()
     families = known if args.tiny == "all" else [args.tiny]
@@ -72,7 +72,7 @@ def run(args):
     if not args.path:
         print("zoo verify: give a checkpoint (PATH_OR_REPO) or --tiny all", file=sys.stderr)
         return 2
-    from zoo.verification import verify
+    from zoo.tools.verification import verify
 
     report = verify(args.path, dtype=args.dtype, reference=args.reference, save_reference=args.save_reference,
                     revision=args.revision, seq_len=args.seq_len, batch_size=args.batch_size,

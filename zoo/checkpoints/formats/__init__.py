@@ -2,7 +2,7 @@
 
 import importlib
 
-from zoo.hookspecs import hookimpl
+from zoo.core.hooks import hookimpl
 
 MODULES = ("llama", "moe", "gpt2", "gpt_neox", "gptj", "falcon", "deepseek", "deepseek_v32", "minimax", "mamba2", "qwen3_next", "nemotron_h")
 

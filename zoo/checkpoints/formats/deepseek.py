@@ -26,8 +26,9 @@ from typing import Any
 from zoo.checkpoints.common import activation, activation_name, pattern, rope_parameters, rope_part, rope_to_hf
 from zoo.checkpoints.format import CheckpointFormat, Fields
 from zoo.checkpoints.maps import STACK, rule
-from zoo.mtp import mtp_layer_kind, mtp_rules, read_mtp
-from zoo.spec import ModelSpec
+from zoo.model.mtp import mtp_layer_kind
+from zoo.checkpoints.mtp import mtp_rules, read_mtp
+from zoo.core.spec import ModelSpec
 
 LAYER, ZLAYER = "model.layers.{i}.", "layers.{i}."
 ATTENTION = {  # HF self_attn.* -> zoo attention.*

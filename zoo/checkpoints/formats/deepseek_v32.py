@@ -14,7 +14,7 @@ from __future__ import annotations
 from zoo.checkpoints.format import Fields
 from zoo.checkpoints.formats.deepseek import LAYER, ZLAYER, DeepseekV3
 from zoo.checkpoints.maps import rule
-from zoo.spec import ModelSpec
+from zoo.core.spec import ModelSpec
 
 INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
 INDEX_FIELDS = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}  # DeepseekV32Config's defaults

@@ -8,7 +8,7 @@ from zoo.checkpoints.format import CheckpointFormat, Fields
 from zoo.checkpoints.formats._classic import aliases, layernorm, linear_rules
 from zoo.checkpoints.maps import FUSED_QKV_PER_HEAD, rule
 from zoo.checkpoints.sizes import ffn_size
-from zoo.spec import ModelSpec
+from zoo.core.spec import ModelSpec
 
 H, Z = "gpt_neox.layers.{i}.", "layers.{i}."
 

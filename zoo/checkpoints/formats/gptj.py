@@ -8,7 +8,7 @@ from zoo.checkpoints.format import CheckpointFormat, Fields
 from zoo.checkpoints.formats._classic import layernorm, linear_rules
 from zoo.checkpoints.maps import rule
 from zoo.checkpoints.sizes import ffn_size
-from zoo.spec import ModelSpec
+from zoo.core.spec import ModelSpec
 
 H, Z = "transformer.h.{i}.", "layers.{i}."
 

@@ -10,7 +10,7 @@ from zoo.checkpoints.common import activation, activation_name, layer_types_of, 
 from zoo.checkpoints.format import CheckpointFormat, ConfigError, Fields
 from zoo.checkpoints.sizes import ffn_size
 from zoo.checkpoints.maps import rule
-from zoo.spec import ModelSpec
+from zoo.core.spec import ModelSpec
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER = "model.layers.{i}."

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from zoo.checkpoints.format import CheckpointFormat, ConfigError, Fields
 from zoo.checkpoints.maps import rule
-from zoo.spec import ModelSpec
+from zoo.core.spec import ModelSpec
 
 H, Z = "backbone.layers.{i}.", "layers.{i}."
 MIXER_TENSORS = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D",

@@ -20,7 +20,7 @@ from zoo.checkpoints.format import Fields
 from zoo.checkpoints.formats.llama import LAYER, ZLAYER, TINY
 from zoo.checkpoints.formats.moe import Mixtral
 from zoo.checkpoints.maps import Transform, rule
-from zoo.spec import ModelSpec
+from zoo.core.spec import ModelSpec
 
 LINEAR, FULL = "linear_attention", "full_attention"
 KINDS = {LINEAR: "linear", FULL: "full"}

@@ -18,7 +18,7 @@ from zoo.checkpoints.common import activation, pattern
 from zoo.checkpoints.format import Fields
 from zoo.checkpoints.formats.llama import TINY, LAYER, ZLAYER, FULL, LlamaStyle, Mistral, Qwen3
 from zoo.checkpoints.maps import STACK, rule
-from zoo.spec import ModelSpec
+from zoo.core.spec import ModelSpec
 
 MOE_TINY = {**TINY, "num_hidden_layers": 3, "output_router_logits": True, "router_aux_loss_coef": 0.02}
 

@@ -41,7 +41,7 @@ from zoo.checkpoints.common import activation, activation_name, pattern
 from zoo.checkpoints.format import CheckpointFormat, Fields
 from zoo.checkpoints.formats.mamba2 import MIXER_TENSORS, Mamba2Format
 from zoo.checkpoints.maps import rule
-from zoo.spec import ModelSpec
+from zoo.core.spec import ModelSpec
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}

@@ -33,8 +33,9 @@ from zoo.checkpoints.format import Fields
 from zoo.checkpoints.formats.llama import FULL, GEMMA_NORM, LAYER, TINY, ZLAYER, LlamaStyle
 from zoo.checkpoints.formats.moe import MOE_TINY, MoEStyle
 from zoo.checkpoints.maps import Transform, rule
-from zoo.mtp import QWEN3_NEXT, mtp_layer_kind, mtp_rules, read_mtp
-from zoo.spec import ModelSpec
+from zoo.checkpoints.mtp import QWEN3_NEXT, mtp_rules, read_mtp
+from zoo.model.mtp import mtp_layer_kind
+from zoo.core.spec import ModelSpec
 
 LINEAR = "linear_attention"
 #: HF config field -> the gated_deltanet setting it gives.

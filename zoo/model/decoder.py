@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
@@ -17,50 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo import kernels as _kernels
-from zoo import precision as _precision
-from zoo import registry as _registry
-from zoo.interfaces import ForwardContext, PositionEncoding, PositionState, rotary_dim_of
-from zoo.mtp import MTP
-from zoo.spec import ModelSpec
-from zoo.state import DecodeState, step_layout
-
-
-@dataclass
-class LossOutput:
-    loss: torch.Tensor  # cross-entropy + z_loss * z + the weighted auxiliary losses
-    ce: torch.Tensor  # mean token cross-entropy
-    z: torch.Tensor  # mean squared log-partition log(Z)^2 (what z-loss penalises)
-    logits: Optional[torch.Tensor] = None
-    # Named auxiliary losses the parts added during the forward (unweighted; ``loss`` includes each
-    # times its weight, given in ``aux_weights``), and metrics they recorded.
-    aux: dict[str, torch.Tensor] = field(default_factory=dict)
-    aux_weights: dict[str, float] = field(default_factory=dict)
-    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def terms(self) -> dict[str, torch.Tensor]:
-        """Every scalar to log, by name: loss, ce, z, each auxiliary loss and each metric."""
-        return {"loss": self.loss, "ce": self.ce, "z": self.z, **self.aux, **self.metrics}
-
-
-def lm_loss(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    z_loss: float = 0.0,
-    ignore_index: int = -100,
-) -> LossOutput:
-    """Next-token cross-entropy with optional z-loss (PaLM): ``ce + z_loss * mean(log(Z)^2)``.
-
-    ``labels`` are aligned with ``logits`` (position t predicts labels[t]); shift before calling.
-    """
-    flat = logits.reshape(-1, logits.shape[-1]).float()
-    target = labels.reshape(-1)
-    valid = target != ignore_index
-    ce = F.cross_entropy(flat, target, ignore_index=ignore_index)
-    log_z = torch.logsumexp(flat, dim=-1)
-    z = (log_z.pow(2) * valid).sum() / valid.sum().clamp(min=1)
-    return LossOutput(loss=ce + z_loss * z if z_loss else ce, ce=ce, z=z)
+from zoo.core import kernels as _kernels
+from zoo.core import precision as _precision
+from zoo.core import registry as _registry
+from zoo.core.context import ForwardContext
+from zoo.core.kinds import PositionEncoding, PositionState, rotary_dim_of
+from zoo.model.loss import LossOutput, lm_loss
+from zoo.model.mtp import MTP
+from zoo.core.spec import ModelSpec
+from zoo.core.state import DecodeState, step_layout
 
 
 class Decoder(nn.Module):
@@ -304,7 +268,7 @@ class Decoder(nn.Module):
         return total
 
     def generate(self, input_ids, max_new_tokens: int = 32, **kwargs):
-        from zoo.generation import generate
+        from zoo.inference.generate import generate
 
         return generate(self, input_ids, max_new_tokens, **kwargs)
 

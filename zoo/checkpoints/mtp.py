@@ -1,0 +1,98 @@
+"""Checkpoint layouts and weight-name rules of multi-token-prediction (MTP) modules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+from zoo.checkpoints.maps import Rule
+
+
+@dataclass(frozen=True)
+class MTPLayout:
+    """Where a checkpoint keeps the MTP modules: ``block`` is the prefix of depth d's block (``{n}``
+    stands for ``n_layers + d``, ``{d}`` for d, 0-based), the other fields the names of its own tensors
+    (``{block}`` is that prefix); ``copies``: it also stores the embedding and the head per depth."""
+
+    block: str
+    enorm: str
+    hnorm: str
+    eh_proj: str
+    norm: str
+    copies: bool
+
+
+#: DeepSeek-V3: depth d is layer n_layers + d, beside copies of the embedding and the head.
+DEEPSEEK = MTPLayout("model.layers.{n}.", "{block}enorm.weight", "{block}hnorm.weight", "{block}eh_proj.weight",
+                     "{block}shared_head.norm.weight", copies=True)
+
+
+#: Qwen3-Next (and Qwen3.5): an ``mtp.`` tree beside the model, the same parts under other names.
+QWEN3_NEXT = MTPLayout("mtp.layers.{d}.", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                       "mtp.fc.weight", "mtp.norm.weight", copies=False)
+
+
+def mtp_rules(rules: list, spec, layout: MTPLayout = DEEPSEEK, *, hf_layer: str = "model.layers.{i}.",
+              zoo_layer: str = "layers.{i}.") -> list:
+    """The weight-name rules of the MTP modules, derived from a format's own per-layer ``rules``:
+    depth d's block under the names a main layer uses (``hf_layer`` moved to ``layout.block``),
+    beside its enorm, hnorm, eh_proj and head norm (and, in DeepSeek's layout, the copies of the
+    embedding, ``embed_tokens``, and of the head, ``shared_head.head``).
+
+    Returns the rules to put *before* the format's own (so that on loading, the main embedding and
+    head, read after their copies, are the ones kept). Empty when the spec has no MTP.
+    """
+    from zoo.checkpoints.maps import Rule, Transform, rule
+
+    # The stored copies of the embedding and head: written as copies of their own (safetensors
+    # refuses two names over one storage).
+    copy = Transform("copy", lambda ts, h: list(ts), lambda ts, h: [t.clone() for t in ts])
+    if spec.mtp is None:
+        return []
+    out: list[Rule] = []
+    for d in range(spec.mtp.depth):
+        hf = layout.block.format(n=spec.n_layers + d, d=d)
+        z = f"mtp.layers.{d}."
+        out += [rule(getattr(layout, name).format(block=hf, d=d), f"{z}{name}.weight")
+                for name in ("enorm", "hnorm", "eh_proj", "norm")]
+        if layout.copies:
+            out += [rule(f"{hf}embed_tokens.weight", "embed.weight", copy),
+                    rule(f"{hf}shared_head.head.weight", "embed.weight" if spec.head.tied else "lm_head.weight", copy)]
+        for r in rules:
+            if not r.per_layer or not all(n.startswith(zoo_layer) for n in r.zoo):
+                continue
+            out.append(Rule(tuple(n.replace(hf_layer, hf) for n in r.hf),
+                            tuple(n.replace(zoo_layer, f"{z}block.") for n in r.zoo), r.transform))
+    return out
+
+
+def read_mtp(f, key: str = "num_nextn_predict_layers") -> Optional[dict[str, Any]]:
+    """The spec's ``mtp`` table from an HF config's count of MTP modules (``f`` a
+    :class:`~zoo.checkpoints.format.Fields`), or None when it is absent or 0."""
+    depth = f.get(key, 0)
+    if depth < 0:
+        raise f.error(key, f"must be >= 0, got {depth}")
+    return {"depth": depth} if depth else None
+
+
+def without_absent_mtp(spec, fmt, names: set[str]):
+    """``spec`` without its MTP modules when the checkpoint (tensor ``names``) holds none of their
+    weights, as a checkpoint transformers wrote does (it drops them, keeping the config's count).
+    A checkpoint that holds some of them must hold all: load_weights names the missing depth."""
+    if spec.mtp is None:
+        return spec
+    own = {h for r in fmt.rules(spec) if any(z.startswith("mtp.layers.") for z in r.zoo) for h in r.hf}
+    if own & names:
+        return spec
+    import dataclasses
+
+    return dataclasses.replace(spec, mtp=None)
+
+
+def missing_depth(bound: list, missing: list[str]) -> Optional[int]:
+    """The first MTP depth (1-based) whose weights ``missing`` (HF names) holds, or None."""
+    gone = set(missing)
+    for b in bound:
+        for h, z in zip(b.hf, b.zoo):
+            if h in gone and z.startswith("mtp.layers."):
+                return int(z.split(".")[2]) + 1
+    return None

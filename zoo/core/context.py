@@ -1,0 +1,75 @@
+"""The forward context: what one forward pass hands every part (positions, masks, decode state,
+auxiliary losses and metrics)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+import torch
+
+
+class ForwardContext:
+    """What every layer needs to know about the current forward pass.
+
+    ``slots`` are the absolute slots of the current tokens in the sequence (including left
+    padding), which causal and sliding-window masks are computed on; ``position_ids`` are the
+    positions the position encoding sees (they skip padding). ``key_mask`` (B, past + T) marks
+    real tokens, ``None`` when there is no padding. ``state`` is the decode state
+    (:class:`zoo.state.DecodeState`) when decoding incrementally: a mixer reads and updates its own
+    entry ``state.layers[index]`` and nothing else.
+
+    Parts report training signals through :meth:`add_loss` and :meth:`add_metric`; the model's loss
+    output carries them. (A plain class, not a dataclass, on purpose: wrappers such as FSDP2 rebuild
+    dataclass arguments that hold tensors needing gradients, and the terms added by one block would
+    then be lost to the next.)
+    """
+
+    def __init__(self, position_ids: torch.Tensor, slots: torch.Tensor, key_mask: Optional[torch.Tensor] = None,
+                 state: Any = None):
+        self.position_ids, self.slots, self.key_mask, self.state = position_ids, slots, key_mask, state
+        self.aux: dict[str, torch.Tensor] = {}
+        self.aux_weights: dict[str, float] = {}
+        self.metrics: dict[str, torch.Tensor] = {}
+        self._metric_counts: dict[str, int] = {}
+        #: Room for parts to gather what they share across layers in one forward (router statistics
+        #: pooled over every layer, say), keyed by a name the parts agree on.
+        self.shared: dict[str, Any] = {}
+        self._at_end: dict[str, Callable[["ForwardContext"], None]] = {}
+
+    def at_end(self, key: str, fn: Callable[["ForwardContext"], None]) -> None:
+        """Run ``fn(ctx)`` once after the last layer (registered once per ``key``, however many layers
+        ask): where a loss pooled over layers is computed from what ``shared`` gathered."""
+        self._at_end.setdefault(key, fn)
+
+    def finish(self) -> None:
+        """Called by the model after its last layer."""
+        for fn in self._at_end.values():
+            fn(self)
+
+    def add_loss(self, name: str, value: torch.Tensor, weight: float = 1.0) -> None:
+        """Add an auxiliary loss term: the total loss gains ``weight * value``. Terms of one name
+        (one per MoE layer, say) add up; their weights must agree."""
+        if name in self.aux:
+            if self.aux_weights[name] != weight:
+                raise ValueError(f"auxiliary loss {name!r} added with weights {self.aux_weights[name]} and {weight}")
+            self.aux[name] = self.aux[name] + value
+        else:
+            self.aux[name], self.aux_weights[name] = value, float(weight)
+
+    def add_metric(self, name: str, value: torch.Tensor) -> None:
+        """Record a metric (no gradient); values of one name from several layers are averaged."""
+        value = value.detach()
+        n = self._metric_counts.get(name, 0)
+        self.metrics[name] = value if n == 0 else self.metrics[name] + (value - self.metrics[name]) / (n + 1)
+        self._metric_counts[name] = n + 1
+
+    def aux_total(self) -> Optional[torch.Tensor]:
+        """``sum(weight * value)`` over the auxiliary losses, or None when there are none."""
+        total = None
+        for name, value in self.aux.items():
+            term = self.aux_weights[name] * value
+            total = term if total is None else total + term
+        return total
+
+    @property
+    def q_idx(self) -> torch.Tensor:  # the name before mixers
+        return self.slots

@@ -1,0 +1,102 @@
+"""The one table of deprecated spellings: every old name that still works, and what replaces it.
+
+Modelled on timm's ``register_model_deprecations``: an old spelling keeps working for a stated
+period and warns with a :class:`DeprecationWarning` that names the new one. Everything here was
+deprecated in zoo 0.2 and will be removed in zoo 0.4.
+
+- :data:`ALIASES`: old names of things (a class, an argument, a kind, a spec key...), each warned
+  by :func:`warn` where the old spelling is read.
+- :data:`MOVED_MODULES`: import paths that moved when zoo was grouped into wings (``zoo.core``,
+  ``zoo.model``, ``zoo.inference``, ``zoo.checkpoints``, ``zoo.train``, ``zoo.tools``) and
+  ``components/`` into folders by kind. The old module is a shim made by :func:`moved_module`: it
+  warns when a name is taken from it and hands over the name from its new home.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+import warnings
+from typing import Any, Callable
+
+DEPRECATED_IN = "0.2"
+REMOVED_IN = "0.4"
+
+#: old spelling -> new spelling
+ALIASES: dict[str, str] = {
+    "zoo.parts": "zoo.core.kinds (the bases), zoo.core.context (ForwardContext), zoo.core.spec (build_part)",
+    "zoo.cache.KVCache.for_model(model, max_len)": "model.new_state(None, max_len)",
+    "zoo.core.kinds.Rotary": "zoo.core.kinds.PositionState",
+    "ForwardContext.q_idx": "ForwardContext.slots",
+    "Decoder.hidden_states_in": "Decoder.run_layers",
+    "the cache= keyword": "state=",
+    "PluginManager.add_attention": "PluginManager.add_mixer",
+    "kind 'attention'": "kind 'mixer'",
+    "spec key 'attention'": "spec key 'mixer' (layers.*.mixer.*)",
+    "LayerSpec.attention": "LayerSpec.mixer",
+    "Mixer.head_dim_for(cfg, d_model)": "Mixer.rotary_dim(cfg, d_model)",
+    "an FFN whose forward takes no ctx": "forward(self, x, ctx) (ctx may be None)",
+    "accounting key 'kv_cache'": "accounting key 'decode_state'",
+    "zoo-side parameter names layers.{i}.attention.*": "layers.{i}.mixer.*",
+}
+
+#: old module -> the modules its names moved to (looked up in this order)
+MOVED_MODULES: dict[str, tuple[str, ...]] = {
+    "zoo.parts": ("zoo.core.kinds", "zoo.core.context", "zoo.core.spec"),
+    "zoo.cache": ("zoo.core.state",),
+    "zoo.interfaces": ("zoo.core.kinds", "zoo.core.context", "zoo.core.spec"),
+    "zoo.hookspecs": ("zoo.core.hooks", "zoo.core.kinds"),
+    "zoo.registry": ("zoo.core.registry", "zoo.core.plugins", "zoo.core.kinds"),
+    "zoo.spec": ("zoo.core.spec",),
+    "zoo.state": ("zoo.core.state",),
+    "zoo.kernels": ("zoo.core.kernels",),
+    "zoo.precision": ("zoo.core.precision",),
+    "zoo.recipes": ("zoo.model.recipes", "zoo.core.spec"),
+    "zoo.mtp": ("zoo.model.mtp", "zoo.checkpoints.mtp", "zoo.inference.speculative"),
+    "zoo.generation": ("zoo.inference.generate",),
+    "zoo.compiled": ("zoo.inference.compiled",),
+    "zoo.tokenizer": ("zoo.inference.tokenizer",),
+    "zoo.training": ("zoo.train.loop", "zoo.train.config", "zoo.train.checkpointer"),
+    "zoo.resume": ("zoo.train.resume",),
+    "zoo.data": ("zoo.train.data",),
+    "zoo.ablate": ("zoo.tools.ablate",),
+    "zoo.accounting": ("zoo.tools.accounting",),
+    "zoo.verification": ("zoo.tools.verification",),
+    "zoo.upcycling": ("zoo.tools.upcycling",),
+}
+
+
+def message(old: str, new: str) -> str:
+    return f"{old} is deprecated since zoo {DEPRECATED_IN} and will be removed in {REMOVED_IN}: use {new}"
+
+
+def warn(old: str, *, stacklevel: int = 3) -> None:
+    """Warn that the spelling ``old`` (a key of :data:`ALIASES`) was used, naming its replacement."""
+    warnings.warn(message(old, ALIASES[old]), DeprecationWarning, stacklevel=stacklevel)
+
+
+def moved_module(old: str) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """``__getattr__`` and ``__dir__`` for the shim left at the old path ``old`` of a moved module."""
+    homes = MOVED_MODULES[old]
+
+    def names() -> list[str]:
+        out: list[str] = []
+        for home in homes:
+            mod = importlib.import_module(home)
+            out += [n for n in getattr(mod, "__all__", vars(mod)) if not n.startswith("_") and n not in out
+                    and not isinstance(getattr(mod, n), types.ModuleType)]
+        return out
+
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__"):
+            if name == "__all__":
+                return names()
+            raise AttributeError(name)
+        for home in homes:
+            mod = importlib.import_module(home)
+            if hasattr(mod, name):
+                warnings.warn(message(f"{old}.{name}", f"{home}.{name}"), DeprecationWarning, stacklevel=2)
+                return getattr(mod, name)
+        raise AttributeError(f"module {old!r} has no attribute {name!r} (it moved to {', '.join(homes)})")
+
+    return __getattr__, names

@@ -1,0 +1,30 @@
+"""The plugin contract: the hooks a zoo plugin implements and the interface of each kind of part.
+
+A plugin is a module, found through the ``zoo.plugins`` entry-point group (or loaded by name
+through ``ZOO_PLUGINS`` / :func:`zoo.load_plugin`), that implements ``zoo_register`` with
+``@zoo.hookimpl``. pluggy calls hooks with keyword arguments only, and an implementation may
+accept any subset of a hook's arguments, so the contract can grow without breaking plugins.
+
+Every kind of part has an interface, checked when the part is registered, so that a plugin
+author sees what is missing at once rather than when a model is built.
+"""
+
+from __future__ import annotations
+
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("zoo")
+hookimpl = pluggy.HookimplMarker("zoo")
+
+
+@hookspec
+def zoo_register(registry):
+    """Register parts of any kind: components, families, checkpoint formats.
+
+    ``registry`` is the plugin manager. Use its typed helpers (``registry.add_norm(name, cls)``,
+    ``add_mixer``, ``add_position``, ``add_family``, ``add_checkpoint_format``... one per
+    kind; ``override=True`` replaces a part someone else registered) or the generic
+    ``registry.add(kind, name, obj)``. Registrations made while this hook runs are attributed to
+    the plugin; if the hook raises, everything it registered is withdrawn.
+    """

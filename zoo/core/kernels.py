@@ -1,0 +1,341 @@
+"""Choosing between a component's plain PyTorch path and its fast kernels (Triton, FlexAttention).
+
+A component declares, as class-level facts, the key it is known by here (``kernel = "rmsnorm"``)
+and its backends in order of preference (``backends = ("triton", "torch")``); the plain PyTorch
+code is the reference and the default. Fast backends are registered by plugins under the registry
+kind ``kernel`` as :class:`Backend` entries naming their implementation by import path, so
+nothing (Triton included) is imported until a fast path actually runs.
+
+What runs is decided per call from the tensor: a fast backend is used when its device (CUDA),
+the dtype and the shapes allow, and Triton is importable. ``ZOO_KERNELS`` (or :func:`configure`,
+or the :func:`using` context manager) switches fast paths off or forces them::
+
+    ZOO_KERNELS=off                        # every component on its reference path
+    ZOO_KERNELS=rmsnorm:off,attention:flex # per component: off, auto or a backend name
+    ZOO_KERNELS=triton                     # force Triton wherever a component has it
+
+:func:`backend_table` says what would run for each component of a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from zoo.core import registry as _registry
+
+KIND = "kernel"
+ENV = "ZOO_KERNELS"
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A fast implementation of one component: ``target`` is ``"module:attribute"``, imported on
+    first use. ``needs`` is what must be importable ("triton", or "flex" for FlexAttention);
+    ``devices`` are where it is chosen automatically; ``dtypes`` the tensor dtypes it accepts."""
+
+    component: str
+    name: str
+    target: str
+    needs: str = "triton"
+    devices: tuple[str, ...] = ("cuda",)
+    dtypes: tuple[str, ...] = FLOAT_DTYPES
+    traced: bool = False  # runs inside torch.compile (traced and fused with the model); others step aside there
+
+    def load(self) -> Callable:
+        module, _, attr = self.target.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+class Availability:
+    """Whether fast kernels can run here, and if not, why. True-ish when they can."""
+
+    def __init__(self, ok: bool, reason: str):
+        self.ok, self.reason = ok, reason
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __repr__(self) -> str:
+        return f"Availability(ok={self.ok}, reason={self.reason!r})"
+
+
+def interpreting() -> bool:
+    """True under ``TRITON_INTERPRET=1``: Triton kernels run on CPU tensors (slowly), for tests."""
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+def available(needs: str = "triton") -> Availability:
+    """Can ``needs`` ("triton" or "flex") kernels run in this process? ``.reason`` says why not."""
+    if needs == "flex":
+        try:
+            importlib.import_module("torch.nn.attention.flex_attention")
+        except ImportError:
+            return Availability(False, f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs >= 2.5)")
+        if not torch.cuda.is_available():
+            return Availability(False, "no CUDA device (FlexAttention is chosen automatically on CUDA only)")
+        return Availability(True, "FlexAttention on CUDA")
+    if not _importable("triton"):
+        return Availability(False, "Triton is not installed (pip install 'zoo-lm[triton]')")
+    if interpreting():
+        return Availability(True, "Triton interpreter (TRITON_INTERPRET=1)")
+    if not torch.cuda.is_available():
+        return Availability(False, "no CUDA device")
+    return Availability(True, f"Triton on {torch.cuda.get_device_name()}")
+
+
+# -- settings ---------------------------------------------------------------------------------
+
+_override: Optional[str] = None
+_parsed: dict[str, dict[str, str]] = {}
+
+
+def configure(setting: Optional[str]) -> None:
+    """Set the backends for this process in ``ZOO_KERNELS`` syntax (it takes precedence over the
+    environment variable); ``None`` goes back to the environment."""
+    global _override
+    if setting is not None:
+        _parse(setting)  # fail now, not at the first forward
+    _override = setting
+
+
+@contextlib.contextmanager
+def using(setting: Optional[str]) -> Iterator[None]:
+    """``with zoo.kernels.using("off"): ...`` runs the block with ``setting`` in force."""
+    global _override
+    before = _override
+    configure(setting)
+    try:
+        yield
+    finally:
+        _override = before
+
+
+def _setting_text() -> str:
+    return _override if _override is not None else os.environ.get(ENV, "")
+
+
+def _parse(text: str) -> dict[str, str]:
+    """``"off"`` / ``"triton"`` / ``"rmsnorm:off,attention:flex"`` -> {component or "*": value}."""
+    if text in _parsed:
+        return _parsed[text]
+    out: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        component, sep, value = item.rpartition(":")
+        component, value = (component.strip() if sep else "*"), value.strip().lower()
+        if not value or (sep and not component):
+            raise ValueError(f"{ENV}: cannot read {item!r}; expected VALUE or COMPONENT:VALUE, e.g. 'rmsnorm:off'")
+        out[component] = value
+    known = components()
+    for component, value in out.items():
+        if component != "*" and component not in known:
+            raise ValueError(f"{ENV}: unknown component {component!r}; components with fast kernels: {', '.join(sorted(known))}")
+        names = {"off", "auto", "on"} | ({b for c in known.values() for b in c} if component == "*" else _declared(component))
+        if value not in names:
+            raise ValueError(f"{ENV}: {component}:{value} is not a choice; use one of {', '.join(sorted(names))}")
+    _parsed[text] = out
+    return out
+
+
+_cache: dict = {}
+
+
+def refresh() -> None:
+    """Forget cached look-ups and decisions (call after registering a kernel backend at run time)."""
+    _cache.clear()
+    _parsed.clear()
+
+
+def components() -> dict[str, dict[str, Backend]]:
+    """Every registered fast backend, by component key and backend name."""
+    if "components" not in _cache:
+        mgr = _registry.manager()
+        mgr.ensure_loaded()
+        reg = mgr.registries.get(KIND)
+        out: dict[str, dict[str, Backend]] = {}
+        for name in reg.names() if reg is not None else []:
+            b = reg.get(name)
+            out.setdefault(b.component, {})[b.name] = b
+            if b.traced:  # imported now (no Triton in them), so torch.compile never traces an import
+                _cache[("impl", b.component, b.name)] = b.load()
+        _cache["components"] = out
+    return _cache["components"]
+
+
+def _importable(name: str) -> bool:
+    key = ("importable", name)
+    if key not in _cache:
+        try:
+            _cache[key] = importlib.util.find_spec(name) is not None
+        except ImportError:
+            _cache[key] = False
+    return _cache[key]
+
+
+def _declared(component: str) -> set[str]:
+    """Backend names a component accepts: its fast ones and the reference ones its parts declare."""
+    names = {"torch"} | set(components().get(component, {}))
+    for reg in _registry.manager().registries.values():
+        for name in reg.names():
+            obj = reg.get(name)
+            if getattr(obj, "kernel", None) == component:
+                names |= set(getattr(obj, "backends", ()))
+    return names
+
+
+def setting_for(component: str) -> str:
+    """"auto", "off" or a backend name, from ``ZOO_KERNELS`` / :func:`configure`."""
+    parsed = _parse(_setting_text())
+    value = parsed.get(component, parsed.get("*", "auto"))
+    if component not in parsed and value not in ("off", "auto", "on") and value not in components().get(component, {}):
+        return "auto"  # a global backend name applies only where the component has it
+    return value
+
+
+# -- choosing ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    backend: Optional[str]  # a fast backend's name, a reference backend's name when forced, or None
+    reason: str
+
+
+def decide(module: Any, device: torch.device | str, dtype: torch.dtype, x: Optional[torch.Tensor] = None) -> Decision:
+    """What ``module`` runs on ``device``/``dtype`` (and, given a tensor, its shape), and why."""
+    key = getattr(module, "kernel", None)
+    if key is None:
+        return Decision(None, "no fast kernels declared")
+    dev = device.type if isinstance(device, torch.device) else torch.device(device).type
+    plan = _plan(type(module), key, dev, dtype, _setting_text(), interpreting())
+    if isinstance(plan, Decision):
+        return plan
+    strict, forced, candidates = plan
+    why = []
+    for name, problem in candidates:
+        if problem is None and hasattr(module, "kernel_problem"):
+            problem = module.kernel_problem(name, x, forced=strict)
+        if problem is None:
+            return Decision(name, f"forced ({ENV})" if forced else f"{dev}, {str(dtype).removeprefix('torch.')}")
+        if strict:
+            raise RuntimeError(f"{ENV} forces {key}:{name} but it cannot run: {problem}")
+        why.append(f"{name}: {problem}")
+    return Decision(None, "; ".join(why) or "no fast backend registered")
+
+
+def _plan(cls, key: str, dev: str, dtype: torch.dtype, text: str, interp: bool):
+    """The part of a decision that depends only on the class, device, dtype and settings (cached):
+    a final :class:`Decision`, or (strict, forced, [(backend, problem or None)])."""
+    cache_key = ("plan", cls, key, dev, dtype, text, interp)
+    if cache_key in _cache:
+        return _cache[cache_key]
+    declared = tuple(getattr(cls, "backends", ()))
+    setting = setting_for(key)
+    registered = components().get(key, {})
+    forced = setting not in ("auto", "on", "off")
+    if setting == "off":
+        plan = Decision(None, f"switched off ({ENV})")
+    elif forced and setting not in registered:
+        if setting not in declared:
+            raise ValueError(f"{ENV}: {cls.__name__} ({key}) has no backend {setting!r}; it has {', '.join(declared)}")
+        plan = Decision(setting, f"forced ({ENV})")
+    else:
+        strict = forced or setting == "on"
+        names = [setting] if forced else [b for b in declared if b in registered]
+        plan = (strict, forced, [(n, _problem(registered[n], dev, dtype, strict)) for n in names])
+    _cache[cache_key] = plan
+    return plan
+
+
+def _problem(backend: Backend, dev: str, dtype: torch.dtype, forced: bool) -> Optional[str]:
+    if str(dtype).removeprefix("torch.") not in backend.dtypes:
+        return f"dtype {dtype} not supported"
+    if backend.needs == "triton":
+        if not _importable("triton"):
+            return "Triton is not installed (pip install 'zoo-lm[triton]')"
+        if dev != "cuda" and not (forced and interpreting()):
+            return f"tensors on {dev}; Triton runs on CUDA (or on the CPU with TRITON_INTERPRET=1, for tests)"
+        return None
+    if backend.needs == "flex" and not _importable("torch.nn.attention.flex_attention"):
+        return f"torch {torch.__version__} has no FlexAttention (needs >= 2.5)"
+    if not forced and dev not in backend.devices:
+        return f"tensors on {dev}; chosen automatically on {', '.join(backend.devices)} only"
+    return None
+
+
+def select(module: Any, x: torch.Tensor) -> Optional[str]:
+    """The backend ``module`` should use for input ``x``; ``None`` means its default path."""
+    key = getattr(module, "kernel", None)
+    if key is None:
+        return None
+    if not _setting_text() and x.device.type != "cuda":
+        return None  # the common CPU case, decided without looking anything up
+    name = decide(module, x.device, x.dtype, x).backend
+    if name is not None and torch.compiler.is_compiling():
+        backend = components().get(key, {}).get(name)
+        if backend is not None and not backend.traced:
+            return None  # under torch.compile the reference is traced and fused by the compiler
+    return name
+
+
+def implementation(component: str, backend: str) -> Callable:
+    """The function registered for ``component``'s fast ``backend``."""
+    key = ("impl", component, backend)
+    if key not in _cache:
+        found = components().get(component, {})
+        if backend not in found:
+            raise ValueError(f"{component} has no fast backend {backend!r}; registered: {', '.join(found) or 'none'}")
+        _cache[key] = found[backend].load()
+    return _cache[key]
+
+
+def fast(module: Any, x: torch.Tensor) -> Optional[Callable]:
+    """The fast implementation to call for ``module`` on ``x``, or ``None`` for the reference."""
+    name = select(module, x)
+    if name is None or name not in components().get(module.kernel, {}):
+        return None
+    return implementation(module.kernel, name)
+
+
+def attention_backend(name: str) -> Callable:
+    """The attention implementation registered as ``name`` (e.g. "flex"), called as
+    ``fn(attention_module, q, k, v, q_idx, k_idx, key_mask, bias)``."""
+    return implementation("attention", name)
+
+
+def backend_table(model: torch.nn.Module, *, device: Any = None, dtype: Optional[torch.dtype] = None) -> list[dict]:
+    """One row per component kind in ``model``: which modules, the backend that would run on
+    ``device``/``dtype`` (default: the model's own), and why."""
+    p = next(model.parameters(), None)
+    device = torch.device(device) if device is not None else (p.device if p is not None else torch.device("cpu"))
+    dtype = dtype or (p.dtype if p is not None else torch.float32)
+    rows: dict[tuple, dict] = {}
+    for name, module in model.named_modules():
+        if getattr(module, "kernel", None) is None:
+            continue
+        d = decide(module, device, dtype)
+        reference = getattr(module, "reference_backend", lambda: "torch")()
+        key = (module.kernel, type(module).__name__, d.backend, d.reason)
+        row = rows.setdefault(key, {
+            "component": module.kernel, "class": type(module).__name__, "modules": [],
+            "backend": d.backend or reference, "fast": d.backend is not None and d.backend != reference,
+            "reason": d.reason,
+        })
+        row["modules"].append(name or "(model)")
+    return list(rows.values())
+
+
+def format_table(rows: list[dict]) -> str:
+    """``backend_table`` as aligned text."""
+    w = max([10] + [len(r["component"]) for r in rows])  # scalar_decay, gated_delta are wider than 10
+    lines = [f"{'component':<{w}} {'class':<13} {'modules':>7}  {'backend':<8} why"]
+    for r in rows:
+        lines.append(f"{r['component']:<{w}} {r['class']:<13} {len(r['modules']):>7}  {r['backend']:<8} {r['reason']}")
+    return "\n".join(lines)

@@ -1,0 +1,565 @@
+"""Typed registries of named parts, and the plugin manager that fills them.
+
+Every part of a model (a norm, an attention variant, a family recipe, a checkpoint format)
+lives in the registry of its kind under a name. Parts arrive through plugins: the built-in
+catalogue is loaded exactly like a third-party package, through the ``zoo_register`` hook
+(see :mod:`zoo.core.hooks`). Plugins are discovered lazily, on the first use of a registry.
+
+Environment:
+  ``ZOO_DISABLE_PLUGIN_AUTOLOAD=1``  do not load plugins from the ``zoo.plugins`` entry points
+  ``ZOO_PLUGINS=a,b``                 load these plugins (entry-point names or module names) anyway
+  ``ZOO_STRICT_PLUGINS=1``            a plugin that fails to load is an error, not a warning
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+import fnmatch
+import importlib
+import os
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import pluggy
+
+from zoo.core import hooks, kinds
+from zoo.core.kinds import KIND_ALIASES, canonical_kind  # noqa: F401  (re-exported)
+from zoo.core.kinds import interface  # noqa: F401  (re-exported: kinds declare their interface here too)
+
+ENTRY_POINT_GROUP = "zoo.plugins"
+# Built-in plugins, loaded by module name the way pytest loads its own: through the same hook.
+BUILTIN_PLUGINS = ("zoo.components", "zoo.families", "zoo.checkpoints.formats")
+
+KINDS = (
+    "norm",
+    "activation",
+    "ffn",
+    "position",
+    "rope_scaling",
+    "mixer",
+    "block",
+    "stability",
+    "family",
+    "checkpoint_format",
+)
+#: Readers that turn a file into a registrable object, by kind (``zoo.recipes`` adds the family reader),
+#: so that ``add_family(path)`` works without the registry importing the recipes.
+FILE_READERS: dict[str, Callable[[Any], Any]] = {}
+
+
+class RegistryError(LookupError):
+    """A registry look-up or registration failed."""
+
+
+class UnknownNameError(RegistryError, KeyError):
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class DuplicateNameError(RegistryError):
+    pass
+
+
+class InterfaceError(RegistryError, TypeError):
+    """A registered object does not meet the interface of its kind."""
+
+
+class PluginError(RuntimeError):
+    """A plugin failed to load or to register its parts (fatal only in strict mode)."""
+
+
+class PluginWarning(UserWarning):
+    """A plugin failed to load and was skipped."""
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class Entry:
+    kind: str
+    name: str
+    obj: Any
+    provider: str
+    replaced: Optional["Entry"] = None  # the entry an explicit override displaced
+
+
+# Names an entry claims beyond its own: a family claims its preset names, which must be unique
+# across families (``zoo.build("llama3-8b")`` has to mean one thing).
+_CLAIMS: dict[str, Callable[[Any], list[str]]] = {"family": lambda fam: list(getattr(fam, "presets", {}))}
+
+
+class Registry:
+    """The registry of one kind of part."""
+
+    def __init__(self, kind: str, owner: "PluginManager"):
+        self.kind = kind
+        self._owner = owner
+        self._entries: dict[str, Entry] = {}
+
+    def add(self, name: str, obj: Any, *, provider: str, override: bool = False) -> Any:
+        owner = self._owner
+        if not isinstance(name, str) or not name:
+            raise RegistryError(f"{self.kind} names must be non-empty strings; {owner.describe(provider)} gave {name!r}")
+        missing = kinds.check(self.kind, obj)
+        if missing:
+            raise InterfaceError(
+                f"{owner.describe(provider)} registers {self.kind} {name!r} ({getattr(obj, '__qualname__', obj)!r}), "
+                f"which does not meet the {self.kind} interface: it needs " + "; ".join(missing) + "."
+            )
+        old = self._entries.get(name)
+        if old is not None and old.obj is obj:
+            return obj
+        if old is not None and not override:
+            raise DuplicateNameError(
+                f"{self.kind} {name!r} is registered twice: by {owner.describe(old.provider)} and by "
+                f"{owner.describe(provider)}. Rename one of them, or register with override=True to replace "
+                f"the first one on purpose."
+            )
+        claims = _CLAIMS.get(self.kind)
+        if claims is not None:
+            for other in self._entries.values():
+                if other.name == name:
+                    continue
+                clash = sorted(set(claims(obj)) & set(claims(other.obj)))
+                if clash:
+                    raise DuplicateNameError(
+                        f"{self.kind} {name!r} of {owner.describe(provider)} claims {clash[0]!r}, which "
+                        f"{self.kind} {other.name!r} of {owner.describe(other.provider)} already has. Rename one."
+                    )
+        self._entries[name] = Entry(self.kind, name, obj, provider, replaced=old)
+        return obj
+
+    def remove(self, name: str, provider: str) -> None:
+        """Withdraw ``provider``'s entry (restoring what it had overridden)."""
+        entry = self._entries.get(name)
+        if entry is None or entry.provider != provider:
+            return
+        if entry.replaced is not None:
+            self._entries[name] = entry.replaced
+        else:
+            del self._entries[name]
+
+    def _loaded(self) -> dict[str, Entry]:
+        self._owner.ensure_loaded()
+        return self._entries
+
+    def entry(self, name: str) -> Entry:
+        entries = self._loaded()
+        if name not in entries:
+            close = difflib.get_close_matches(name, list(entries), n=5, cutoff=0.5)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            known = ", ".join(sorted(entries)) or "none"
+            raise UnknownNameError(f"unknown {self.kind} {name!r}.{hint} Known {self.kind}s: {known}.")
+        return entries[name]
+
+    def get(self, name: str) -> Any:
+        return self.entry(name).obj
+
+    def names(self, pattern: str = "*") -> list[str]:
+        return sorted(n for n in self._loaded() if fnmatch.fnmatchcase(n, pattern))
+
+    def entries(self) -> list[Entry]:
+        return [self._loaded()[n] for n in self.names()]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._loaded()
+
+
+@dataclass
+class PluginInfo:
+    """Provenance of one plugin: where it came from and what it registered."""
+
+    name: str
+    module: str
+    distribution: Optional[str] = None
+    version: Optional[str] = None
+    registered: list[tuple[str, str]] = field(default_factory=list)
+    error: Optional[str] = None
+    builtin: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["registered"] = [{"kind": k, "name": n} for k, n in self.registered]
+        return d
+
+
+@functools.lru_cache(maxsize=None)
+def _distribution_of(module: str) -> tuple[Optional[str], Optional[str]]:
+    """The installed distribution (name, version) providing a top-level module, if any."""
+    from importlib.metadata import packages_distributions, version
+
+    top = module.split(".")[0]
+    for dist in packages_distributions().get(top, []):
+        try:
+            return dist, version(dist)
+        except Exception:
+            continue
+    return None, None
+
+
+class PluginManager:
+    """Holds every registry and loads plugins into them (lazily, once)."""
+
+    def __init__(self, builtin_plugins: tuple[str, ...] = BUILTIN_PLUGINS) -> None:
+        self.builtin_plugins = builtin_plugins
+        self.pm = pluggy.PluginManager("zoo")
+        self.pm.add_hookspecs(hooks)
+        self.registries = {k: Registry(k, self) for k in KINDS}
+        self.plugins: dict[str, PluginInfo] = {}
+        self._loaded = False
+        self._loading = False
+        self._provider: list[str] = []
+        self._failures: list[tuple[str, bool]] = []  # (message, fatal even without strict mode)
+        self._added_kinds: list[tuple[str, Optional[str], Any]] = []  # (kind, provider, interface it replaced)
+
+    # -- registration -------------------------------------------------------------------------
+    @property
+    def current_provider(self) -> Optional[str]:
+        return self._provider[-1] if self._provider else None
+
+    @contextlib.contextmanager
+    def providing(self, name: str) -> Iterator[None]:
+        self._provider.append(name)
+        try:
+            yield
+        finally:
+            self._provider.pop()
+
+    def describe(self, provider: str) -> str:
+        """``plugin 'x' (distribution d 1.0)``: how messages name a provider."""
+        info = self.plugins.get(provider)
+        if info is None:
+            return repr(provider)
+        if info.distribution:
+            return f"plugin {provider!r} (distribution {info.distribution} {info.version or ''})".replace(" )", ")")
+        return f"plugin {provider!r}"
+
+    def add_kind(self, kind: str, check: Optional[Callable[[Any], list[str]]] = None) -> Registry:
+        """Add a new kind of part (with its interface check, if any)."""
+        if kind not in self.registries:
+            self._added_kinds.append((kind, self.current_provider, kinds.INTERFACES.get(kind)))
+            self.registries[kind] = Registry(kind, self)
+        if check is not None:
+            kinds.INTERFACES[kind] = check
+        return self.registries[kind]
+
+    def registry(self, kind: str) -> Registry:
+        kind = canonical_kind(kind)
+        if kind not in self.registries:
+            self.ensure_loaded()  # a plugin may add the kind
+        try:
+            return self.registries[kind]
+        except KeyError:
+            close = difflib.get_close_matches(kind, list(self.registries), n=3)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise UnknownNameError(f"unknown registry kind {kind!r}.{hint} Kinds: {', '.join(self.registries)}.") from None
+
+    def _provider_for(self, obj: Any) -> str:
+        current = self.current_provider
+        if current is not None:
+            return current
+        # Registered outside a plugin's hook (a module imported directly): credit the plugin
+        # whose module contains it, else the module itself.
+        module = getattr(obj, "__module__", None) or "<unknown>"
+        for info in self.plugins.values():
+            if module == info.module or module.startswith(info.module + "."):
+                return info.name
+        return module
+
+    def add(self, kind: str, name: str, obj: Any, *, provider: Optional[str] = None, override: bool = False) -> Any:
+        """Register ``obj`` as the ``kind`` called ``name``. The interface of the kind is checked
+        now; a taken name is an error naming both providers unless ``override=True``."""
+        if not self._loading and not self._loaded:
+            owner = self._builtin_owner(obj) if provider is None else None
+            if owner is None:
+                self.ensure_loaded()  # so a name clash with a built-in or a plugin is seen now
+            else:
+                # A built-in module imported before the registry loaded (`from zoo.components.attention
+                # import causal_mask` first thing): loading now would run the plugins while that module
+                # is half-imported, before its own parts exist. It is credited to its plugin, which
+                # lists it when it loads.
+                provider = owner
+        kind = canonical_kind(kind)
+        provider = provider or self._provider_for(obj)
+        self.registry(kind).add(name, obj, provider=provider, override=override)
+        info = self.plugins.get(provider)
+        if info is not None and (kind, name) not in info.registered:
+            info.registered.append((kind, name))
+        return obj
+
+    def _builtin_owner(self, obj: Any) -> Optional[str]:
+        """The built-in plugin whose package holds ``obj``'s module, if any."""
+        module = getattr(obj, "__module__", None) or ""
+        return next((p for p in self.builtin_plugins if module == p or module.startswith(p + ".")), None)
+
+    # Typed helpers, one per kind: the interface of the kind is checked at registration.
+    def add_norm(self, name: str, cls: type, *, override: bool = False) -> type:
+        """A norm: ``nn.Module`` built as ``cls(config, dim=...)``, called on ``x``."""
+        return self.add("norm", name, cls, override=override)
+
+    def add_activation(self, name: str, cls: type, *, override: bool = False) -> type:
+        """A pointwise activation: ``nn.Module`` built as ``cls(config)``."""
+        return self.add("activation", name, cls, override=override)
+
+    def add_ffn(self, name: str, cls: type, *, override: bool = False) -> type:
+        """A feed-forward network: built as ``cls(config, d_model=...)``, (B, T, d) -> (B, T, d)."""
+        return self.add("ffn", name, cls, override=override)
+
+    def add_position(self, name: str, cls: type, *, override: bool = False) -> type:
+        """A :class:`zoo.interfaces.PositionEncoding` built as ``cls(config, spec=..., layer=...)``."""
+        return self.add("position", name, cls, override=override)
+
+    def add_rope_scaling(self, name: str, cls: type, *, override: bool = False) -> type:
+        """A RoPE frequency scaling built as ``cls(config, dim=..., theta=...)`` with ``frequencies(seq_len)``."""
+        return self.add("rope_scaling", name, cls, override=override)
+
+    def add_mixer(self, name: str, cls: type, *, override: bool = False) -> type:
+        """A token mixer (attention, recurrent, latent) built as ``cls(config, d_model=, layer=, spec=, index=)``,
+        called ``(x, ctx, pos)``; ``new_state(batch, max_len, dtype=, device=)`` makes its decode state."""
+        return self.add("mixer", name, cls, override=override)
+
+    def add_attention(self, name: str, cls: type, *, override: bool = False) -> type:
+        """The name :meth:`add_mixer` had before mixers: an attention is a token mixer."""
+        return self.add("mixer", name, cls, override=override)
+
+    def add_block(self, name: str, cls: type, *, override: bool = False) -> type:
+        """A block built as ``cls(config, spec=, layer=, index=)``, called ``(x, ctx, rotary)``."""
+        return self.add("block", name, cls, override=override)
+
+    def add_stability(self, name: str, fn: Callable, *, override: bool = False) -> Callable:
+        """A stability function of tensors (soft-cap, z-loss)."""
+        return self.add("stability", name, fn, override=override)
+
+    def add_family(self, family: Any, *, override: bool = False) -> Any:
+        """A family (a :class:`zoo.Family`, or a path to a family TOML file); its presets must be new names."""
+        if isinstance(family, (str, os.PathLike)):
+            if not os.path.isfile(family):
+                raise RegistryError(
+                    f"family file {os.fspath(family)} is missing. An installed plugin ships only the data files "
+                    "its build lists: add them to pyproject.toml, e.g. [tool.setuptools.package-data] "
+                    "your_module = [\"*.toml\"], and reinstall"
+                )
+            reader = FILE_READERS.get("family")
+            if reader is None:
+                raise RegistryError(f"cannot read family file {family}: import zoo (which adds the family reader) first")
+            family = reader(family)
+        return self.add("family", getattr(family, "name", None) or repr(family), family, override=override)
+
+    def add_checkpoint_format(self, name: str, fmt: Any, *, override: bool = False) -> Any:
+        """A checkpoint format, keyed by the Hugging Face ``model_type`` it reads and writes."""
+        return self.add("checkpoint_format", name, fmt, override=override)
+
+    # -- loading ------------------------------------------------------------------------------
+    def ensure_loaded(self) -> None:
+        """Load the built-ins, then (unless disabled) every ``zoo.plugins`` entry point, then
+        the plugins named in ``ZOO_PLUGINS``. Runs once."""
+        if self._loading:
+            return
+        if self._loaded:
+            self._raise_failures()
+            return
+        self._loading = True
+        try:
+            for modname in self.builtin_plugins:
+                self._collect(self.load_plugin, modname, builtin=True)
+            if not _env_flag("ZOO_DISABLE_PLUGIN_AUTOLOAD"):
+                for ep in self._entry_points():
+                    self._collect(self._load_entry_point, ep)
+            for name in os.environ.get("ZOO_PLUGINS", "").split(","):
+                if name.strip():
+                    self._collect(self.load_plugin, name.strip())
+            for info in list(self.plugins.values()):  # now that every part is registered
+                self._collect(self._check_families_or_withdraw, info)
+        finally:
+            self._loading = False
+            self._loaded = True
+        self._raise_failures()
+
+    def _collect(self, load: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        """Run one plugin's loading step; a fatal failure is kept (so every healthy plugin still
+        loads, and every later use fails again until the plugin is fixed)."""
+        try:
+            load(*args, **kw)
+        except PluginError as exc:
+            self._failures.append((str(exc), kw.get("builtin", False)))
+
+    def _raise_failures(self) -> None:
+        fatal = [m for m, builtin in self._failures if builtin or _env_flag("ZOO_STRICT_PLUGINS")]
+        if fatal:
+            raise PluginError("; ".join(fatal))
+
+    def _check_families(self, info: "PluginInfo") -> None:
+        """Every preset of the families a third-party plugin registered must parse (the error names
+        the family file and the preset)."""
+        if info.builtin or info.error is not None:
+            return
+        for kind, name in list(info.registered):
+            if kind == "family":
+                family = self.registries["family"].entry(name).obj
+                for preset in getattr(family, "presets", {}):
+                    family.spec(preset)
+
+    def _check_families_or_withdraw(self, info: "PluginInfo") -> None:
+        try:
+            self._check_families(info)
+        except Exception as exc:  # withdrawn like a plugin whose hook raised
+            self._withdraw(info, None, exc)
+
+    @staticmethod
+    def _entry_points() -> list[Any]:
+        from importlib.metadata import entry_points
+
+        return list(entry_points(group=ENTRY_POINT_GROUP))
+
+    def _load_entry_point(self, ep: Any) -> PluginInfo:
+        dist = getattr(ep, "dist", None)
+        return self._load(
+            ep.name, ep.value.split(":")[0], ep.load,
+            distribution=getattr(dist, "name", None), version=getattr(dist, "version", None),
+        )
+
+    def load_plugin(self, name: str, *, builtin: bool = False) -> PluginInfo:
+        """Load one plugin explicitly: an entry-point name of the ``zoo.plugins`` group, or a
+        module name. This works with autoloading disabled. Returns its :class:`PluginInfo`."""
+        if not builtin:
+            self.ensure_loaded()
+        if name in self.plugins and self.plugins[name].error is None:
+            return self.plugins[name]
+        if not builtin:
+            for ep in self._entry_points():
+                if ep.name == name:
+                    return self._load_entry_point(ep)
+        dist, version = _distribution_of(name)
+        return self._load(name, name, lambda: importlib.import_module(name),
+                          distribution=dist, version=version, builtin=builtin)
+
+    def _load(self, name: str, module: str, loader: Callable[[], Any], *, distribution: Optional[str] = None,
+              version: Optional[str] = None, builtin: bool = False) -> PluginInfo:
+        """Import a plugin and call its ``zoo_register`` hook, recording what it adds. A failing
+        plugin is withdrawn, recorded and warned about; ``ZOO_STRICT_PLUGINS=1`` makes it fatal."""
+        if name in self.plugins and self.plugins[name].error is None:
+            return self.plugins[name]
+        info = PluginInfo(name=name, module=module, distribution=distribution, version=version, builtin=builtin)
+        self.plugins[name] = info
+        plugin = None
+        slow = _slow_notice(name, distribution or module, quiet=builtin)
+        try:
+            with self.providing(name):
+                plugin = loader()
+                if self.pm.is_registered(plugin):  # already loaded under another name
+                    del self.plugins[name]
+                    return self.plugins[self.pm.get_name(plugin)]
+                _warn_unmarked_hook(plugin, name, distribution or module)
+                self.pm.register(plugin, name=name)
+                others = [p for p in self.pm.get_plugins() if p is not plugin]
+                self.pm.subset_hook_caller("zoo_register", remove_plugins=others)(registry=self)
+            for kind, reg in self.registries.items():  # parts of its modules registered before it loaded
+                info.registered += [(kind, e.name) for e in reg._entries.values()
+                                    if e.provider == name and (kind, e.name) not in info.registered]
+            if not self._loading:  # loaded on its own, after every other part: its families can be checked now
+                self._check_families(info)
+        except (Exception, SystemExit) as exc:  # a plugin must not take zoo down unless asked to
+            self._withdraw(info, plugin, exc)
+        finally:
+            slow.cancel()
+        return info
+
+    def _withdraw(self, info: "PluginInfo", plugin: Any, exc: BaseException) -> None:
+        """Undo everything a failing plugin registered (parts, registry kinds, its hooks), then warn,
+        or raise in strict mode and for the built-ins."""
+        name = info.name
+        info.error = f"{type(exc).__name__}: {exc}"
+        for kind, part in info.registered:
+            self.registries[kind].remove(part, name)
+        info.registered.clear()
+        for kind, provider, interface in list(self._added_kinds):
+            if provider == name:  # a kind the plugin added goes with it
+                self._added_kinds.remove((kind, provider, interface))
+                self.registries.pop(kind, None)
+                kinds.INTERFACES.pop(kind, None)
+                if interface is not None:
+                    kinds.INTERFACES[kind] = interface
+        if plugin is None and self.pm.has_plugin(name):
+            plugin = self.pm.get_plugin(name)
+        if plugin is not None and self.pm.is_registered(plugin):
+            self.pm.unregister(plugin)
+        message = f"zoo plugin {name!r} ({info.distribution or info.module}) failed to load: {info.error}"
+        if info.builtin or _env_flag("ZOO_STRICT_PLUGINS"):
+            raise PluginError(message) from exc
+        warnings.warn(message + " It was skipped; set ZOO_STRICT_PLUGINS=1 to make this an error.",
+                      PluginWarning, stacklevel=4)
+
+    def provider_of(self, kind: str, name: str) -> str:
+        return self.registry(kind).entry(name).provider
+
+
+SLOW_PLUGIN_S = 1.0  # a plugin loading longer than this is named on stderr while it loads
+
+
+def _slow_notice(name: str, where: str, quiet: bool = False) -> Any:
+    """A started timer that names the plugin on stderr if it is still loading after SLOW_PLUGIN_S
+    (``quiet``: a built-in, whose import is zoo's own start-up, gets a timer that never fires)."""
+    import sys
+    import threading
+
+    def notice() -> None:
+        print(f"zoo: loading plugin {name!r} ({where}) is taking over {SLOW_PLUGIN_S:g} s", file=sys.stderr, flush=True)
+
+    timer = threading.Timer(SLOW_PLUGIN_S, notice)
+    timer.daemon = True
+    if not quiet:
+        timer.start()
+    return timer
+
+
+def _warn_unmarked_hook(plugin: Any, name: str, where: str) -> None:
+    """pluggy ignores a ``zoo_register`` without the marker: say so instead of registering nothing silently."""
+    hook = getattr(plugin, "zoo_register", None)
+    if callable(hook) and not hasattr(hook, "zoo_impl"):
+        warnings.warn(f"zoo plugin {name!r} ({where}) defines zoo_register without @zoo.hookimpl, so zoo never "
+                      "calls it and the plugin registers nothing; decorate it with @zoo.hookimpl",
+                      PluginWarning, stacklevel=4)
+
+
+_manager = PluginManager()
+
+
+def manager() -> PluginManager:
+    return _manager
+
+
+def registry(kind: str) -> Registry:
+    return _manager.registry(kind)
+
+
+def register(kind: str, name: Optional[str] = None, *, override: bool = False):
+    """Decorator: ``@zoo.register("norm", "rmsnorm")`` registers a class or function."""
+
+    def deco(obj):
+        _manager.add(kind, name or getattr(obj, "__name__"), obj, override=override)
+        return obj
+
+    return deco
+
+
+def get(kind: str, name: str) -> Any:
+    return _manager.registry(kind).get(name)
+
+
+def load_plugin(name: str) -> PluginInfo:
+    """Load a plugin by entry-point or module name (e.g. with ``ZOO_DISABLE_PLUGIN_AUTOLOAD=1``)."""
+    return _manager.load_plugin(name)
+
+
+def list_components(kind: Optional[str] = None, pattern: str = "*") -> list[str] | dict[str, list[str]]:
+    """Names registered under ``kind`` (shell-style ``pattern``), or every kind's names. ``attention``
+    is accepted for ``mixer``."""
+    if kind is None:
+        _manager.ensure_loaded()  # plugins may add kinds: load them before iterating
+        return {k: r.names(pattern) for k, r in list(_manager.registries.items())}
+    return _manager.registry(kind).names(pattern)

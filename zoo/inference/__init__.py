@@ -1,0 +1,1 @@
+"""Inference: the decoding loop (``generate``), compiled decoding, self-speculative decoding and the tokenizer."""

@@ -1,0 +1,215 @@
+"""Autoregressive generation with a decode state: prefill the prompt once, then one token at a time.
+
+Greedy by default (``temperature=0``); sampling with temperature, top-k and top-p (nucleus) from a
+seeded generator. Batched prompts are left-padded and come with an ``attention_mask``; padding
+never becomes a key and position ids skip it, so each row generates what it would alone.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional, Union
+
+import torch
+
+from zoo.core.state import DecodeState
+
+
+def _stop_ids(stop: Union[None, int, Iterable[int]]) -> list[int]:
+    if stop is None:
+        return []
+    if isinstance(stop, int):
+        return [stop]
+    ids = [int(s) for s in stop]
+    return ids
+
+
+def length_limit(spec) -> tuple[int, str]:
+    """The longest sequence the model can generate, and what sets it: a position encoding with a
+    hard limit (a learned table: max_seq_len), else zoo's bound on any context (RoPE extrapolates)."""
+    from zoo.core.spec import MAX_SIZES
+
+    if spec is not None:
+        for i in range(spec.n_layers):
+            part = spec.position_for(i)
+            hard = getattr(part.cls, "max_positions", lambda config, spec: None)(part.config, spec)
+            if hard is not None:
+                return hard, f"the {part.name} position encoding's limit (max_seq_len)"
+    return MAX_SIZES["max_seq_len"], "zoo's limit on a context"
+
+
+def _check_generate_inputs(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_mask, stops: list[int],
+                           pad_token_id: Optional[int], temperature, top_k, top_p) -> None:
+    """Refuse, naming the argument, every input that would fail (or silently misbehave) midway."""
+    import math
+
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    spec = getattr(model, "spec", None)
+    vocab = getattr(spec, "vocab_size", None)
+    if vocab is not None and input_ids.numel():
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise ValueError(f"input_ids holds token id {bad}, outside the model's vocabulary [0, {vocab})")
+    bad_stops = [s for s in stops if s < 0 or (vocab is not None and s >= vocab)]
+    if bad_stops:
+        raise ValueError(f"stop holds token id {bad_stops[0]}, outside the model's vocabulary [0, {vocab})")
+    if pad_token_id is not None and pad_token_id < 0:
+        raise ValueError(f"pad_token_id must be >= 0, got {pad_token_id}")
+    limit, what = length_limit(spec)
+    if input_ids.shape[1] + max_new_tokens > limit:
+        raise ValueError(
+            f"max_new_tokens {max_new_tokens} after a prompt of {input_ids.shape[1]} tokens reaches "
+            f"{input_ids.shape[1] + max_new_tokens}, beyond {what} {limit}; generate at most "
+            f"{max(0, limit - input_ids.shape[1])} tokens"
+        )
+    if attention_mask is not None and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (a real token); "
+                         f"it holds {sorted(set(attention_mask.unique().tolist()) - {0, 1})[:3]}")
+    if temperature is not None and not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+                                        and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0):
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+def sample_next(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Pick the next token from (B, vocab) logits: argmax when ``temperature`` is 0, otherwise a
+    draw from softmax(logits / temperature) restricted to the top-k tokens and to the smallest
+    set whose probability reaches top-p."""
+    if temperature is None or temperature == 0:
+        return logits.argmax(dim=-1)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    logits = logits.float() / temperature
+    if top_k is not None:
+        if top_k <= 0:
+            raise ValueError(f"top_k must be a positive integer, got {top_k}")
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens before it already reach top_p (the first always stays).
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    max_new_tokens: int = 32,
+    *,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    seed: Optional[int] = None,
+    stop: Union[None, int, Iterable[int]] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    pad_token_id: Optional[int] = None,
+    callback: Optional[Callable[[torch.Tensor], None]] = None,
+    streamer=None,
+    state: Optional[DecodeState] = None,
+    compile: bool = False,
+    cache: Optional[DecodeState] = None,
+    speculative: Optional[str] = None,
+    stats=None,
+) -> torch.Tensor:
+    """Continue ``input_ids`` (B, T) by up to ``max_new_tokens``; returns (B, T + n) token ids.
+
+    ``stop``: a token id or ids (end of sequence); a row that produced one is finished and is
+    filled with ``pad_token_id`` (default: the first stop id) until every row is, then generation
+    ends. ``attention_mask`` (B, T): 1 for real tokens, 0 for left padding. ``callback`` (or a
+    transformers-style ``streamer`` with ``put``/``end``) receives each new (B,) column of tokens
+    as it is produced. ``compile=True``: prefill eagerly, then decode with one ``torch.compile``d
+    step over a static decode state (zoo.compiled); the first call pays the compilation. ``state``
+    (``cache`` is its old name) continues a decode state the caller keeps. ``speculative="mtp"``:
+    greedy self-speculative decoding, the model's multi-token prediction module drafting and the
+    main model verifying (one sequence at a time; same tokens as plain greedy); ``stats`` (a
+    :class:`zoo.mtp.SpeculationStats`) then receives the drafts made and accepted.
+    """
+    state = state if state is not None else cache
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a non-empty (batch, seq) tensor of token ids, got shape {tuple(input_ids.shape)}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; it must match input_ids {tuple(input_ids.shape)}")
+    stops = _stop_ids(stop)
+    _check_generate_inputs(model, input_ids, max_new_tokens, attention_mask=attention_mask, stops=stops,
+                           pad_token_id=pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p)
+    if attention_mask is not None and not bool(attention_mask[:, -1].all()):
+        raise ValueError("attention_mask: batched prompts must be left-padded (the last column must be all ones)")
+    if speculative is not None:
+        from zoo.inference.speculative import speculative_generate
+
+        if speculative != "mtp":
+            raise ValueError(f"speculative must be None or 'mtp', got {speculative!r}")
+        if temperature or compile or state is not None:
+            raise ValueError("speculative='mtp' decodes greedily with its own decode state: "
+                             "pass temperature=0, compile=False and no state")
+        emit = streamer.put if streamer is not None else callback
+        out = speculative_generate(model, input_ids, max_new_tokens, attention_mask=attention_mask, stops=stops,
+                                   stats=stats, emit=emit)
+        if streamer is not None and hasattr(streamer, "end"):
+            streamer.end()
+        return out
+    pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)
+    device = input_ids.device
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+    if compile:
+        if state is not None:
+            raise ValueError("state: compile=True decodes with its own static state; pass state=None")
+        from zoo.inference.compiled import CompiledDecoder
+
+        step = CompiledDecoder(model, input_ids.shape[1], max_new_tokens)
+    else:
+        if state is None:
+            state = model.new_state(input_ids.shape[0], input_ids.shape[1] + max_new_tokens)
+
+        def step(ids, mask):
+            return model.logits_from_hidden(model.hidden_states(ids, attention_mask=mask, state=state)[:, -1])
+    emit = callback
+    if streamer is not None:
+        emit = streamer.put
+
+    B = input_ids.shape[0]
+    out = [input_ids]
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    stop_t = torch.tensor(stops, device=device) if stops else None
+    step_ids, mask = input_ids, attention_mask
+    for _ in range(max_new_tokens):
+        logits = step(step_ids, mask)
+        nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
+        nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+        out.append(nxt[:, None])
+        if emit is not None:
+            emit(nxt)
+        if stop_t is not None:
+            done = done | torch.isin(nxt, stop_t)
+            if bool(done.all()):
+                break
+        step_ids, mask = nxt[:, None], None
+    if streamer is not None and hasattr(streamer, "end"):
+        streamer.end()
+    return torch.cat(out, dim=1)

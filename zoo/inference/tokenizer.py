@@ -1,0 +1,94 @@
+"""Text in and out: a checkpoint's ``tokenizer.json`` through the ``tokenizers`` library.
+
+``Tokenizer(directory)`` reads ``tokenizer.json`` and, when present, the special tokens of
+``tokenizer_config.json`` (whether to prepend BOS) and the end-of-sequence ids of
+``generation_config.json`` / ``config.json``. :class:`TextStream` turns ids into text pieces that
+are safe to print as they come (no half-decoded UTF-8 sequences).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+def read_tokenizer_file(path: Path) -> _HFTokenizer:
+    """A ``tokenizer.json`` read by ``tokenizers``; a file it cannot read is a ValueError naming it."""
+    try:
+        return _HFTokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception
+        raise ValueError(f"{path} is not a tokenizer.json that the tokenizers library can read ({exc})") from None
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+class Tokenizer:
+    """A ``tokenizer.json`` (a file, or a checkpoint directory holding one), read by ``tokenizers``:
+    the one tokenizer wrapper, for generation and for training data alike."""
+
+    def __init__(self, directory: str | Path):
+        directory = Path(directory)
+        path = directory / "tokenizer.json" if directory.is_dir() else directory
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"tokenizer file {path} does not exist; pass a tokenizer.json or a checkpoint directory holding one "
+                f"(or give token ids directly to zoo.generate)"
+            )
+        self.path = path
+        self.tok = read_tokenizer_file(path)
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        folder = path.parent
+        config = _read_json(folder / "tokenizer_config.json")
+        gen = {**_read_json(folder / "config.json"), **_read_json(folder / "generation_config.json")}
+        self.bos_token = self._token(config.get("bos_token"))
+        self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_token is not None
+        eos = gen.get("eos_token_id")
+        if eos is None and self._token(config.get("eos_token")) is not None:
+            eos = self.tok.token_to_id(self._token(config.get("eos_token")))
+        self.eos_token_ids: list[int] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.pad_token_id: Optional[int] = gen.get("pad_token_id")
+
+    @staticmethod
+    def _token(entry) -> Optional[str]:
+        if isinstance(entry, dict):
+            return entry.get("content")
+        return entry
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens=False`` adds no BOS or other special token
+        (training text, concatenated into one stream)."""
+        if not add_special_tokens:
+            return self.tok.encode(text, add_special_tokens=False).ids
+        ids = self.tok.encode(text).ids
+        if self.add_bos:
+            bos = self.tok.token_to_id(self.bos_token)
+            if bos is not None and (not ids or ids[0] != bos):
+                ids = [bos] + ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+class TextStream:
+    """Incremental detokenisation: feed ids one at a time, get back the new text (possibly empty,
+    when a character is still incomplete)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return ""
+        new, self.text = text[len(self.text):], text
+        return new

@@ -1,0 +1,116 @@
+"""Multi-token prediction (DeepSeek-V3, section 2.2): extra modules that predict further ahead.
+
+Module d (1-based, up to ``spec.mtp.depth``) at position i reads the hidden state of module d-1 at
+i (the main model's final, normalised hidden state for d = 1) and the embedding of token t+d:
+
+    h'  = eh_proj([enorm(embed(t[i+d])); hnorm(h[d-1][i])])     # embedding first, as the checkpoints
+    h_d = block(h')                                              # one layer of the recipe's kind
+    logits_d = head(norm(h_d))                                    # the main model's head, own norm
+
+and its logits at i predict token t+1+d. Training adds ``weight / depth`` times each module's
+cross-entropy through the auxiliary-loss channel (named ``mtp_1``, ``mtp_2``, ...). The embedding
+and the head are the main model's own; checkpoints in DeepSeek's layout store copies of them beside
+each module (layer index ``n_layers + d - 1``), which :func:`mtp_rules` maps both ways.
+
+:func:`speculative_generate` uses module 1 as a draft model for the main one (self-speculative
+decoding): greedy output identical to plain greedy decoding, at one main forward per one or two
+tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from zoo.core.context import ForwardContext
+from zoo.core.state import DecodeState, step_layout
+
+
+def mtp_layer_kind(spec) -> str:
+    """The layer kind of the MTP blocks: ``spec.mtp.layer``, else the last layer's."""
+    return spec.mtp.layer or spec.layer_kind(spec.n_layers - 1)
+
+
+class MTPModule(nn.Module):
+    """One depth: the two input norms, the projection of their concatenation, a block, the head's norm."""
+
+    def __init__(self, spec, index: int):
+        super().__init__()
+        d = spec.d_model
+        layer = spec.layers[mtp_layer_kind(spec)]
+        self.enorm, self.hnorm = layer.norm.build(dim=d), layer.norm.build(dim=d)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        # index: this depth's entry in the MTP decode state (MTP.new_state).
+        self.block = layer.block.build(spec=spec, layer=layer, index=index)
+        self.norm = layer.norm.build(dim=d)  # DeepSeek's shared_head.norm
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor, ctx: ForwardContext, pos) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))
+        return self.block(x, ctx, pos)
+
+
+class MTP(nn.Module):
+    """The ``spec.mtp.depth`` modules, run after the main model on its hidden states."""
+
+    def __init__(self, spec):
+        super().__init__()
+        self.depth, self.weight = spec.mtp.depth, spec.mtp.weight
+        self.layers = nn.ModuleList(MTPModule(spec, d) for d in range(self.depth))
+        kind = mtp_layer_kind(spec)
+        # The last main layer of the same kind: its position encoding serves the MTP blocks.
+        self.like = max(i for i in range(spec.n_layers) if spec.layer_kind(i) == kind)
+
+    def new_state(self, batch: Optional[int], max_len: Optional[int] = None, *, dtype, device) -> DecodeState:
+        states = [m.block.attention.new_state(batch, max_len, dtype=dtype, device=device) for m in self.layers]
+        return DecodeState(states, batch=batch, max_len=max_len, device=device)
+
+    def run(self, model, depth: int, h: torch.Tensor, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Module ``depth`` (0-based) on hidden states ``h`` (B, T, d) and next tokens ``ids`` (B, T):
+        its block's output (before the head's norm)."""
+        pos = model.position_state(ctx.position_ids, h.dtype, self.like)
+        return self.layers[depth](h, model.embed_tokens(ids), ctx, pos)
+
+    def logits(self, model, depth: int, out: torch.Tensor) -> torch.Tensor:
+        return model.logits_from_hidden(self.layers[depth].norm(out))
+
+    def add_losses(self, model, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
+                   attention_mask: Optional[torch.Tensor], ctx: ForwardContext) -> None:
+        """Add each depth's cross-entropy (``mtp_{d}``, weight ``weight / depth``) to ``ctx``.
+
+        ``hidden`` (B, T, d): the main model's final hidden states; ``labels`` (B, T) with -100 where
+        no token counts. Depth d (1-based) reads positions i = 0 .. T-1-d (with token i + d) and is
+        scored on ``labels[:, i + 1 + d]`` where that exists.
+        """
+        from zoo.core import kernels as _kernels
+        from zoo.model.loss import lm_loss
+
+        B, T = input_ids.shape
+        h = hidden
+        for d in range(self.depth):
+            n = T - 1 - d  # positions whose input token t[i+1+d] exists (the last has no target)
+            if n < 2:
+                break
+            h = h[:, :n]
+            mask = attention_mask[:, :n] if attention_mask is not None else None
+            slots, key_mask, positions = step_layout(B, n, input_ids.device, mask)
+            sub = ForwardContext(position_ids=positions, slots=slots, key_mask=key_mask)
+            h = self.run(model, d, h, input_ids[:, 1 + d: 1 + d + n], sub)
+            sub.finish()
+            target = labels[:, 1 + d + 1: 1 + d + 1 + n]
+            if mask is not None:  # a padding position predicts nothing
+                target = target.masked_fill(~mask[:, : target.shape[1]].bool(), -100)
+            normed = self.layers[d].norm(h)[:, : target.shape[1]]
+            fused = _kernels.fast(model, normed)
+            if fused is not None:
+                ce = fused(model, normed, target, z_loss=0.0)[1]
+            else:
+                ce = lm_loss(model.logits_from_hidden(normed), target).ce
+            ctx.add_loss(f"mtp_{d + 1}", ce, self.weight / self.depth)
+            for name, value in sub.aux.items():  # a MoE block's balance loss, say
+                ctx.add_loss(f"mtp_{d + 1}_{name}", value, sub.aux_weights[name])
+            for name, value in sub.metrics.items():
+                ctx.add_metric(f"mtp_{d + 1}_{name}", value)
+
+

@@ -1,0 +1,2 @@
+"""Tools built on the model, inference and training wings: ablations, accounting, verification
+against the reference, upcycling."""

@@ -1,0 +1,130 @@
+"""Training data: a tokenizer and a token stream cut into fixed-length sequences.
+
+The offline default needs no download: the source of a fixed set of Python standard library
+modules (text that ships with every Python), read as bytes, so the vocabulary is the 256 byte
+values. The user's own text files are read with a checkpoint's ``tokenizer.json`` (through
+``tokenizers``) or as bytes.
+
+The order of sequences is a pure function of the seed and of how many sequences were consumed:
+a run resumed at sample ``n`` sees exactly what an uninterrupted run saw after ``n`` samples.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from zoo.inference.tokenizer import Tokenizer
+
+#: Standard-library modules whose source makes the built-in corpus (about 0.6 MB of text).
+STDLIB_MODULES = (
+    "argparse", "bisect", "calendar", "contextlib", "dataclasses", "difflib", "enum", "fnmatch",
+    "fractions", "functools", "glob", "heapq", "pprint", "random", "shlex", "statistics", "string",
+    "textwrap",
+)
+
+
+class ByteTokenizer:
+    """Text as UTF-8 bytes: 256 tokens, nothing to download, nothing unknown."""
+
+    vocab_size = 256
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+def get_tokenizer(tokenizer: Optional[str | Path] = None):
+    """``None`` or ``"bytes"``: :class:`ByteTokenizer`; otherwise a tokenizer.json or a directory holding one."""
+    if tokenizer is None or str(tokenizer) == "bytes":
+        return ByteTokenizer()
+    return Tokenizer(tokenizer)
+
+
+def builtin_corpus() -> str:
+    """The source text of :data:`STDLIB_MODULES`, concatenated."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(root / f"{m}.py").read_text(encoding="utf-8") for m in STDLIB_MODULES if (root / f"{m}.py").is_file()]
+    if not texts:
+        raise FileNotFoundError(
+            f"the built-in corpus reads Python's standard library sources under {root}, but none were found "
+            "(a stripped Python install?); pass your own text files with data=[...] / --data"
+        )
+    return "\n\n".join(texts)
+
+
+def read_texts(files: Sequence[str | Path]) -> list[str]:
+    """Read text files, failing clearly on a missing or empty one."""
+    texts = []
+    for f in files:
+        path = Path(f)
+        if not path.is_file():
+            raise FileNotFoundError(f"corpus file {path} does not exist (or is not a file); check the path given as data")
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if not text.strip():
+            raise ValueError(f"corpus file {path} is empty; give a file with text in it")
+        texts.append(text)
+    return texts
+
+
+@dataclass
+class TokenData:
+    """A token stream cut into non-overlapping sequences of ``seq_len`` tokens, shuffled per epoch."""
+
+    tokens: torch.Tensor  # 1-D int64
+    seq_len: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.n_seqs = int(self.tokens.numel()) // self.seq_len
+        if self.n_seqs < 1:
+            raise ValueError(
+                f"the corpus has {self.tokens.numel()} tokens, fewer than one sequence of seq_len={self.seq_len}; "
+                "give more text or a shorter seq_len"
+            )
+        self._seqs = self.tokens[: self.n_seqs * self.seq_len].view(self.n_seqs, self.seq_len)
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perms = {epoch: torch.randperm(self.n_seqs, generator=gen)}
+        return self._perms[epoch]
+
+    def batch(self, start: int, count: int) -> torch.Tensor:
+        """Sequences ``start .. start + count`` of the endless shuffled stream, shape (count, seq_len)."""
+        rows = []
+        for i in range(start, start + count):
+            epoch, j = divmod(i, self.n_seqs)
+            rows.append(int(self._perm(epoch)[j]))
+        return self._seqs[torch.tensor(rows)]
+
+
+def tokenize(texts: Sequence[str], tokenizer) -> torch.Tensor:
+    """One 1-D stream of token ids for the texts, in order."""
+    if isinstance(tokenizer, ByteTokenizer):
+        blob = "\n\n".join(texts).encode("utf-8")
+        return torch.frombuffer(bytearray(blob), dtype=torch.uint8).long()
+    ids: list[int] = []
+    for text in texts:
+        ids += tokenizer.encode(text, add_special_tokens=False)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def load_tokens(data: Optional[Sequence[str | Path]] = None, tokenizer=None) -> torch.Tensor:
+    """Tokenise the built-in corpus (``data`` empty) or the given text files into one 1-D stream."""
+    tokenizer = tokenizer if tokenizer is not None and not isinstance(tokenizer, (str, Path)) else get_tokenizer(tokenizer)
+    return tokenize(read_texts(data) if data else [builtin_corpus()], tokenizer)
+
+
+def unigram_entropy(tokens: torch.Tensor) -> float:
+    """Entropy (nats per token) of the token frequencies: the loss of the best model that ignores context."""
+    counts = torch.bincount(tokens.flatten()).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())

@@ -1,0 +1,375 @@
+"""Train any preset or recipe with Accelerate: one process, DDP or FSDP2, resumable.
+
+    >>> import zoo
+    >>> zoo.train("llama3-8b", overrides={"n_layers": 2, "d_model": 64, "vocab_size": 256, ...},
+    ...           steps=300, out_dir="runs/tiny")
+
+The defaults are the recipe of the lecture notes: AdamW (betas 0.9/0.95) with weight decay 0.1
+on matrices only (not on norms, biases or embeddings), linear warmup then cosine decay, gradient
+clipping at 1.0, z-loss with the spec's coefficient, dropout 0 (the spec's), gradient
+accumulation to reach the global batch.
+
+Accelerate sets up the processes (``accelerate launch`` or ``torchrun``), devices, mixed
+precision (bf16 where the device supports it), DDP, the backward pass and clipping. FSDP2 is
+applied here, per block: the model is built on the meta device, each ``model.layers[i]`` and
+then the root are wrapped with ``fully_shard``, and only then is each process's shard allocated
+and initialised, so a model larger than one device can start.
+
+Checkpoints (``out_dir/checkpoints/step-NNNNNNN``) hold the model, optimizer, scheduler, RNG
+states, step and data position; tensors are in safetensors, the rest in JSON; each is written
+to a temporary directory and renamed into place. Under FSDP2 every process writes its own shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from zoo.train.checkpointer import Checkpointer, checkpoints, full_state_dict, load_full_state_dict, read_checkpoint_state
+from zoo.train.config import TrainConfig, TrainResult
+from zoo.train.data import TokenData, builtin_corpus, get_tokenizer, read_texts, tokenize
+from zoo.model.decoder import build_model
+from zoo.model.recipes import get_spec
+from zoo.train.resume import check_resumed_config, metrics_up_to, resume_point
+from zoo.core.spec import ModelSpec
+
+
+# -- the recipe -----------------------------------------------------------------------------------
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only: norms and biases (1-D) and embedding tables are left alone."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, rest = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 and id(p) not in embeddings else rest).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to 1 over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# -- the loop -------------------------------------------------------------------------------------
+
+def _on_cpu(config: TrainConfig) -> bool:
+    """Accelerate sets up several CPU processes (gloo) only when asked for the CPU explicitly."""
+    has_accelerator = getattr(torch, "accelerator", None)
+    available = has_accelerator.is_available() if has_accelerator is not None else torch.cuda.is_available()
+    return config.cpu or (int(os.environ.get("WORLD_SIZE", "1")) > 1 and not available)
+
+
+def _mixed_precision(config: TrainConfig) -> Optional[str]:
+    if config.mixed_precision != "auto":
+        return config.mixed_precision
+    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
+        return None  # `accelerate launch` passes the config's choice; Accelerator reads it
+    if config.cpu or not torch.cuda.is_available():
+        return "no"
+    return "bf16" if torch.cuda.is_bf16_supported() else "no"
+
+
+def _check_fsdp_launch(use_fsdp: bool) -> None:
+    """FSDP2 needs a process group: say so before any compute, not after building the model."""
+    import torch.distributed as dist
+
+    if use_fsdp and not dist.is_initialized():
+        raise ValueError("fsdp: FSDP2 needs a process group; launch with `accelerate launch` (an FSDP config) or "
+                         "`torchrun`, or leave fsdp off for one process")
+
+
+def _shard(model: nn.Module, accelerator) -> None:
+    """FSDP2, one unit per block and one for the root (embeddings, final norm, head)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "FSDP2 needs a process group: launch with `accelerate launch` (an FSDP config) or `torchrun`, "
+            "or leave fsdp off for one process"
+        )
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is not None and getattr(plugin, "fsdp_version", 2) != 2:
+        raise ValueError("zoo trains with FSDP2: set fsdp_version: 2 in the accelerate config")
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    mp = MixedPrecisionPolicy(param_dtype=dtypes.get(accelerator.mixed_precision), reduce_dtype=torch.float32)
+    kwargs: dict[str, Any] = {
+        "mesh": init_device_mesh(accelerator.device.type, (accelerator.num_processes,)),
+        "mp_policy": mp,
+        "reshard_after_forward": getattr(plugin, "reshard_after_forward", True) if plugin is not None else True,
+    }
+    if plugin is not None and isinstance(getattr(plugin, "cpu_offload", None), CPUOffloadPolicy):
+        kwargs["offload_policy"] = plugin.cpu_offload
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides: Optional[dict[str, Any]] = None,
+          on_step: Optional[Callable[[dict[str, Any], nn.Module], None]] = None, **fields: Any) -> TrainResult:
+    """Train a preset name, recipe file, dict or :class:`ModelSpec` (with spec ``overrides``), from
+    random weights or from a checkpoint's (``init_from=``; the model may then be omitted).
+
+    ``on_step(metrics, model)`` is called after every optimizer step, on every process, with the
+    step's metrics dict (it may add entries, which are logged with the rest; raising stops the run).
+    Keyword ``fields`` set :class:`TrainConfig` fields (``steps=300``). Run under
+    ``accelerate launch`` or ``torchrun`` for several processes; every process calls this.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    config = dataclasses.replace(config or TrainConfig(), **fields)
+    config.check()
+    # The scheduler steps once per optimizer step, whatever the number of processes.
+    acc = Accelerator(mixed_precision=_mixed_precision(config), cpu=_on_cpu(config), step_scheduler_with_optimizer=False)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if acc.num_processes != launched:
+        raise RuntimeError(f"{launched} processes were launched but Accelerate sees {acc.num_processes}; "
+                           "check the launcher's environment (WORLD_SIZE, RANK, MASTER_ADDR)")
+    accum = config.accumulation(acc.num_processes)
+    texts = read_texts(config.data) if config.data else [builtin_corpus()]
+
+    # Every check before any compute: model, tokenizer, checkpoint.
+    pretrained = None
+    if config.init_from:
+        from zoo.checkpoints import from_pretrained
+
+        pretrained = from_pretrained(config.init_from)
+        spec = get_spec(model if model is not None else pretrained.spec, overrides)
+    elif model is None:
+        raise ValueError("train needs a model: a preset name, a recipe file or a spec, or init_from=a checkpoint")
+    else:
+        spec = get_spec(model, overrides)
+    if config.z_loss is not None:
+        spec = spec.with_overrides(z_loss=config.z_loss)
+    if config.seq_len > spec.max_seq_len:
+        raise ValueError(f"seq_len {config.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}")
+    tok_source = config.tokenizer
+    if tok_source is None and config.init_from and (Path(config.init_from) / "tokenizer.json").is_file():
+        tok_source = config.init_from
+    tokenizer = get_tokenizer(tok_source)
+    if tokenizer.vocab_size > spec.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {spec.vocab_size}; "
+            f"set vocab_size={tokenizer.vocab_size} (or more) in the overrides"
+        )
+    out_dir = Path(config.out_dir)
+    resume_from = resume_point(config, out_dir, checkpoints(out_dir))
+    use_fsdp = config.fsdp if config.fsdp is not None else acc.distributed_type == DistributedType.FSDP
+    _check_fsdp_launch(use_fsdp)
+    ckpt_state = read_checkpoint_state(resume_from, spec, acc.num_processes) if resume_from else None
+    if ckpt_state is not None:
+        check_resumed_config(resume_from, ckpt_state, config, acc.print)
+    if ckpt_state is not None and ckpt_state["sharded"] != use_fsdp:
+        raise ValueError(
+            f"checkpoint {resume_from} was written {'with' if ckpt_state['sharded'] else 'without'} FSDP; "
+            f"resume it the same way (fsdp={ckpt_state['sharded']})"
+        )
+    data = TokenData(tokenize(texts, tokenizer), config.seq_len, seed=config.seed)
+
+    # Model: meta first; FSDP2 shards before anything is allocated.
+    torch.manual_seed(config.seed)
+    if use_fsdp:
+        net = build_model(spec, device="meta")
+        _shard(net, acc)
+        net.to_empty(device=acc.device)
+        net.init_weights()
+    else:
+        net = build_model(spec, device=acc.device, seed=config.seed)
+    fmt = getattr(pretrained, "checkpoint_format", None)  # export in the format the weights came in
+    if pretrained is not None and ckpt_state is None:
+        load_full_state_dict(net, pretrained.state_dict(), sharded=use_fsdp)
+    del pretrained
+    net.train()
+    optimizer = torch.optim.AdamW(param_groups(net, config.weight_decay), lr=config.lr,
+                                  betas=(config.beta1, config.beta2), eps=config.eps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
+        s, warmup=config.warmup_steps, total=config.steps, min_ratio=config.min_lr_ratio))
+    if use_fsdp and acc.distributed_type != DistributedType.FSDP:
+        # Launched without an accelerate FSDP config (torchrun, CPU): Accelerate would wrap the model in DDP.
+        optimizer, schedule = acc.prepare(optimizer, schedule)
+        wrapped = net
+    else:  # one process, DDP, or FSDP2 under accelerate (which keeps an already sharded model as it is)
+        wrapped, optimizer, schedule = acc.prepare(net, optimizer, schedule)
+
+    ckpt = Checkpointer(acc, out_dir, config.keep_last)
+    step, position = 0, 0
+    if ckpt_state is not None:
+        ckpt.load(resume_from, ckpt_state, model=net, optimizer=optimizer.optimizer, scheduler=schedule.scheduler)
+        step, position = ckpt_state["step"], ckpt_state["data_position"]
+        acc.print(f"resumed from {resume_from} at step {step}")
+    metrics_file = out_dir / "metrics.jsonl"
+    if acc.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for stale in (out_dir / "checkpoints").glob(".tmp-step-*"):  # left by a save that was cut short
+            shutil.rmtree(stale, ignore_errors=True)
+        kept = metrics_up_to(metrics_file, step) if step else []
+        metrics_file.write_text("".join(line + "\n" for line in kept))
+
+    last = config.steps if config.stop_after is None else min(config.steps, step + config.stop_after)
+    tokens_per_step = config.global_batch * config.seq_len
+    per_rank = config.micro_batch * accum
+    result = TrainResult(step=step, losses=[], ce=[], z=[], out_dir=out_dir, main_process=acc.is_main_process)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=config.steps, initial=step, disable=not (config.progress and acc.is_local_main_process),
+               desc="train", unit="step", dynamic_ncols=True)
+    started, tokens_seen = time.perf_counter(), 0
+    saved: Optional[Path] = None
+    while step < last:
+        t0 = time.perf_counter()
+        batch = data.batch(position + acc.process_index * per_rank, per_rank)
+        sums: dict[str, torch.Tensor] = {}
+        for m in range(accum):
+            ids = batch[m * config.micro_batch:(m + 1) * config.micro_batch].to(acc.device)
+            sync = m == accum - 1
+            if use_fsdp:
+                wrapped.set_requires_gradient_sync(sync)
+            with acc.no_sync(wrapped) if not (sync or use_fsdp) else nullcontext():
+                with acc.autocast():
+                    out = wrapped(ids, labels=ids)  # the model's own loss: fused where a fast path runs
+                acc.backward(out.loss / accum)  # outside autocast, as PyTorch advises
+            for name, value in out.terms().items():
+                sums[name] = sums.get(name, 0.0) + value.detach().float() / accum
+        grad_norm = acc.clip_grad_norm_(wrapped.parameters(), config.grad_clip or math.inf)  # inf: measure only
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        after_optimizer_step(net, acc)
+        terms = step_terms(sums, acc)
+        loss, ce, z = terms["loss"], terms["ce"], terms["z"]
+        step += 1
+        position += config.global_batch
+        tokens_seen += tokens_per_step
+        tps = tokens_per_step / max(time.perf_counter() - t0, 1e-9)
+        result.losses.append(loss), result.ce.append(ce), result.z.append(z)
+        result.terms.append(terms)
+        row = {"step": step, **terms, "lr": schedule.get_last_lr()[0], "tokens_per_s": tps,
+               "grad_norm": float(grad_norm)}
+        if on_step is not None:
+            on_step(row, net)
+        if acc.is_main_process:
+            with metrics_file.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        bar.update(1)
+        if step % config.log_every == 0 or step == last:
+            bar.set_postfix(loss=f"{loss:.4f}", z=f"{z:.3g}", tok_s=f"{tps:,.0f}")
+        if config.save_every and step % config.save_every == 0 and step < last:
+            saved = ckpt.save(model=net, optimizer=optimizer.optimizer, scheduler=schedule.scheduler, step=step,
+                              data_position=position, spec=spec, sharded=use_fsdp, config=config)
+    bar.close()
+    elapsed = time.perf_counter() - started
+    result.step = step
+    result.tokens_per_s = tokens_seen / elapsed if elapsed > 0 and tokens_seen else 0.0
+    if result.losses and (saved is None or not saved.name.endswith(f"{step:07d}")):
+        saved = ckpt.save(model=net, optimizer=optimizer.optimizer, scheduler=schedule.scheduler, step=step,
+                          data_position=position, spec=spec, sharded=use_fsdp, config=config)
+    result.checkpoint = saved or resume_from
+    if step >= config.steps:
+        if config.plot and acc.is_main_process:
+            result.plot = plot_losses(metrics_file, out_dir / "loss.png")
+        if config.export:
+            result.export = export(net, spec, out_dir / "final", acc, sharded=use_fsdp, tokenizer=tokenizer,
+                                   model_type=config.export_format or fmt)
+    acc.wait_for_everyone()
+    return result
+
+
+def step_terms(sums: dict[str, torch.Tensor], accelerator) -> dict[str, float]:
+    """One step's loss terms (loss, ce, z, then each auxiliary loss and metric by name), averaged
+    over the processes. Every process has the same names: they come from the same model."""
+    names = ["loss", "ce", "z"] + sorted(k for k in sums if k not in ("loss", "ce", "z"))
+    values = accelerator.reduce(torch.stack([sums[k] for k in names]), reduction="mean")
+    return dict(zip(names, (float(v) for v in values)))
+
+
+@torch.no_grad()
+def after_optimizer_step(model: nn.Module, accelerator) -> None:
+    """Call ``after_optimizer_step(reduce=...)`` on every part that defines it (an aux-loss-free
+    expert bias update), after each optimizer step, on every process. ``reduce(t)`` sums a tensor
+    over the processes (identity on one), so a part that updates from it updates identically
+    everywhere, under DDP and FSDP2 alike."""
+    hooks = [m.after_optimizer_step for m in model.modules()
+             if m is not model and callable(getattr(m, "after_optimizer_step", None))]
+    if not hooks:
+        return
+    if accelerator.num_processes > 1:
+        def reduce(t):
+            return accelerator.reduce(t.clone(), reduction="sum")
+    else:
+        def reduce(t):
+            return t
+    for hook in hooks:
+        hook(reduce=reduce)
+
+
+def export(model: nn.Module, spec: ModelSpec, path: Path, accelerator, *, sharded: bool,
+           model_type: Optional[str] = None, tokenizer=None) -> Optional[Path]:
+    """Write the trained weights with ``zoo.save_pretrained`` (on the main process).
+
+    Without ``model_type``, the first registered checkpoint format that describes this spec
+    exactly is used; when none does, the export is skipped (the training checkpoint keeps the
+    weights and the spec) and the reason printed.
+    """
+    from zoo.checkpoints import save_pretrained
+    from zoo.checkpoints.format import CheckpointError
+    from zoo.core.registry import list_components
+
+    state = full_state_dict(model, sharded)  # collective under FSDP2: every process takes part
+    if not accelerator.is_main_process:
+        return None
+    plain = build_model(spec, device="meta")
+    plain.load_state_dict(state, assign=True)
+    errors = []
+    for fmt in [model_type] if model_type else list_components("checkpoint_format"):
+        try:
+            save_pretrained(plain, path, model_type=fmt)
+        except CheckpointError as exc:  # this format cannot describe this spec
+            if model_type:
+                raise
+            errors.append(f"{fmt}: {str(exc)[:120]}")
+            continue
+        if getattr(tokenizer, "path", None) is not None:
+            shutil.copy(tokenizer.path, Path(path) / "tokenizer.json")
+        return Path(path)
+    accelerator.print("no checkpoint format describes this model, so it was not exported with "
+                      "zoo.save_pretrained; the training checkpoint holds its weights and spec "
+                      f"({'; '.join(errors[:3])})")
+    return None
+
+
+def plot_losses(metrics_file: Path, png: Path) -> Path:
+    """A PNG of loss and cross-entropy against step, from ``metrics.jsonl``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in Path(metrics_file).read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="loss (ce + z-loss)")
+    ax.plot([r["step"] for r in rows], [r["ce"] for r in rows], label="cross-entropy", alpha=0.7)
+    ax.set_xlabel("step")
+    ax.set_ylabel("nats / token")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
