@@ -133,7 +133,7 @@ def say(msg: str) -> None:
 
 def bench_model(name: str, args) -> dict:
     import zoo
-    from zoo.accounting import account
+    from zoo.tools.accounting import account
 
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:

@@ -57,8 +57,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import zoo  # noqa: E402
-from zoo import kernels  # noqa: E402
-from zoo.model import lm_loss  # noqa: E402
+from zoo.core import kernels  # noqa: E402
+from zoo.model.loss import lm_loss  # noqa: E402
 
 
 class Bench:
@@ -219,7 +219,7 @@ def kernel_cases(a, dev, dtype):
     # The chunked gated delta rule of Gated DeltaNet at Qwen3-Next's head widths (Dk = Dv = 128, two
     # value heads per key head), a 4k sequence, against the PyTorch chunked form (in fp32, as the
     # mixer runs it; the kernel takes the inputs in the benchmark's dtype: TF32 products for 16-bit).
-    from zoo.components.gated_deltanet import l2norm
+    from zoo.components.mixers.gated_deltanet import l2norm
     for gb, gh in ((1, 4) if tiny else (1, 16), (2, 8) if tiny else (4, 32)):
         gd = hd if tiny else 128
         unit = lambda *s: l2norm(torch.randn(*s, device=dev)).to(dtype)  # noqa: E731
@@ -234,7 +234,7 @@ def kernel_cases(a, dev, dtype):
 
 
 def _gated_delta():
-    from zoo.components import gated_deltanet as gdn
+    from zoo.components.mixers import gated_deltanet as gdn
     from zoo.components.kernels import gated_deltanet as fast
 
     def run(q, k, v, g, beta):
@@ -246,7 +246,7 @@ def _gated_delta():
 
 
 def _scalar_decay():
-    from zoo.components import recurrent
+    from zoo.components.mixers import _recurrent as recurrent
     from zoo.components.kernels import recurrent as fast
 
     def run(q, k, v, a):

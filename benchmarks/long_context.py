@@ -31,7 +31,7 @@ import json, sys, time, warnings
 import torch
 warnings.filterwarnings("ignore")
 import zoo
-from zoo import kernels
+from zoo.core import kernels
 from zoo.components.kernels import attention as flex
 
 path, T, padding = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
@@ -46,7 +46,7 @@ def old_flex_attend(module, q, k, v, q_idx, k_idx, key_mask=None, bias=None):
     # The path up to this change: a dense (B, 1, Tq, Tk) mask with padding, and create_block_mask
     # over T x T, cached on the identity of the slot tensors (new every forward).
     from torch.nn.attention.flex_attention import create_block_mask
-    from zoo.components.attention import causal_mask
+    from zoo.components.mixers._masks import causal_mask
     window, cap = module.window, module.cfg.softcap
     flex.builds += 1
     if key_mask is not None:

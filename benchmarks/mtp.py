@@ -40,10 +40,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     import zoo
-    from zoo.data import load_tokens
-    from zoo.interfaces import ForwardContext
-    from zoo.mtp import SpeculationStats
-    from zoo.state import step_layout
+    from zoo.train.data import load_tokens
+    from zoo.core.context import ForwardContext
+    from zoo.inference.speculative import SpeculationStats
+    from zoo.core.state import step_layout
 
     overrides = {"n_layers": args.layers, "d_model": args.d_model, "vocab_size": 256, "max_seq_len": 1024,
                  "layers.*.attention.n_heads": 4, "layers.*.attention.n_kv_heads": 2,

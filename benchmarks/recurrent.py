@@ -180,8 +180,8 @@ def profile(args, hf, ours) -> None:
         setattr(module, name, timed_fn)
 
     # the cores and transformers' convolution are module functions, looked up when called
-    wrap("zoo.components.gated_deltanet", "chunk_gated_delta_rule", ("zoo", "(function) chunk_gated_delta_rule"))
-    wrap("zoo.components.recurrent", "chunked", ("zoo", "(function) recurrent.chunked"))
+    wrap("zoo.components.mixers.gated_deltanet", "chunk_gated_delta_rule", ("zoo", "(function) chunk_gated_delta_rule"))
+    wrap("zoo.components.mixers._recurrent", "chunked", ("zoo", "(function) recurrent.chunked"))
     hf_module = importlib.import_module(type(hf).__module__)
     for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
         if hasattr(hf_module, name):

@@ -2,10 +2,11 @@
 
 import importlib
 
-from zoo.hookspecs import hookimpl
+from zoo.core.hooks import hookimpl
 
-MODULES = ("stability", "norms", "activations", "ffn", "positions", "rope_scaling", "attention", "blocks", "moe", "kernels",
-           "mla", "dsa", "linear_attention", "mamba2", "gated_deltanet", "ffn_only")
+MODULES = ("stability", "norms", "activations", "ffn.dense", "positions.rope_scaling", "positions.encodings",
+           "mixers.attention", "mixers.none", "blocks", "ffn.routers", "ffn.moe", "kernels", "mixers.mla", "mixers.dsa",
+           "mixers.linear_attention", "mixers.mamba2", "mixers.gated_deltanet")
 
 
 @hookimpl

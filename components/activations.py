@@ -9,7 +9,7 @@ from typing import Literal
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.registry import register
+from zoo.core.registry import register
 
 
 @register("activation", "relu")

@@ -22,8 +22,9 @@ from typing import Literal
 
 from torch import nn
 
-from zoo.interfaces import takes_ctx
-from zoo.registry import register
+from zoo.components.mixers.none import NoMixer
+from zoo.core.kinds import takes_ctx
+from zoo.core.registry import register
 
 
 class _Block(nn.Module):
@@ -95,3 +96,81 @@ class Parallel(_Block):
         a = self.attn_norm(x)
         f = a if self.ffn_norm is None else self.ffn_norm(x)
         return x + self.drop(self.attention(a, ctx, pos)) + self.drop(self._ffn(f, ctx))
+
+
+@register("block", "ffn_only")
+class FFNOnly(nn.Module):
+    """``y = x + FFN(N(x))``: one norm, the layer's FFN, the residual. The layer's ``mixer`` setting is
+    not built."""
+
+    @dataclass(frozen=True)
+    class Config:
+        pass
+
+    def __init__(self, cfg, *, spec, layer, index):
+        super().__init__()
+        self.attention = NoMixer()
+        self.ffn = layer.ffn.build(d_model=spec.d_model)
+        self._ffn_ctx = takes_ctx(self.ffn)
+        self.ffn_norm = layer.norm.build(dim=spec.d_model)
+        self.drop = nn.Dropout(spec.dropout)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.attention
+
+    def forward(self, x, ctx, pos):
+        h = self.ffn_norm(x)
+        return x + self.drop(self.ffn(h, ctx) if self._ffn_ctx else self.ffn(h))
+
+
+@register("block", "mixer_only")
+class MixerOnly(nn.Module):
+    """``y = x + mixer(N(x))``: a layer with a token mixer and no FFN (Mamba-2's block, one norm). The
+    layer's ``ffn`` setting is not built and computes nothing."""
+
+    @dataclass(frozen=True)
+    class Config:
+        pass
+
+    def __init__(self, cfg, *, spec, layer, index):
+        super().__init__()
+        self.attention = layer.mixer.build(d_model=spec.d_model, layer=layer, spec=spec, index=index)
+        self.ffn = None
+        self.attn_norm = layer.norm.build(dim=spec.d_model)
+        self.drop = nn.Dropout(spec.dropout)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.attention
+
+    def forward(self, x, ctx, pos):
+        return x + self.drop(self.attention(self.attn_norm(x), ctx, pos))
+
+
+@register("block", "scaled_residual")
+class ScaledResidual(_Block):
+    """A block whose residual is the *normed* input, each branch and residual scaled (MiniMax)::
+
+        a = N1(x);  h = attn_alpha * a + attn_beta * Mixer(a)
+        b = N2(h);  y = ffn_alpha * b + ffn_beta * FFN(b)
+    """
+
+    @dataclass(frozen=True)
+    class Config:
+        attn_alpha: float = 1.0
+        attn_beta: float = 1.0
+        ffn_alpha: float = 1.0
+        ffn_beta: float = 1.0
+
+    def __init__(self, cfg, *, spec, layer, index):
+        super().__init__(spec=spec, layer=layer, index=index)
+        self.cfg = cfg
+        self.attn_norm, self.ffn_norm = self._norm(), self._norm()
+
+    def forward(self, x, ctx, pos):
+        c = self.cfg
+        a = self.attn_norm(x)
+        h = c.attn_alpha * a + c.attn_beta * self.drop(self.attention(a, ctx, pos))
+        b = self.ffn_norm(h)
+        return c.ffn_alpha * b + c.ffn_beta * self.drop(self._ffn(b, ctx))

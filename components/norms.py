@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo import kernels
-from zoo.registry import register
-from zoo.spec import positive
+from zoo.core import kernels
+from zoo.core.registry import register
+from zoo.core.spec import positive
 
 
 def _row_problem(dim: int):

@@ -7,7 +7,7 @@ z-loss (PaLM) in the model's loss (``zoo.lm_loss``, and the fused loss kernel be
 
 import torch
 
-from zoo.registry import register
+from zoo.core.registry import register
 
 
 @register("stability", "softcap")

@@ -808,7 +808,7 @@ def test_gated_deltanet_writes_by_the_delta_rule():
     """With no decay and beta = 1, writing v under a unit key replaces what that key read: reading
     with the key gives v back exactly, whatever was stored before, in both forms. With beta = 0 the
     mixer writes nothing, so every output is zero."""
-    from zoo.components.gated_deltanet import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+    from zoo.components.mixers.gated_deltanet import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
 
     gen = torch.Generator().manual_seed(0)
     k = l2norm(torch.randn(1, 2, 5, 8, generator=gen))

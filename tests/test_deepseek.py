@@ -151,5 +151,5 @@ def test_describe_shows_the_latent_state_beside_mha(capsys):
 ])
 def test_inconsistent_configs_are_refused_naming_the_field(model_type, field, value, match):
     config = {"model_type": model_type, **tiny.tiny_config(model_type), field: value}
-    with pytest.raises((ConfigError, zoo.spec.SpecError), match=rf"{field}.*{match}"):
+    with pytest.raises((ConfigError, zoo.core.spec.SpecError), match=rf"{field}.*{match}"):
         config_to_spec(config)

@@ -13,7 +13,7 @@ import torch
 
 import zoo
 from zoo.checkpoints import ConfigError, _architecture, config_to_spec
-from zoo.components.dsa import LightningIndexer
+from zoo.components.mixers.dsa import LightningIndexer
 from zoo.core.spec import SpecError
 
 from hf_pairs import assert_logits_equal_with_a_left_padded_row, tiny_pairs

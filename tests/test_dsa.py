@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from zoo.components.dsa import IndexKeys, LightningIndexer
+from zoo.components.mixers.dsa import IndexKeys, LightningIndexer
 from zoo.core.spec import SpecError
 
 transformers = pytest.importorskip("transformers")

@@ -12,7 +12,12 @@ import zoo
 import zoo.testing as zt
 from zoo.checkpoints import CheckpointError, ConfigError, config_to_spec
 from zoo.checkpoints.tiny import make_tiny, tiny_config
-from zoo.components.gated_deltanet import FLUSH_LOG_DECAY, chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from zoo.components.mixers.gated_deltanet import (
+    FLUSH_LOG_DECAY,
+    chunk_gated_delta_rule,
+    l2norm,
+    recurrent_gated_delta_rule,
+)
 from zoo.core.spec import SpecError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -255,7 +260,7 @@ def test_mtp_tensors_are_loaded_into_the_mtp_module(tiny, tmp_path):
     _, model, path = tiny
     mtp = with_mtp(path, tmp_path / "mtp")  # no num_nextn_predict_layers: 1, as vLLM reads it
     loaded = zoo.from_pretrained(tmp_path / "mtp")
-    assert loaded.spec.mtp.depth == 1 and zoo.mtp.mtp_layer_kind(loaded.spec) == loaded.spec.layer_kind(3) == "full_moe"
+    assert loaded.spec.mtp.depth == 1 and zoo.model.mtp.mtp_layer_kind(loaded.spec) == loaded.spec.layer_kind(3) == "full_moe"
     module = loaded.mtp.layers[0]
     for hf, z in [("fc", module.eh_proj), ("pre_fc_norm_embedding", module.enorm),
                   ("pre_fc_norm_hidden", module.hnorm), ("norm", module.norm)]:
@@ -359,5 +364,5 @@ def test_the_preset_is_the_released_model():
     released = Path(__file__).parent / "data" / "configs" / "Qwen--Qwen3-Next-80B-A3B-Instruct.json"
     from_config = config_to_spec(json.loads(released.read_text()))
     preset = zoo.get_spec("qwen3-next-80b-a3b")
-    assert zoo.spec.differences({**preset.to_dict(), "label": None}, from_config.to_dict()) == []
+    assert zoo.core.spec.differences({**preset.to_dict(), "label": None}, from_config.to_dict()) == []
     assert zoo.build("qwen3-next-80b-a3b", device="meta").num_parameters() == 79_674_391_296

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 import zoo.testing as zt  # noqa: E402
 from zoo.core import kernels  # noqa: E402
-from zoo.components import gated_deltanet as gdn  # noqa: E402
+from zoo.components.mixers import gated_deltanet as gdn  # noqa: E402
 from zoo.components.kernels import gated_deltanet as fast  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 import zoo.testing as zt  # noqa: E402
 from zoo.core import kernels  # noqa: E402
-from zoo.components import recurrent  # noqa: E402
+from zoo.components.mixers import _recurrent as recurrent  # noqa: E402
 from zoo.components.kernels import recurrent as fast  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import zoo
 from zoo.core import kernels
-from zoo.components import masks
-from zoo.components.attention import causal_mask
+from zoo.components.mixers import _masks as masks
+from zoo.components.mixers._masks import causal_mask
 from zoo.components.kernels import attention as flex
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -109,7 +109,7 @@ def test_masks_are_not_rebuilt_when_the_shape_repeats_and_once_per_forward_with_
 
 
 def test_dense_masks_of_the_reference_paths_are_built_once_per_forward(monkeypatch):
-    from zoo.components import attention
+    from zoo.components.mixers import attention
 
     built = []
     real = attention.causal_mask

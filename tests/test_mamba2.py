@@ -86,7 +86,7 @@ def test_decoding_conformance_and_the_state_is_fixed_size():
     assert sizes == [2 * 2 * 4 * (conv + ssm)] * 3  # 2 layers x batch 2 x float32, whatever the length
     assert mixer.cost(10) == mixer.cost(10_000)
     assert mixer.cost(10).state_fixed == conv + ssm and mixer.cost(10).state_per_token == 0
-    figures = zoo.accounting.account(model, context=14, batch=2, dtype="fp32")["decode_state"]
+    figures = zoo.tools.accounting.account(model, context=14, batch=2, dtype="fp32")["decode_state"]
     assert figures["bytes"] == figures["fixed_bytes"] == sizes[0] and figures["bytes_per_token"] == 0
 
 

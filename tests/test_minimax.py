@@ -115,7 +115,7 @@ def test_round_trip_through_transformers(pair, tmp_path):
 @pytest.mark.parametrize("field,value", [("layer_types", ["linear_attention", "mamba", "full_attention", "linear_attention"]),
                                          ("layer_types", ["full_attention"]), ("block_size", 0)])
 def test_bad_config_is_named(field, value):
-    with pytest.raises((ConfigError, zoo.spec.SpecError), match=field if field != "block_size" else "chunk"):
+    with pytest.raises((ConfigError, zoo.core.spec.SpecError), match=field if field != "block_size" else "chunk"):
         config_to_spec({**tiny_config("minimax"), "model_type": "minimax", field: value})
 
 
@@ -127,7 +127,7 @@ def test_the_preset_is_the_published_model_and_what_transformers_builds():
     assert [model.spec.layer(i).mixer.name for i in range(16)] == (["lightning_attention"] * 7 + ["attention"]) * 2
     config = {**zoo.checkpoints.format.get_format("minimax").spec_to_config(model.spec), "model_type": "minimax"}
     same_as_transformers(config)  # the parameter count transformers builds from that config, on meta
-    assert zoo.spec.differences(config_to_spec(config).to_dict(), model.spec.to_dict()) == [("label", None, "minimax-text-01")]
+    assert zoo.core.spec.differences(config_to_spec(config).to_dict(), model.spec.to_dict()) == [("label", None, "minimax-text-01")]
 
 
 def test_absent_fields_take_transformers_defaults():

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import zoo  # noqa: E402
 from zoo.core import kernels  # noqa: E402
-from zoo.components.attention import Attention  # noqa: E402
+from zoo.components.mixers.attention import Attention  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

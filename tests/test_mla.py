@@ -75,8 +75,8 @@ def test_the_latent_in_the_state_is_the_normed_compression_and_the_key_part_is_r
     model = zt.tiny_model(spec)
     x = torch.randn(1, 6, spec.d_model)
     mla = model.layers[0].attention
-    ctx = zoo.interfaces.ForwardContext(position_ids=torch.arange(6)[None], slots=torch.arange(6),
-                                        state=zoo.state.DecodeState([mla.new_state(1, 6)]))
+    ctx = zoo.core.context.ForwardContext(position_ids=torch.arange(6)[None], slots=torch.arange(6),
+                                        state=zoo.core.state.DecodeState([mla.new_state(1, 6)]))
     _, _, pos = zt.attention_inputs(spec, B=1, T=6)
     with torch.no_grad():
         mla(x, ctx, pos)

@@ -220,7 +220,7 @@ def test_the_preset_is_nemotron_h_8b_as_transformers_builds_it():
               "mamba_num_heads": 128, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4,
               "chunk_size": 128, "max_position_embeddings": 8192, "layer_norm_epsilon": 1e-5,
               "tie_word_embeddings": False}
-    spec = zoo.recipes.get_spec("nemotron-h-8b")
+    spec = zoo.model.recipes.get_spec("nemotron-h-8b")
     assert spec.with_overrides({"label": None}) == config_to_spec(config)
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))

@@ -87,7 +87,7 @@ def shrink(name: str) -> zoo.Decoder:
     return zoo.build(name, overrides=over, seed=0)
 
 
-FAMILY_REPRESENTATIVES = sorted({zoo.recipes.find_preset(n)[0].name: n for n in zoo.list_models()}.values())
+FAMILY_REPRESENTATIVES = sorted({zoo.model.recipes.find_preset(n)[0].name: n for n in zoo.list_models()}.values())
 
 
 @pytest.mark.parametrize("name", FAMILY_REPRESENTATIVES)
@@ -111,7 +111,7 @@ def test_shrunk_family_runs_forward_and_backward(name):
 
 
 def test_every_family_has_a_representative():
-    families = {zoo.recipes.find_preset(n)[0].name for n in FAMILY_REPRESENTATIVES}
+    families = {zoo.model.recipes.find_preset(n)[0].name for n in FAMILY_REPRESENTATIVES}
     assert families == set(zoo.list_components("family"))
 
 

@@ -4,7 +4,7 @@ one-step recurrence on random inputs of odd lengths, with and without a carried 
 import pytest
 import torch
 
-from zoo.components import recurrent
+from zoo.components.mixers import _recurrent as recurrent
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

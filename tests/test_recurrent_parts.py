@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zoo.components.recurrent import GatedRMSNorm, ShortConv
+from zoo.components.mixers._recurrent import GatedRMSNorm, ShortConv
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -53,7 +53,7 @@ def test_every_supported_model_type_has_a_released_config():
     # zoo's own formats and the example plugins' (a test may have loaded a test-only plugin's too).
     plugins = zoo.manager().plugins
     shipped = {e.name for e in zoo.manager().registry("checkpoint_format").entries()
-               if e.provider in zoo.registry.BUILTIN_PLUGINS
+               if e.provider in zoo.core.registry.BUILTIN_PLUGINS
                or (getattr(plugins.get(e.provider), "distribution", None) or "").startswith("zoo-")}
     assert "llama" in shipped and "phi" in shipped
     assert shipped - set(NOT_STORED_YET) <= have
@@ -200,4 +200,4 @@ def test_mamba2_configs_read_as_released():
     assert ignored_fields(codestral) == ["intermediate_size", "norm_before_gate", "rms_norm",
                                          "time_step_init_scheme", "time_step_scale"]
     for preset, config in (("mamba2-2.7b", layout), ("mamba-codestral-7b", codestral)):
-        assert zoo.recipes.get_spec(preset).with_overrides({"label": None}) == config_to_spec(config)
+        assert zoo.model.recipes.get_spec(preset).with_overrides({"label": None}) == config_to_spec(config)

@@ -35,6 +35,18 @@ from zoo.tools.upcycling import upcycle
 __version__ = "0.2.0"
 
 
+def __getattr__(name):
+    # zoo.registry, zoo.training, ...: modules that moved into the wings; their old paths are shims
+    # that warn and name the new one (zoo.core.deprecations.MOVED_MODULES).
+    import importlib
+
+    from zoo.core.deprecations import MOVED_MODULES
+
+    if f"zoo.{name}" in MOVED_MODULES:
+        return importlib.import_module(f"zoo.{name}")
+    raise AttributeError(f"module 'zoo' has no attribute {name!r}")
+
+
 def from_pretrained(path_or_repo_id, **kw):
     """Load a Hugging Face checkpoint (directory or hub repo id); see :func:`zoo.checkpoints.from_pretrained`."""
     from zoo.checkpoints import from_pretrained as _load

@@ -2,15 +2,15 @@
 (Triton) and attention with soft-capping or a sliding window (FlexAttention).
 
 Importing this package imports neither Triton nor any kernel: it registers each backend under the
-registry kind ``kernel`` by import path, and :mod:`zoo.kernels` loads one when it is chosen.
+registry kind ``kernel`` by import path, and :mod:`zoo.core.kernels` loads one when it is chosen.
 """
 
 import contextlib
 
 import torch
 
-from zoo.kernels import KIND, Backend
-from zoo.registry import manager
+from zoo.core.kernels import KIND, Backend
+from zoo.core.registry import manager
 
 
 def on_device(t: torch.Tensor):
@@ -29,6 +29,5 @@ BACKENDS = (
     Backend("gated_delta", "triton", "zoo.components.kernels.gated_deltanet:chunk_gated_delta_rule"),
 )
 
-manager().add_kind(KIND)
 for _b in BACKENDS:
     manager().add(KIND, f"{_b.component}.{_b.name}", _b)

@@ -11,7 +11,7 @@ O(Tq Tk / 128^2), about 1 MiB of indices at 128k tokens where a dense mask is ov
   (Tq, Tk, window, device): it is built once per shape and reused across layers and steps, and its
   ``mask_mod`` works on indices alone.
 - With padding or cached keys it depends on the data: it is built once per forward and window
-  (:func:`zoo.components.masks.per_forward`) and dropped with the forward's tensors.
+  (:func:`zoo.components.mixers._masks.per_forward`) and dropped with the forward's tensors.
 """
 
 from collections import OrderedDict
@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from zoo.components.masks import per_forward
+from zoo.components.mixers._masks import per_forward
 
 BLOCK = 128  # FlexAttention's default block size, both ways
 _compiled = None

@@ -1,4 +1,4 @@
-"""The chunked gated delta rule (``zoo.components.gated_deltanet.chunk_gated_delta_rule``) as Triton
+"""The chunked gated delta rule (``zoo.components.mixers.gated_deltanet.chunk_gated_delta_rule``) as Triton
 kernels, forward and backward.
 
 Per value head and chunk of ``C`` tokens, with ``G`` the cumulative log decay from the chunk's start
@@ -299,7 +299,7 @@ def _blocks(T, chunk_size, Dk, Dv, block_v):
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk_size=64, *, block_v=None):
-    """:func:`zoo.components.gated_deltanet.chunk_gated_delta_rule` on Triton: the same arguments and
+    """:func:`zoo.components.mixers.gated_deltanet.chunk_gated_delta_rule` on Triton: the same arguments and
     results (outputs in ``v``'s dtype, the final state in fp32). ``chunk_size`` bounds the kernels'
     chunk (see :func:`_blocks`; the chunk changes only the order of fp32 sums); ``block_v`` forces
     the width of a block of value columns (tests)."""

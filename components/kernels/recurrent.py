@@ -1,4 +1,4 @@
-"""The chunked scalar-decay recurrence (``zoo.components.recurrent.chunked``) as Triton kernels,
+"""The chunked scalar-decay recurrence (``zoo.components.mixers._recurrent.chunked``) as Triton kernels,
 forward and backward.
 
 One program per (batch, head) walks the sequence chunk by chunk with the state ``S`` (Dk x Dv, fp32)
@@ -194,7 +194,7 @@ class _ChunkedScalarDecay(torch.autograd.Function):
 
 
 def chunked(q, k, v, log_decay=None, state=None, chunk=64):
-    """:func:`zoo.components.recurrent.chunked` on Triton (``chunk`` is the reference's; the kernel
+    """:func:`zoo.components.mixers._recurrent.chunked` on Triton (``chunk`` is the reference's; the kernel
     picks its own from the head widths, which changes only the order of fp32 sums)."""
     if log_decay is None:
         log_decay = q.new_zeros(q.shape[:-1], dtype=torch.float32)

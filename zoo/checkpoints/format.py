@@ -1,6 +1,6 @@
 """Checkpoint formats: one per HF ``model_type``, registered under registry kind ``checkpoint_format``.
 
-A format turns an HF ``config.json`` into a :class:`~zoo.spec.ModelSpec` and back, and owns the
+A format turns an HF ``config.json`` into a :class:`~zoo.core.spec.ModelSpec` and back, and owns the
 one two-way weight-name map of its ``model_type`` (:mod:`zoo.checkpoints.maps`).
 """
 

@@ -103,7 +103,7 @@ def run(args):
 
 
 def backend_rows(model, args):
-    """``zoo.kernels.backend_table`` for the device asked for, in the compute dtype of --dtype."""
+    """``zoo.core.kernels.backend_table`` for the device asked for, in the compute dtype of --dtype."""
     import torch
 
     from zoo.core.kernels import backend_table

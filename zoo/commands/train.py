@@ -2,7 +2,7 @@
 
 One process: ``zoo train llama3-8b --set n_layers=2 --set d_model=64 --set vocab_size=256 ...``.
 Several: ``accelerate launch [--config_file examples/accelerate/fsdp2-8gpu.yaml] -m zoo.cli train ...``
-or ``torchrun --nproc_per_node N -m zoo.cli train ...``. Every :class:`~zoo.training.TrainConfig`
+or ``torchrun --nproc_per_node N -m zoo.cli train ...``. Every :class:`~zoo.train.config.TrainConfig`
 field is an option (``--global-batch 64``, ``--fsdp``, ``--data a.txt b.txt``).
 """
 

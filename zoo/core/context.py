@@ -14,7 +14,7 @@ class ForwardContext:
     padding), which causal and sliding-window masks are computed on; ``position_ids`` are the
     positions the position encoding sees (they skip padding). ``key_mask`` (B, past + T) marks
     real tokens, ``None`` when there is no padding. ``state`` is the decode state
-    (:class:`zoo.state.DecodeState`) when decoding incrementally: a mixer reads and updates its own
+    (:class:`zoo.core.state.DecodeState`) when decoding incrementally: a mixer reads and updates its own
     entry ``state.layers[index]`` and nothing else.
 
     Parts report training signals through :meth:`add_loss` and :meth:`add_metric`; the model's loss

@@ -63,6 +63,19 @@ MOVED_MODULES: dict[str, tuple[str, ...]] = {
     "zoo.accounting": ("zoo.tools.accounting",),
     "zoo.verification": ("zoo.tools.verification",),
     "zoo.upcycling": ("zoo.tools.upcycling",),
+    "zoo.components.attention": ("zoo.components.mixers.attention", "zoo.components.mixers._masks"),
+    "zoo.components.mla": ("zoo.components.mixers.mla",),
+    "zoo.components.dsa": ("zoo.components.mixers.dsa",),
+    "zoo.components.linear_attention": ("zoo.components.mixers.linear_attention", "zoo.components.blocks"),
+    "zoo.components.mamba2": ("zoo.components.mixers.mamba2", "zoo.components.blocks"),
+    "zoo.components.gated_deltanet": ("zoo.components.mixers.gated_deltanet",),
+    "zoo.components.recurrent": ("zoo.components.mixers._recurrent", "zoo.core.state"),
+    "zoo.components.masks": ("zoo.components.mixers._masks",),
+    "zoo.components.ffn_only": ("zoo.components.mixers.none", "zoo.core.state", "zoo.components.blocks"),
+    "zoo.components.ffn": ("zoo.components.ffn.dense",),
+    "zoo.components.moe": ("zoo.components.ffn.moe", "zoo.components.ffn.routers"),
+    "zoo.components.positions": ("zoo.components.positions.encodings",),
+    "zoo.components.rope_scaling": ("zoo.components.positions.rope_scaling",),
 }
 
 

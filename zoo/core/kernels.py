@@ -108,7 +108,7 @@ def configure(setting: Optional[str]) -> None:
 
 @contextlib.contextmanager
 def using(setting: Optional[str]) -> Iterator[None]:
-    """``with zoo.kernels.using("off"): ...`` runs the block with ``setting`` in force."""
+    """``with zoo.core.kernels.using("off"): ...`` runs the block with ``setting`` in force."""
     global _override
     before = _override
     configure(setting)

@@ -170,6 +170,22 @@ def takes_ctx(module: nn.Module) -> bool:
 # The interface of each kind
 # ---------------------------------------------------------------------------------------------
 
+#: Every kind of registered thing. Plugins may add kinds (``registry.add_kind``); zoo's own are all here.
+KINDS = (
+    "norm",
+    "activation",
+    "ffn",
+    "position",
+    "rope_scaling",
+    "mixer",
+    "block",
+    "stability",
+    "family",
+    "checkpoint_format",
+    "router",  # a mixture of experts' router (components/ffn/routers.py)
+    "kernel",  # a fast implementation behind a part (zoo.core.kernels dispatches; components/kernels/)
+)
+
 #: The keyword arguments the builder passes to each module-like kind's constructor
 #: (``cls(config, **context)``), and the arguments of its ``forward``.
 CONSTRUCTOR_CONTEXT: dict[str, tuple[str, ...]] = {
@@ -180,6 +196,7 @@ CONSTRUCTOR_CONTEXT: dict[str, tuple[str, ...]] = {
     "rope_scaling": ("dim", "theta"),
     "mixer": ("d_model", "layer", "spec", "index"),
     "block": ("spec", "layer", "index"),
+    "router": ("d_model", "n_experts", "top_k"),
 }
 #: The arguments of each kind's ``forward``. An FFN is called ``(x, ctx)`` when its forward takes the
 #: context (``ctx=None`` when it runs alone), else ``(x)``.
@@ -189,9 +206,10 @@ FORWARD_ARGS: dict[str, tuple[str, ...]] = {
     "ffn": ("x",),
     "mixer": ("x", "ctx", "pos"),
     "block": ("x", "ctx", "pos"),
+    "router": ("x",),
 }
 #: Methods a kind must provide beyond its constructor and forward. A mixer's ``new_state``,
-#: ``rotary_dim``, ``cost`` and ``facts`` are optional (see zoo.interfaces.Mixer for the defaults).
+#: ``rotary_dim``, ``cost`` and ``facts`` are optional (see zoo.core.kinds.Mixer for the defaults).
 METHODS: dict[str, tuple[str, ...]] = {
     "position": ("embed", "prepare", "rotate", "score_bias"),
     "rope_scaling": ("frequencies",),
@@ -255,7 +273,7 @@ def _module_part(kind: str) -> Callable[[Any], list[str]]:
                 missing.append(f"a `{name}` method")
         if kind == "position" and getattr(obj, "applies_to", None) not in POSITION_APPLIES_TO:
             missing.append(f"`applies_to` set to one of {', '.join(map(repr, POSITION_APPLIES_TO))} "
-                           "(subclass zoo.interfaces.PositionEncoding)")
+                           "(subclass zoo.core.kinds.PositionEncoding)")
         return missing
 
     return check

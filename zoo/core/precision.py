@@ -4,7 +4,7 @@ A part lists the names of its own parameters and buffers that must stay in float
 attribute ``fp32_tensors`` (the MoE router's selection bias: DeepSeek-V3's
 ``e_score_correction_bias``, whose rounding to bfloat16 changes which experts are chosen). zoo
 honours it wherever it sets the model's dtype: ``model.to(dtype)`` / ``.half()`` / ``.bfloat16()``
-(:meth:`zoo.model.Decoder._apply`), ``build_model(dtype=...)``, and loading a checkpoint, with or
+(:meth:`zoo.model.decoder.Decoder._apply`), ``build_model(dtype=...)``, and loading a checkpoint, with or
 without ``dtype=`` (such a tensor is read as float32 and is exempt from the one-dtype check of the
 rest). Saving writes it as float32, as transformers does. This is transformers'
 ``_keep_in_fp32_modules_strict`` (kept in float32 for both float16 and bfloat16), declared by the

@@ -26,26 +26,14 @@ from typing import Any, Callable, Iterator, Optional
 import pluggy
 
 from zoo.core import hooks, kinds
-from zoo.core.kinds import KIND_ALIASES, canonical_kind  # noqa: F401  (re-exported)
+from zoo.core.kinds import KINDS, KIND_ALIASES, canonical_kind  # noqa: F401  (re-exported)
 from zoo.core.kinds import interface  # noqa: F401  (re-exported: kinds declare their interface here too)
 
 ENTRY_POINT_GROUP = "zoo.plugins"
 # Built-in plugins, loaded by module name the way pytest loads its own: through the same hook.
 BUILTIN_PLUGINS = ("zoo.components", "zoo.families", "zoo.checkpoints.formats")
 
-KINDS = (
-    "norm",
-    "activation",
-    "ffn",
-    "position",
-    "rope_scaling",
-    "mixer",
-    "block",
-    "stability",
-    "family",
-    "checkpoint_format",
-)
-#: Readers that turn a file into a registrable object, by kind (``zoo.recipes`` adds the family reader),
+#: Readers that turn a file into a registrable object, by kind (``zoo.model.recipes`` adds the family reader),
 #: so that ``add_family(path)`` works without the registry importing the recipes.
 FILE_READERS: dict[str, Callable[[Any], Any]] = {}
 
@@ -279,7 +267,7 @@ class PluginManager:
             if owner is None:
                 self.ensure_loaded()  # so a name clash with a built-in or a plugin is seen now
             else:
-                # A built-in module imported before the registry loaded (`from zoo.components.attention
+                # A built-in module imported before the registry loaded (`from zoo.components.mixers.attention
                 # import causal_mask` first thing): loading now would run the plugins while that module
                 # is half-imported, before its own parts exist. It is credited to its plugin, which
                 # lists it when it loads.
@@ -311,7 +299,7 @@ class PluginManager:
         return self.add("ffn", name, cls, override=override)
 
     def add_position(self, name: str, cls: type, *, override: bool = False) -> type:
-        """A :class:`zoo.interfaces.PositionEncoding` built as ``cls(config, spec=..., layer=...)``."""
+        """A :class:`zoo.core.kinds.PositionEncoding` built as ``cls(config, spec=..., layer=...)``."""
         return self.add("position", name, cls, override=override)
 
     def add_rope_scaling(self, name: str, cls: type, *, override: bool = False) -> type:

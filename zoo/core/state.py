@@ -117,7 +117,7 @@ class DecodeState:
 
     def truncate(self, n: int) -> None:
         """Forget the slots from ``n`` on (speculative decoding drops rejected draft tokens): every
-        layer state must provide the optional ``truncate(n)`` (see :class:`zoo.interfaces.LayerState`)."""
+        layer state must provide the optional ``truncate(n)`` (see :class:`zoo.core.kinds.LayerState`)."""
         if not 0 <= n <= self.seen:
             raise ValueError(f"cannot truncate a decode state of {self.seen} slots to {n}")
         for i, s in enumerate(self.layers):
@@ -276,3 +276,44 @@ class StaticKVState:
 
     def to_static(self, max_len: int) -> "StaticKVState":
         return self
+
+
+class FixedState:
+    """A recurrent layer's decode state: named tensors of fixed shape whatever the length, made on
+    the first forward when the batch is not known up front and updated in place (so the static state
+    of compiled decoding is this object itself). ``FixedState(batch, device, S=((H, Dk, Dv),
+    torch.float32))`` holds ``.S``; ``get(batch)`` returns the tensors in the order given."""
+
+    def __init__(self, batch: Optional[int], device, **tensors: tuple[tuple[int, ...], torch.dtype]):
+        self.specs, self.device = tensors, device
+        for name in tensors:
+            setattr(self, name, None)
+        if batch is not None:
+            self.get(batch)
+
+    def get(self, batch: int) -> tuple[torch.Tensor, ...]:
+        if getattr(self, next(iter(self.specs))) is None:
+            for name, (shape, dtype) in self.specs.items():
+                setattr(self, name, torch.zeros(batch, *shape, dtype=dtype, device=self.device))
+        return tuple(getattr(self, name) for name in self.specs)
+
+    def nbytes(self) -> int:
+        tensors = [getattr(self, name) for name in self.specs]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def to_static(self, max_len: int) -> "FixedState":
+        return self  # already of fixed size, updated in place
+
+
+class NoState:
+    """The decode state of a layer that mixes no tokens: it holds nothing and serves every decoding
+    path (compiled steps, truncation)."""
+
+    def nbytes(self) -> int:
+        return 0
+
+    def to_static(self, max_len: int) -> "NoState":
+        return self
+
+    def truncate(self, n: int) -> None:
+        pass

@@ -138,11 +138,11 @@ def generate(
     ends. ``attention_mask`` (B, T): 1 for real tokens, 0 for left padding. ``callback`` (or a
     transformers-style ``streamer`` with ``put``/``end``) receives each new (B,) column of tokens
     as it is produced. ``compile=True``: prefill eagerly, then decode with one ``torch.compile``d
-    step over a static decode state (zoo.compiled); the first call pays the compilation. ``state``
+    step over a static decode state (zoo.inference.compiled); the first call pays the compilation. ``state``
     (``cache`` is its old name) continues a decode state the caller keeps. ``speculative="mtp"``:
     greedy self-speculative decoding, the model's multi-token prediction module drafting and the
     main model verifying (one sequence at a time; same tokens as plain greedy); ``stats`` (a
-    :class:`zoo.mtp.SpeculationStats`) then receives the drafts made and accepted.
+    :class:`zoo.inference.speculative.SpeculationStats`) then receives the drafts made and accepted.
     """
     state = state if state is not None else cache
     if input_ids.dim() == 1:

@@ -1,4 +1,4 @@
-"""Assemble a decoder-only language model from a :class:`~zoo.spec.ModelSpec`.
+"""Assemble a decoder-only language model from a :class:`~zoo.core.spec.ModelSpec`.
 
 Every part is looked up in the registry by the name the spec gives; this module knows no
 specific norm, attention or family. Data flows: ids -> embeddings (+ absolute positions)
@@ -143,7 +143,7 @@ class Decoder(nn.Module):
 
     def run_layers(self, input_ids: torch.Tensor, ctx: ForwardContext, output_hidden_states: bool = False):
         """The layers' pass for a context already built (slots, positions, masks, decode state);
-        free of data-dependent Python branches, so a compiled decode step can trace it (zoo.compiled)."""
+        free of data-dependent Python branches, so a compiled decode step can trace it (zoo.inference.compiled)."""
         position_ids = ctx.position_ids
         x = self.embed_tokens(input_ids)
         states: dict[Optional[str], Optional[PositionState]] = {None: None}

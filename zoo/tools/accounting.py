@@ -2,7 +2,7 @@
 about a second even for a 405B model).
 
 The formulas are the lecture notes' (see docs/accounting.md); each part reports its own share
-(``cost(context)`` and ``facts()``, see zoo.interfaces), and this module only adds them up:
+(``cost(context)`` and ``facts()``, see zoo.core.kinds), and this module only adds them up:
 
 - parameters, split into embedding (token embeddings, an untied output head, learned positions)
   and non-embedding, and the active ones (a part that uses fewer per token says how many);

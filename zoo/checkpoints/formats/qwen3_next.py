@@ -18,7 +18,7 @@ pre_fc_norm_hidden(h[i])]``, embedding first as vLLM's ``qwen3_next_mtp`` concat
 ``mtp.layers.0``, a gated-attention MoE layer, then ``mtp.norm``. transformers drops it; zoo loads
 and saves it. ``num_nextn_predict_layers`` counts the modules; the released config.json leaves it
 out and vLLM then reads 1, as zoo does. A checkpoint without ``mtp.*`` tensors (one transformers
-wrote) loads the main model alone (zoo.mtp.without_absent_mtp). The layout stores one ``mtp.fc``,
+wrote) loads the main model alone (zoo.checkpoints.mtp.without_absent_mtp). The layout stores one ``mtp.fc``,
 so a depth above 1 is refused.
 """
 

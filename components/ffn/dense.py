@@ -6,10 +6,10 @@ from typing import ClassVar, Literal, Optional
 
 from torch import nn
 
-from zoo import kernels
-from zoo.interfaces import build_part
-from zoo.registry import register
-from zoo.spec import Part, SpecError, part_field
+from zoo.core import kernels
+from zoo.core.spec import build_part
+from zoo.core.registry import register
+from zoo.core.spec import Part, SpecError, part_field
 
 
 def derive_d_ff(d_model: int, rule: str, multiple_of: int = 1, multiplier: Optional[float] = None) -> int:
@@ -75,7 +75,7 @@ class MLP(nn.Module):
     @classmethod
     def resolved(cls, cfg, d_model: int) -> dict:
         """The settings with the width computed (rule, multiple and multiplier folded into ``d_ff``)."""
-        from zoo.spec import to_dict
+        from zoo.core.spec import to_dict
 
         out = {k: v for k, v in to_dict(cfg).items() if k not in ("d_ff_rule", "multiple_of", "ffn_dim_multiplier")}
         out["d_ff"] = cfg.d_ff or derive_d_ff(d_model, cfg.d_ff_rule, cfg.multiple_of, cfg.ffn_dim_multiplier)

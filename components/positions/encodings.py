@@ -7,12 +7,12 @@ from typing import ClassVar, Literal, Optional
 import torch
 from torch import nn
 
-from zoo import kernels
-from zoo.interfaces import PositionEncoding, rotary_dim_of
-from zoo.registry import register
-from zoo.spec import Part, SpecError, part_field, positive
+from zoo.core import kernels
+from zoo.core.kinds import PositionEncoding, rotary_dim_of
+from zoo.core.registry import register
+from zoo.core.spec import Part, SpecError, part_field, positive
 
-from .rope_scaling import default_inv_freq
+from zoo.components.positions.rope_scaling import default_inv_freq
 
 
 @register("position", "nope")

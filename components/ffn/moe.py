@@ -1,0 +1,364 @@
+"""Mixture-of-Experts: the ``moe`` FFN and its routers (registry kind ``router``).
+
+An ``moe`` FFN holds ``n_experts`` experts stored stacked (``w_gate``, ``w_up``: E x d_ff x d_model;
+``w_down``: E x d_model x d_ff), a router that picks ``top_k`` of them per token, and optionally a
+shared expert every token uses (gated by a sigmoid, as in Qwen-MoE). The output is
+
+    sum_{e in top-k} routed_scaling * w_e * expert_e(x)  +  [sigmoid(g . x)] * shared(x)
+
+where the routing weights ``w_e`` are renormalised to sum to one when ``norm_topk_prob``.
+
+Routers run in float32 whatever the model's dtype. Each is a registered part (a plugin may add
+one): ``softmax_topk`` (Qwen, OLMoE), ``topk_softmax`` (Mixtral, DBRX), ``sigmoid_group``
+(DeepSeek-V3: sigmoid scores, a selection bias, group-limited top-k) and ``greedy_group``
+(DeepSeek-V2: softmax scores, group-limited greedy).
+
+Balancing, each a named loss term weighted from the spec (0 = off), through the forward context:
+
+- ``moe_switch``: the Switch loss per layer as the lecture notes write it, ``E * sum_i f_i P_i``
+  with ``f_i`` the fraction of tokens routed to expert i and ``P_i`` its mean router probability;
+  the layers' terms add up;
+- ``moe_switch_pooled``: transformers' convention: every layer's counts and probabilities pooled
+  before one product is taken (its ``load_balancing_loss_func``; softmax of the logits);
+- ``moe_sequence``: DeepSeek-V3's sequence-wise loss; ``moe_device``: DeepSeek-V2's device-level
+  loss over ``n_devices`` equal groups of experts;
+- ``router_z``: ST-MoE's router z-loss, the mean over tokens of ``logsumexp(logits)^2``;
+- auxiliary-loss-free balancing (``bias_update``): the router's selection bias, a buffer, moves by
+  ``bias_rate`` after each optimizer step from the load counted since the last one, summed over
+  every process: ``"sign"`` is the paper's rule ``b_i += rate * sign(mean_load - load_i)``,
+  ``"sign_centered"`` the same step re-centred to mean zero.
+
+Metrics: each MoE layer's load (the largest expert's share over the mean share, ``moe_load_max``,
+and per layer ``moe_load_max.<j>``) and the router's entropy (``router_entropy``).
+
+Dispatch sorts the token copies by expert and runs each expert on its contiguous run: as one
+grouped matmul (``torch._grouped_mm``) where torch has it for the device and dtype and the widths
+are 16-byte aligned, else expert by expert (the reference path, always available; ``dispatch =
+"loop"`` forces it).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.core.kinds import Cost
+from zoo.core.spec import build_part
+from zoo.components.ffn.routers import Routing
+from zoo.core.registry import register
+from zoo.core.spec import Part, SpecError, part_field, positive
+
+
+
+# ------------------------------------------------------------------------------------- routers
+
+
+
+# ----------------------------------------------------------------------------------- dispatch
+
+@functools.lru_cache(maxsize=None)
+def _grouped_mm_ok(device_type: str, dtype: torch.dtype) -> bool:
+    """``torch._grouped_mm`` runs here for this dtype (it needs rows aligned to 16 bytes: see
+    :meth:`MoE.experts`)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.randn(8, 16, device=device_type).to(dtype)
+        w = torch.randn(2, 16, 16, device=device_type).to(dtype)
+        torch._grouped_mm(x, w, offs=torch.tensor([3, 8], device=device_type, dtype=torch.int32))
+        return True
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _experts_grouped(xs, counts, w_gate, w_up, w_down, act, gated):
+    offs = counts.cumsum(0).to(torch.int32)
+    h = torch._grouped_mm(xs, w_up.transpose(-2, -1), offs=offs)
+    h = act(torch._grouped_mm(xs, w_gate.transpose(-2, -1), offs=offs)) * h if gated else act(h)
+    return torch._grouped_mm(h, w_down.transpose(-2, -1), offs=offs)
+
+
+def _experts_loop(xs, counts, w_gate, w_up, w_down, act, gated):
+    # unbind once: indexing w[e] per expert would make backward allocate a whole (E, ...) gradient per expert
+    ups, downs = w_up.unbind(0), w_down.unbind(0)
+    gates = w_gate.unbind(0) if gated else None
+    outs = []
+    for e, chunk in enumerate(torch.split(xs, counts.tolist())):
+        if chunk.shape[0] == 0:
+            continue
+        h = F.linear(chunk, ups[e])
+        h = act(F.linear(chunk, gates[e])) * h if gated else act(h)
+        outs.append(F.linear(h, downs[e]))
+    return torch.cat(outs) if outs else xs.new_zeros(0, w_down.shape[1])
+
+
+# ----------------------------------------------------------------------------------- the FFN
+
+LOSSES = ("switch_loss", "switch_pooled_loss", "sequence_loss", "device_loss", "z_loss")
+
+
+@register("ffn", "moe")
+class MoE(nn.Module):
+    """``n_experts`` stacked experts (the ``expert`` FFN's kind: any gated or plain two-matrix FFN,
+    SwiGLU by default), ``top_k`` chosen per token by the ``router``; optional shared expert."""
+
+    @dataclass(frozen=True)
+    class Config:
+        n_experts: int = 8
+        top_k: int = 2
+        d_ff: int = 64  # each expert's width
+        expert: Part = part_field("ffn", "swiglu")
+        router: Part = part_field("router", "softmax_topk")
+        norm_topk_prob: bool = False
+        routed_scaling: float = 1.0
+        shared_d_ff: Optional[int] = None  # width of the shared expert (None: no shared expert)
+        shared_gate: bool = False  # sigmoid(g . x) times the shared expert's output (Qwen-MoE)
+        # Loss weights (0: the term is not computed).
+        switch_loss: float = 0.0
+        switch_pooled_loss: float = 0.0
+        sequence_loss: float = 0.0
+        device_loss: float = 0.0
+        n_devices: int = 1
+        z_loss: float = 0.0
+        bias_update: Literal["none", "sign", "sign_centered"] = "none"
+        bias_rate: float = 0.001
+        dispatch: Literal["auto", "grouped", "loop"] = "auto"
+        # Each expert takes at most ceil(capacity_factor * tokens * top_k / n_experts) token copies per
+        # forward; the rest are dropped (None: no limit). A batch-level rule: tokens then depend on
+        # their neighbours in the batch, so incremental decoding no longer equals the full forward.
+        capacity_factor: Optional[float] = None
+
+        def check(self):
+            for name in ("n_experts", "top_k", "d_ff", "shared_d_ff", "n_devices", "capacity_factor"):
+                positive(name, getattr(self, name), allow_none=name in ("shared_d_ff", "capacity_factor"))
+            if self.top_k > self.n_experts:
+                raise SpecError("top_k", f"top_k = {self.top_k} is more than n_experts = {self.n_experts}")
+            if self.shared_gate and self.shared_d_ff is None:
+                raise SpecError("shared_gate", "gates a shared expert: set shared_d_ff too")
+            for name in LOSSES:
+                if getattr(self, name) < 0:
+                    raise SpecError(name, f"a loss weight must be >= 0, got {getattr(self, name)}")
+            if self.n_experts % self.n_devices:
+                raise SpecError("n_devices", f"{self.n_devices} devices do not divide {self.n_experts} experts")
+            cls = self.expert.cls
+            if not (issubclass(cls, nn.Module) and hasattr(cls, "gated") and hasattr(self.expert.config, "bias")):
+                raise SpecError("expert.name", f"{self.expert.name!r} cannot be stacked: experts are two-matrix or "
+                                "gated FFNs (mlp, glu, swiglu, geglu, reglu)")
+            if self.expert.config.bias:
+                raise SpecError("expert.bias", "stacked experts have no biases")
+            try:
+                self.router.cls.check_experts(self.router.config, self.n_experts, self.top_k)
+            except SpecError as exc:
+                raise exc.under("router") from None
+            except AttributeError:
+                pass  # a plugin router without the check
+            if self.bias_update != "none" and not getattr(self.router.config, "selection_bias", False):
+                raise SpecError("bias_update", "moves the router's selection bias: set router.selection_bias = true")
+
+    def __init__(self, cfg, *, d_model: int):
+        super().__init__()
+        self.cfg, self.d_model = cfg, d_model
+        E, Fd = cfg.n_experts, cfg.d_ff
+        self.gated = bool(cfg.expert.cls.gated)
+        self.act = build_part(cfg.expert.config.activation, "activation")
+        self.router = cfg.router.build(d_model=d_model, n_experts=E, top_k=cfg.top_k)
+        self.w_gate = nn.Parameter(torch.empty(E, Fd, d_model)) if self.gated else None
+        self.w_up = nn.Parameter(torch.empty(E, Fd, d_model))
+        self.w_down = nn.Parameter(torch.empty(E, d_model, Fd))
+        self.shared = None
+        self.shared_gate = None
+        if cfg.shared_d_ff is not None:
+            shared = Part("ffn", cfg.expert.name, _with(cfg.expert.config, d_ff=cfg.shared_d_ff))
+            self.shared = shared.build(d_model=d_model)
+            if cfg.shared_gate:
+                self.shared_gate = nn.Linear(d_model, 1, bias=False)
+        # Tokens routed to each expert since the last optimizer step (aux-loss-free balancing).
+        self.register_buffer("load", torch.zeros(E), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for w in (self.w_gate, self.w_up, self.w_down):
+                if w is not None and not w.is_meta:
+                    w.normal_(0.0, 0.02)
+            if not self.load.is_meta:
+                self.load.zero_()
+
+    # -- facts ----------------------------------------------------------------------------------
+    @staticmethod
+    def shrink(cfg, *, d_ff: int = 64, **_) -> dict:
+        E = min(cfg.n_experts, 8)
+        out: dict[str, Any] = {"n_experts": E, "top_k": min(cfg.top_k, 2), "d_ff": max(d_ff // 4, 8),
+                               "n_devices": 1 if E % cfg.n_devices else cfg.n_devices}
+        if cfg.shared_d_ff is not None:
+            out["shared_d_ff"] = d_ff
+        router = cfg.router.cls.shrink_to(cfg.router.config, E) if hasattr(cfg.router.cls, "shrink_to") else {}
+        if router:
+            out["router"] = {**cfg.router.to_dict(), **router}
+        return out
+
+    def facts(self) -> dict:
+        shared = f" + shared {self.cfg.shared_d_ff}" if self.shared is not None else ""
+        return {"experts": f"top-{self.cfg.top_k} of {self.cfg.n_experts} ({self.cfg.router.name}){shared}",
+                "d_ff": self.cfg.d_ff}
+
+    def cost(self, context: int) -> Cost:
+        per_expert = sum(w[0].numel() for w in (self.w_gate, self.w_up, self.w_down) if w is not None)
+        rest = sum(p.numel() for n, p in self.named_parameters() if not n.startswith("w_"))
+        return Cost(active_params=rest + self.cfg.top_k * per_expert)
+
+    # -- forward --------------------------------------------------------------------------------
+    def route(self, flat: torch.Tensor) -> Routing:
+        r = self.router(flat)
+        w = r.weights
+        if self.cfg.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        if self.cfg.routed_scaling != 1.0:
+            w = w * self.cfg.routed_scaling
+        return Routing(r.logits, r.probs, r.indices, w)
+
+    def experts(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Sum over each token's chosen experts of weight x expert(token): the token copies sorted
+        by expert, each expert run on its contiguous run, the results added back per token. With a
+        capacity factor, each expert takes at most ``ceil(factor * N * k / E)`` copies (the earliest
+        tokens first); the rest are dropped (they add nothing: the residual carries the token).
+        Returns the output and the number of dropped copies."""
+        N, k = indices.shape
+        E = self.cfg.n_experts
+        order = indices.reshape(-1).argsort(stable=True)
+        counts = torch.bincount(indices.reshape(-1), minlength=E)
+        dropped = 0
+        if self.cfg.capacity_factor is not None:
+            capacity = math.ceil(self.cfg.capacity_factor * N * k / E)
+            expert = indices.reshape(-1)[order]
+            rank = torch.arange(N * k, device=flat.device) - (counts.cumsum(0) - counts)[expert]
+            keep = rank < capacity
+            dropped = int((~keep).sum())
+            order, counts = order[keep], counts.clamp(max=capacity)
+        token = order // k
+        xs = flat.index_select(0, token)
+        mode = self.cfg.dispatch
+        aligned = all(n * flat.element_size() % 16 == 0 for n in (self.d_model, self.cfg.d_ff))
+        # Under torch.compile the loop path (the grouped kernel's fake-tensor rule wants bf16).
+        grouped_ok = not torch.compiler.is_compiling() and aligned and _grouped_mm_ok(flat.device.type, flat.dtype)
+        if mode == "grouped" or (mode == "auto" and grouped_ok):
+            ys = _experts_grouped(xs, counts, self.w_gate, self.w_up, self.w_down, self.act, self.gated)
+        else:
+            ys = _experts_loop(xs, counts, self.w_gate, self.w_up, self.w_down, self.act, self.gated)
+        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+        return torch.zeros_like(flat).index_add_(0, token, ys), dropped
+
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        r = self.route(flat)
+        out, dropped = self.experts(flat, r.indices, r.weights)
+        if self.shared is not None:
+            s = self.shared(flat)
+            if self.shared_gate is not None:
+                s = torch.sigmoid(self.shared_gate(flat)) * s
+            out = out + s
+        if self.training and self.cfg.bias_update != "none":
+            with torch.no_grad():
+                self.load += torch.bincount(r.indices.reshape(-1), minlength=self.cfg.n_experts).to(self.load.dtype)
+        if ctx is not None:
+            self.report(r, ctx, shape[:-1])
+            if self.cfg.capacity_factor is not None:
+                ctx.add_metric("moe_dropped", torch.tensor(dropped / r.indices.numel()))
+        return out.reshape(shape)
+
+    # -- balancing ------------------------------------------------------------------------------
+    def report(self, r: Routing, ctx, lead: torch.Size) -> None:
+        """Add this layer's loss terms and metrics to the forward context."""
+        cfg, E, k = self.cfg, self.cfg.n_experts, self.cfg.top_k
+        mask = _token_mask(ctx, lead, r.logits.device)  # (N,) 1 for real tokens
+        chosen = torch.zeros_like(r.probs).scatter_(1, r.indices, 1.0)  # (N, E)
+        real = mask.sum().clamp(min=1)
+        f = (chosen * mask[:, None]).sum(0) / real  # fraction of tokens routed to each expert (sums to k)
+        P = (r.probs * mask[:, None]).sum(0) / real
+        if cfg.switch_loss:
+            ctx.add_loss("moe_switch", E * (f * P).sum(), cfg.switch_loss)
+        if cfg.switch_pooled_loss:
+            self._pool(r, ctx, mask)
+        if cfg.sequence_loss or cfg.device_loss:
+            B = lead[0] if len(lead) == 2 else 1
+            m = mask.view(B, -1, 1)
+            real_b = m.sum(1).clamp(min=1)  # (B, 1)
+            f_seq = (chosen.view(B, -1, E) * m).sum(1) / real_b * (E / k)  # (B, E)
+            P_seq = (r.probs.view(B, -1, E) * m).sum(1) / real_b
+            if cfg.sequence_loss:
+                ctx.add_loss("moe_sequence", (f_seq * P_seq).sum(-1).mean(), cfg.sequence_loss)
+            if cfg.device_loss:
+                D = cfg.n_devices
+                f_dev = f_seq.view(B, D, E // D).mean(-1)
+                P_dev = P_seq.view(B, D, E // D).sum(-1)
+                ctx.add_loss("moe_device", (f_dev * P_dev).sum(-1).mean(), cfg.device_loss)
+        if cfg.z_loss:
+            z = torch.logsumexp(r.logits, dim=-1).pow(2)
+            ctx.add_loss("router_z", (z * mask).sum() / real, cfg.z_loss)
+        with torch.no_grad():
+            j = ctx.shared.get("moe_layers", 0)
+            ctx.shared["moe_layers"] = j + 1
+            load = f / k
+            ratio = load.max() / load.mean()
+            ctx.add_metric("moe_load_max", ratio)
+            ctx.add_metric(f"moe_load_max.{j}", ratio)
+            entropy = -(r.probs * r.probs.clamp_min(1e-20).log()).sum(-1)
+            ctx.add_metric("router_entropy", (entropy * mask).sum() / real)
+
+    def _pool(self, r: Routing, ctx, mask: torch.Tensor) -> None:
+        """Gather this layer's counts and probabilities for the loss pooled over every layer, as
+        transformers' ``load_balancing_loss_func`` computes it (softmax of the logits, top-k of it)."""
+        cfg, E = self.cfg, self.cfg.n_experts
+        probs = r.logits.softmax(-1)
+        top = probs.topk(cfg.top_k, dim=-1).indices
+        counts = torch.zeros_like(probs).scatter_(1, top, 1.0)
+        pool = ctx.shared.setdefault("moe_switch_pooled", {"E": E, "counts": 0.0, "probs": 0.0, "rows": 0.0,
+                                                           "weight": cfg.switch_pooled_loss})
+        if pool["E"] != E:
+            raise ValueError(f"moe switch_pooled_loss pools layers of {pool['E']} and {E} experts; use switch_loss")
+        pool["counts"] = pool["counts"] + (counts * mask[:, None]).sum(0)
+        pool["probs"] = pool["probs"] + (probs * mask[:, None]).sum(0)
+        pool["rows"] = pool["rows"] + mask.sum()
+        ctx.at_end("moe_switch_pooled", _pooled_loss)
+
+    @torch.no_grad()
+    def after_optimizer_step(self, *, reduce) -> None:
+        """Auxiliary-loss-free balancing: move the selection bias towards balance by the global load."""
+        if self.cfg.bias_update == "none":
+            return
+        load = reduce(self.load.clone())
+        step = self.cfg.bias_rate * torch.sign(load.mean() - load)
+        if self.cfg.bias_update == "sign_centered":
+            step = step - step.mean()
+        self.router.bias += step.to(self.router.bias.dtype)
+        self.load.zero_()
+
+
+def _pooled_loss(ctx) -> None:
+    pool = ctx.shared["moe_switch_pooled"]
+    rows = pool["rows"].clamp(min=1)
+    loss = pool["E"] * ((pool["counts"] / rows) * (pool["probs"] / rows)).sum()
+    ctx.add_loss("moe_switch_pooled", loss, pool["weight"])
+
+
+def _token_mask(ctx, lead: torch.Size, device) -> torch.Tensor:
+    """(N,) float: 1 for real tokens, 0 for padding (from the context's key mask)."""
+    n = 1
+    for d in lead:
+        n *= d
+    if ctx.key_mask is None or len(lead) != 2:
+        return torch.ones(n, device=device)
+    return ctx.key_mask[:, ctx.slots].reshape(-1).to(device=device, dtype=torch.float32)
+
+
+def _with(config: Any, **changes: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)

@@ -1,0 +1,253 @@
+"""Causal self-attention: MHA, GQA and MQA as one part, chosen by the number of kv heads.
+
+head_dim is independent of d_model; the score scale can be set (Gemma's
+``query_pre_attn_scalar``); a causal sliding window; QK-norm per head (Gemma 3) or over the whole
+projection (OLMo 2); tanh soft-capping of scores (Gemma 2). Runs on
+``scaled_dot_product_attention`` (GQA without repeating K/V) whenever the semantics allow, and on
+the eager path (the reference) when they do not (soft-capping) or when asked.
+"""
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.core import kernels
+from zoo.core.kinds import Cost
+from zoo.core.registry import register
+from zoo.core.spec import SpecError, positive
+from zoo.core.state import KVState
+
+from zoo.components.mixers._masks import causal_mask, dense_mask  # noqa: F401  (causal_mask: importable from its old home)
+from zoo.components.stability import softcap
+
+
+def attention_kind(n_heads: int, n_kv_heads: int) -> str:
+    """MHA, MQA or GQA-<kv heads>."""
+    if n_kv_heads == n_heads:
+        return "MHA"
+    if n_kv_heads == 1:
+        return "MQA"
+    return f"GQA-{n_kv_heads}"
+
+
+@register("mixer", "attention")
+class Attention(nn.Module):
+    """Multi-head causal attention with ``n_kv_heads`` key/value heads shared by groups of queries.
+
+    Its decode state is a :class:`~zoo.core.state.KVState` (a ring buffer of ``window`` slots when it
+    has a window)."""
+
+    kernel: ClassVar[str] = "attention"
+    # flex (FlexAttention) is chosen on CUDA for what SDPA cannot fuse: soft-capping, a window.
+    backends: ClassVar[tuple] = ("flex", "sdpa", "eager")
+
+    @dataclass(frozen=True)
+    class Config:
+        n_heads: int
+        n_kv_heads: Optional[int] = None  # None: as many as n_heads (MHA); 1: MQA
+        head_dim: Optional[int] = None  # None: d_model // n_heads
+        bias: bool = False  # on the q, k, v projections
+        out_bias: bool = False
+        scale_dim: Optional[float] = None  # scores are scaled by scale_dim ** -0.5; None: head_dim
+        window: Optional[int] = None  # causal sliding window (keys with q - k < window are seen)
+        softcap: Optional[float] = None  # scores -> softcap * tanh(scores / softcap)
+        qk_norm: Literal["none", "head", "proj"] = "none"
+        # q_proj gives each head its query and a gate; the output is multiplied by sigmoid(gate) before
+        # o_proj (Qwen3-Next's gated attention).
+        output_gate: bool = False
+
+        def check(self):
+            if self.n_heads <= 0:
+                raise SpecError("n_heads", f"must be positive, got {self.n_heads}")
+            if self.n_kv_heads is not None:
+                if self.n_kv_heads <= 0:
+                    raise SpecError("n_kv_heads", f"must be positive, got {self.n_kv_heads}")
+                if self.n_heads % self.n_kv_heads:
+                    raise SpecError(
+                        "n_kv_heads", f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}"
+                    )
+            for name in ("head_dim", "window", "softcap", "scale_dim"):
+                positive(name, getattr(self, name))
+
+    @staticmethod
+    def head_dim_for(cfg, d_model: int) -> int:
+        return cfg.head_dim if cfg.head_dim is not None else d_model // cfg.n_heads
+
+    @classmethod
+    def rotary_dim(cls, cfg, d_model: int) -> int:
+        """A rotary position encoding rotates each head's queries and keys."""
+        return cls.head_dim_for(cfg, d_model)
+
+    @classmethod
+    def resolved(cls, cfg, d_model: int) -> dict:
+        """The settings with defaults made explicit, so two spellings of one attention compare equal."""
+        from zoo.core.spec import to_dict
+
+        out = to_dict(cfg)
+        out["head_dim"] = cls.head_dim_for(cfg, d_model)
+        out["n_kv_heads"] = cfg.n_kv_heads or cfg.n_heads
+        out["scale_dim"] = cfg.scale_dim or out["head_dim"]
+        return out
+
+    @staticmethod
+    def shrink(cfg, *, head_dim: int = 8, window: int = 4, **_) -> dict:
+        """Settings for a tiny test copy: 4 query heads of ``head_dim``, MHA/GQA/MQA kept, short window."""
+        out = {"n_heads": 4, "head_dim": head_dim}
+        if cfg.n_kv_heads is not None:
+            out["n_kv_heads"] = 4 if cfg.n_kv_heads == cfg.n_heads else (1 if cfg.n_kv_heads == 1 else 2)
+        if cfg.window is not None:
+            out["window"] = window
+        if cfg.scale_dim is not None:
+            out["scale_dim"] = float(head_dim)
+        return out
+
+    @classmethod
+    def check_in_model(cls, cfg, *, spec, layer):
+        if cfg.head_dim is None and spec.d_model % cfg.n_heads:
+            raise SpecError(
+                "n_heads", f"d_model {spec.d_model} is not divisible by n_heads {cfg.n_heads}; set head_dim explicitly"
+            )
+
+    def __init__(self, cfg, *, d_model: int, layer, spec, index: int = 0):
+        super().__init__()
+        self.cfg, self.index = cfg, index
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
+        self.head_dim = D = self.head_dim_for(cfg, d_model)
+        self.window = cfg.window
+        self.scale = (cfg.scale_dim if cfg.scale_dim is not None else D) ** -0.5
+        self.dropout = spec.dropout
+        self.q_proj = nn.Linear(d_model, self.n_heads * D * (2 if cfg.output_gate else 1), bias=cfg.bias)
+        self.k_proj = nn.Linear(d_model, self.n_kv_heads * D, bias=cfg.bias)
+        self.v_proj = nn.Linear(d_model, self.n_kv_heads * D, bias=cfg.bias)
+        self.o_proj = nn.Linear(self.n_heads * D, d_model, bias=cfg.out_bias)
+        if cfg.qk_norm == "head":
+            self.q_norm, self.k_norm = layer.norm.build(dim=D), layer.norm.build(dim=D)
+        elif cfg.qk_norm == "proj":
+            self.q_norm = layer.norm.build(dim=self.n_heads * D)
+            self.k_norm = layer.norm.build(dim=self.n_kv_heads * D)
+        self.backend = "auto"  # "sdpa", "eager" or any registered fast path; "auto" picks
+
+    # -- what this part states about itself ---------------------------------------------------------
+    def new_state(self, batch, max_len, *, dtype=None, device=None) -> KVState:
+        return KVState(window=self.window, max_len=max_len)
+
+    def heads(self) -> tuple[int, int, int]:
+        """(n_heads, n_kv_heads, head_dim), for checkpoint transforms that split fused projections."""
+        return self.n_heads, self.n_kv_heads, self.head_dim
+
+    def cost(self, context: int) -> Cost:
+        """Scores and the weighted sum: ``4 * n_heads * head_dim`` FLOPs per key seen (a window caps
+        the keys); keys and values of ``n_kv_heads * head_dim`` each per token held."""
+        per_key = 4 * self.n_heads * self.head_dim
+        w = min(self.window or context, context)
+        keys = w * (w + 1) // 2 + (context - w) * w  # sum over t = 1..context of min(t, w)
+        kv = 2 * self.n_kv_heads * self.head_dim
+        return Cost(flops=per_key * w, flops_mean=per_key * keys / context, state_per_token=kv, state_at_context=kv * w)
+
+    def facts(self) -> dict:
+        return {"attention": attention_kind(self.n_heads, self.n_kv_heads), "n_heads": self.n_heads,
+                "n_kv_heads": self.n_kv_heads, "head_dim": self.head_dim, "window": self.window,
+                **({"output gate": "sigmoid, from q_proj"} if self.cfg.output_gate else {})}
+
+    # -- forward -------------------------------------------------------------------------------------
+    def forward(self, x, ctx, pos):
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.cfg.output_gate:  # per head: its query, then its gate
+            q, gate = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q = q.reshape(B, T, -1)
+        if self.cfg.qk_norm == "proj":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.cfg.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if pos is not None:
+            q, k = pos.rotate(q, k)
+        q_idx = k_idx = ctx.slots
+        if ctx.state is not None:
+            k, v, k_idx = ctx.state.layers[self.index].update(k, v, q_idx)
+        key_mask = ctx.key_mask
+        if key_mask is not None and k_idx is not q_idx:  # else the same tensor for every layer: masks built once
+            key_mask = key_mask[:, k_idx]
+        bias = pos.score_bias(q_idx, k_idx, self.n_heads) if pos is not None else None
+        out = self.attend(q, k, v, q_idx, k_idx, key_mask, bias).transpose(1, 2).reshape(B, T, -1)
+        if self.cfg.output_gate:
+            out = out * torch.sigmoid(gate.reshape(B, T, -1))
+        return self.o_proj(out)
+
+    def reference_backend(self):
+        return "eager" if self.cfg.softcap is not None else "sdpa"
+
+    def kernel_problem(self, backend, q=None, forced=False):
+        if forced:
+            return None
+        if self.dropout and self.training:
+            return "attention dropout runs on the reference path"
+        T = q.shape[-2] if q is not None else None
+        if self.cfg.softcap is None and (self.window is None or (T is not None and T <= self.window)):
+            return "SDPA covers it (no soft-cap, no active window)"
+        if T == 1:
+            return "one query per step: the reference path is cheaper"
+        return None
+
+    def attend(self, q, k, v, q_idx, k_idx, key_mask=None, bias=None):
+        """(B, H, Tq, D) queries against (B, Hkv, Tk, D) keys/values -> (B, H, Tq, D)."""
+        # Under autocast over fp32 weights RoPE leaves q and k in fp32 while v is in the autocast
+        # dtype; SDPA and matmuls would cast them, FlexAttention and fused kernels need one dtype.
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        backend = self.backend
+        if backend == "auto":
+            backend = kernels.select(self, q) or self.reference_backend()
+        if backend == "sdpa":
+            if self.cfg.softcap is not None:
+                raise ValueError("the sdpa backend cannot soft-cap attention scores; use backend 'eager'")
+            return self._sdpa(q, k, v, q_idx, k_idx, key_mask, bias)
+        if backend == "eager":
+            return self._eager(q, k, v, q_idx, k_idx, key_mask, bias)
+        return kernels.attention_backend(backend)(self, q, k, v, q_idx, k_idx, key_mask, bias)
+
+    def _sdpa(self, q, k, v, q_idx, k_idx, key_mask, bias):
+        Tq, Tk = q.shape[2], k.shape[2]
+        plain = key_mask is None and bias is None
+        own = k_idx is q_idx  # no cache: a sequence's own consecutive slots, known without reading them (no sync)
+        if own:
+            windowed = self.window is not None and Tq > self.window
+        else:  # cache rings are unordered; only asked when the mask could be skipped
+            windowed = plain and self.window is not None and int(q_idx[-1] - k_idx.min()) >= self.window
+        mask, is_causal = None, False
+        if plain and not windowed and (own or (Tq == Tk and bool((q_idx == k_idx).all()))):
+            is_causal = True
+        elif plain and not windowed and Tq == 1:
+            mask = None  # one new token sees every cached key
+        else:
+            mask = dense_mask(q_idx, k_idx, self.window, key_mask)
+            if bias is not None:
+                mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+
+    def _eager(self, q, k, v, q_idx, k_idx, key_mask, bias):
+        B, H, Tq, D = q.shape
+        G = H // self.n_kv_heads
+        qg = q.view(B, self.n_kv_heads, G, Tq, D)
+        scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * self.scale  # (B, Hkv, G, Tq, Tk)
+        scores = scores.view(B, H, Tq, -1)
+        if self.cfg.softcap is not None:
+            scores = softcap(scores, self.cfg.softcap)
+        if bias is not None:
+            scores = scores + bias
+        mask = dense_mask(q_idx, k_idx, self.window, key_mask)
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = F.dropout(probs, self.dropout, self.training)
+        out = torch.matmul(probs.view(B, self.n_kv_heads, G, Tq, -1), v.unsqueeze(2))
+        return out.view(B, H, Tq, D)

@@ -1,0 +1,318 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2): a lightning indexer picks, for each query, the
+``topk`` keys that attention then reads; everything else is masked out.
+
+The indexer has its own small heads. Its queries come from MLA's query latent (``q_lora_rank``
+wide), its single key per token from the hidden state through a LayerNorm; the leading
+``rope_dim`` dimensions of both are rotated (half-split pairs, whatever layout the main attention
+uses), and the score of key ``s`` for query ``t`` is
+
+    I[t, s] = sum_h  w_h(x_t) * relu(q_{t,h} . k_s / sqrt(head_dim)),   w(x) = W_w x / sqrt(n_heads)
+
+computed in float32. Selection is the top ``topk`` of ``I[t, :]`` among the keys the query may see
+(causal, not padding); ties at the cut (ReLU makes exact zeros common) go to the earlier key.
+
+Its decode state, :class:`IndexKeys`, holds one ``head_dim``-wide key per token per layer beside
+the attention's own cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.core.kinds import Cost
+from zoo.core.registry import register
+from zoo.core.spec import SpecError, positive
+
+from zoo.components.mixers._masks import dense_mask
+from zoo.components.mixers.mla import MLA
+
+
+def check_topk(topk: int, field: str = "index_topk") -> None:
+    if not isinstance(topk, int) or isinstance(topk, bool) or topk <= 0:
+        raise SpecError(field, f"must be a positive number of keys per query, got {topk!r}")
+
+
+def rotate_half_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the leading ``2 * cos.shape[-1]`` dims of ``x`` as half-split pairs (i, i + d/2) by
+    the per-pair angles whose cosines and sines are given; the rest passes through."""
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+class LightningIndexer(nn.Module):
+    """The indexer of one layer: ``n_heads`` heads of ``head_dim``, a key per token, top-``topk``.
+
+    Weights (DeepSeek's names): ``wq_b`` (q latent -> heads), ``wk`` (hidden -> key), ``k_norm``
+    (a LayerNorm with bias, eps 1e-6), ``weights_proj`` (hidden -> one weight per head).
+    """
+
+    def __init__(self, *, d_model: int, q_dim: int, n_heads: int, head_dim: int, rope_dim: int, topk: int):
+        super().__init__()
+        check_topk(topk)
+        if not 0 < rope_dim <= head_dim or rope_dim % 2:
+            raise SpecError("index_head_dim", f"{head_dim} must hold the rotated part of {rope_dim} dims (even)")
+        self.n_heads, self.head_dim, self.rope_dim, self.topk = n_heads, head_dim, rope_dim, topk
+        self.wq_b = nn.Linear(q_dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(d_model, head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(d_model, n_heads, bias=False)
+
+    def reset_parameters(self):
+        self.k_norm.reset_parameters()
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """(B, T, d_model) -> the keys (B, T, head_dim); ``cos``/``sin`` per pair, (B, T, rope_dim/2)."""
+        return rotate_half_pairs(self.k_norm(self.wk(x)), cos, sin)
+
+    def scores(self, x: torch.Tensor, q_latent: torch.Tensor, keys: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Index scores (B, Tq, Tk) in float32 of the queries at ``x``/``q_latent`` against ``keys``
+        (B, Tk, head_dim), before any mask."""
+        B, T, _ = x.shape
+        q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim)
+        q = rotate_half_pairs(q, cos[:, :, None], sin[:, :, None])
+        logits = torch.einsum("bthd,bsd->bths", q.float(), keys.float()) * self.head_dim ** -0.5
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5  # (B, T, H)
+        return torch.einsum("bth,bths->bts", w, F.relu(logits))
+
+    def select(self, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """Boolean (B, Tq, Tk): the top ``topk`` keys of each query among those ``allowed``
+        (broadcastable to ``scores``); every allowed key when there are at most ``topk``."""
+        allowed = allowed.expand_as(scores)
+        if scores.shape[-1] <= self.topk:
+            return allowed
+        idx, ok = self.top(scores, allowed)
+        return torch.zeros_like(allowed).scatter_(-1, idx, ok)
+
+    def top(self, scores: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indices (B, Tq, k) of each query's ``k = min(topk, Tk)`` best keys, and whether each
+        is allowed (a query that sees fewer than k keys fills its list with masked ones)."""
+        allowed = allowed.expand_as(scores)
+        # A stable sort settles ties (ReLU makes exact zeros common) for the earlier key, so a
+        # query picks the same keys whatever the row's length (prefill, decode, left padding).
+        idx = scores.masked_fill(~allowed, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
+        idx = idx[..., : self.topk]
+        return idx, allowed.gather(-1, idx)
+
+
+class IndexKeys:
+    """The indexer's decode state for one layer: a ``head_dim``-wide key per slot, (B, capacity, D).
+
+    ``update(k, slots)`` stores (B, T, D) keys at their slots and returns every key so far. The
+    buffer grows by doubling (or is sized once from ``max_len``); :meth:`to_static` gives a copy of
+    fixed size that a compiled step updates in place (unfilled slots lie after the query and are
+    masked by causality).
+    """
+
+    def __init__(self, max_len: Optional[int] = None, *, static: bool = False):
+        self.max_len, self.static = max_len, static
+        self.k: Optional[torch.Tensor] = None
+        self.filled = 0
+
+    def update(self, k: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        if self.static:
+            self.k.index_copy_(1, slots, k.to(self.k.dtype))
+            return self.k
+        end = int(slots[-1]) + 1
+        if self.k is None or end > self.k.shape[1]:
+            held = 0 if self.k is None else self.k.shape[1]
+            grown = k.new_empty(k.shape[0], max(end, self.max_len or 0, 2 * held), k.shape[-1])
+            if self.k is not None:
+                grown[:, : self.filled] = self.k[:, : self.filled]
+            self.k = grown
+        self.k[:, int(slots[0]) : end] = k
+        self.filled = end
+        return self.k[:, :end]
+
+    def nbytes(self) -> int:
+        return 0 if self.k is None else self.k.numel() * self.k.element_size()
+
+    def to_static(self, max_len: int) -> "IndexKeys":
+        if self.k is None:
+            raise ValueError("to_static needs a state that has been filled (prefill the prompt first)")
+        out = IndexKeys(max_len, static=True)
+        out.k = self.k.new_zeros(self.k.shape[0], max_len, self.k.shape[-1])
+        out.k[:, : self.filled] = self.k[:, : self.filled]
+        out.filled = self.filled
+        return out
+
+
+class DSAState:
+    """A DSA layer's decode state: MLA's (the latent and the rotated key part per token) and the
+    indexer's keys beside it. Opaque to everything but the layer."""
+
+    def __init__(self, kv, keys: IndexKeys):
+        self.kv, self.keys = kv, keys
+
+    def nbytes(self) -> int:
+        return self.kv.nbytes() + self.keys.nbytes()
+
+    def to_static(self, max_len: int) -> "DSAState":
+        return DSAState(self.kv.to_static(max_len), self.keys.to_static(max_len))
+
+
+def keys_seen(context: int, topk: int, mean: bool = False) -> float:
+    """Keys a query attends to at position ``context`` (``min(context, topk)``), or with ``mean``
+    the average of that over the ``context`` positions of a causal sequence."""
+    if not mean:
+        return min(context, topk)
+    k = min(context, topk)
+    return (k * (k + 1) / 2 + (context - k) * k) / context
+
+
+@register("mixer", "dsa")
+class DSA(MLA):
+    """DeepSeek Sparse Attention: MLA whose queries each attend only to the ``index_topk`` keys a
+    lightning indexer picks (every visible key while there are no more than that). Its decode state
+    is MLA's plus the indexer's keys (``index_head_dim`` values per token).
+
+    The indexer is trained by a loss of its own (``indexer_loss``, its weight; 0 leaves it as it
+    is) while the model runs in training mode: the auxiliary
+    loss ``dsa_indexer_kl`` is the KL divergence from the main attention's distribution over the
+    keys it attended (summed over heads and renormalised) to the softmax of the index scores over
+    those keys, averaged over queries. The indexer's inputs are detached, so this loss trains the
+    indexer alone and the language-model loss never reaches it (DeepSeek-V3.2's recipe: a dense
+    warm-up with ``index_topk`` at least the sequence length, then sparse training).
+    """
+
+    @dataclass(frozen=True)
+    class Config(MLA.Config):
+        index_n_heads: int = 64
+        index_head_dim: int = 128
+        index_topk: int = 2048
+        indexer_loss: float = 1.0  # weight of the dsa_indexer_kl term in training (0: not computed)
+
+        def check(self):
+            super().check()
+            for name in ("index_n_heads", "index_head_dim"):
+                positive(name, getattr(self, name), allow_none=False)
+            check_topk(self.index_topk)
+            if self.q_lora_rank is None:
+                raise SpecError("q_lora_rank", "DSA's indexer reads the query latent: set q_lora_rank")
+            if self.index_head_dim < self.qk_rope_head_dim:
+                raise SpecError("index_head_dim", f"{self.index_head_dim} is narrower than the rotated part "
+                                                  f"qk_rope_head_dim {self.qk_rope_head_dim}")
+            if self.indexer_loss < 0:
+                raise SpecError("indexer_loss", f"must be >= 0, got {self.indexer_loss}")
+
+    @staticmethod
+    def shrink(cfg, *, head_dim: int = 8, **sizes) -> dict:
+        """MLA's tiny copy plus 2 indexer heads of ``head_dim`` and a top-4 selection, so that short
+        test sequences are already sparse."""
+        out = MLA.shrink(cfg, head_dim=head_dim, **sizes)
+        out.update(q_lora_rank=3 * head_dim // 2, index_n_heads=2, index_head_dim=max(head_dim, out["qk_rope_head_dim"]),
+                   index_topk=4)
+        return out
+
+    def __init__(self, cfg, *, d_model: int, layer, spec, index: int = 0):
+        super().__init__(cfg, d_model=d_model, layer=layer, spec=spec, index=index)
+        self.indexer = LightningIndexer(d_model=d_model, q_dim=cfg.q_lora_rank, n_heads=cfg.index_n_heads,
+                                        head_dim=cfg.index_head_dim, rope_dim=cfg.qk_rope_head_dim,
+                                        topk=cfg.index_topk)
+
+    # -- what this part states about itself ---------------------------------------------------------
+    def new_state(self, batch, max_len, *, dtype=None, device=None) -> DSAState:
+        return DSAState(super().new_state(batch, max_len, dtype=dtype, device=device), IndexKeys(max_len))
+
+    def cost(self, context: int) -> Cost:
+        """MLA's attention over ``min(context, index_topk)`` keys, plus the indexer's scores over
+        every key (``2 index_n_heads index_head_dim`` FLOPs per key for the dot products and
+        ``2 index_n_heads`` for weighting the heads); the state adds ``index_head_dim`` per token."""
+        dense = super().cost(context)
+        per_key = dense.flops / context
+        index_per_key = 2 * self.indexer.n_heads * (self.indexer.head_dim + 1)
+        topk = self.cfg.index_topk
+        D = self.indexer.head_dim
+        return Cost(flops=per_key * keys_seen(context, topk) + index_per_key * context,
+                    flops_mean=per_key * keys_seen(context, topk, mean=True) + index_per_key * (context + 1) / 2,
+                    state_per_token=dense.state_per_token + D, state_at_context=dense.state_at_context + D * context)
+
+    def facts(self) -> dict:
+        out = {**super().facts(), "attention": "MLA + DSA", "index_n_heads": self.indexer.n_heads,
+               "index_head_dim": self.indexer.head_dim, "index_topk": self.cfg.index_topk}
+        out["state_per_token"] += self.indexer.head_dim
+        rows = []
+        for context in (4096, 32768, 131072):
+            dsa, mla = self.cost(context).flops, MLA.cost(self, context).flops
+            rows.append(f"{context // 1024}k: {dsa / 1e6:.3g} vs {mla / 1e6:.3g} MFLOP ({mla / dsa:.2f}x)")
+        out["attention FLOPs/token DSA vs dense MLA"] = "; ".join(rows)
+        return out
+
+    # -- forward -------------------------------------------------------------------------------------
+    def forward(self, x, ctx, pos):
+        B, T, _ = x.shape
+        q_latent = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_latent).view(B, T, self.n_heads, self.qk_dim).transpose(1, 2)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        c, k_rope = self.latents(x)
+        if pos is not None:
+            q_rope, k_rope = pos.rotate(q_rope, k_rope)
+            q_rope, k_rope = q_rope.to(x.dtype), k_rope.to(x.dtype)
+            cos, sin = (t[:, 0].to(x.dtype) for t in pos.pairs())
+        else:
+            cos = x.new_ones(B, T, self.rope // 2)
+            sin = x.new_zeros(B, T, self.rope // 2)
+        # The indexer reads detached inputs: only its own loss trains it.
+        xi, qi = x.detach(), q_latent.detach()
+        keys = self.indexer.keys(xi, cos, sin)
+        q_idx = k_idx = ctx.slots
+        if ctx.state is not None:
+            state = ctx.state.layers[self.index]
+            c, k_rope, k_idx = state.kv.update(c, k_rope, q_idx)
+            keys = state.keys.update(keys, q_idx)
+        key_mask = ctx.key_mask
+        if key_mask is not None and k_idx is not q_idx:
+            key_mask = key_mask[:, k_idx]
+        visible = dense_mask(q_idx, k_idx, None, key_mask)  # (Tq, Tk) or (B, 1, Tq, Tk)
+        visible = visible if visible.dim() == 4 else visible[None, None]
+        scores = self.indexer.scores(xi, qi, keys, cos, sin)
+        if c.shape[2] <= self.cfg.index_topk:  # every visible key is selected: this is MLA
+            mask = visible
+            if ctx.state is not None and self.cfg.decode == "absorbed":
+                out = self.attend_absorbed(q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask)
+            else:
+                out = self.attend_plain(q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask)
+        else:  # gather each query's top-k latents and attend to those alone
+            idx, ok = self.indexer.top(scores, visible[:, 0])
+            out = self.attend_selected(q_nope, q_rope, c, k_rope, idx, ok)
+            mask = torch.zeros_like(visible[:, 0].expand_as(scores)).scatter_(-1, idx, ok)[:, None]
+        if self.training and self.cfg.indexer_loss > 0:
+            target = self.attention_distribution(q_nope, q_rope, c, k_rope, mask)
+            ctx.add_loss("dsa_indexer_kl", indexer_kl(target, scores, mask[:, 0].expand_as(scores)), self.cfg.indexer_loss)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))
+
+    def attend_selected(self, q_nope, q_rope, c, k_rope, idx, ok):
+        """Absorbed attention over each query's selected latents only: ``idx`` (B, Tq, k) the keys,
+        ``ok`` whether each is allowed. Costs O(k) per query whatever the context (and holds the
+        gathered (B, Tq, k, kv_lora_rank + rope) latents)."""
+        w_uk, w_uv = self.up_weights()
+        q = torch.cat([torch.einsum("bhtd,hdc->bhtc", q_nope, w_uk.to(q_nope.dtype)), q_rope], dim=-1)
+        kv = torch.cat([c, k_rope], dim=-1)[:, 0]  # (B, Tk, kv_lora_rank + rope)
+        picked = kv[torch.arange(kv.shape[0], device=kv.device)[:, None, None], idx]  # (B, Tq, k, C + rope)
+        s = torch.einsum("bhtc,btkc->bhtk", q, picked) * self.scale
+        p = torch.softmax(s.masked_fill(~ok[:, None], float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+        o_lat = torch.einsum("bhtk,btkc->bhtc", p, picked[..., : self.kv_lora_rank])
+        return torch.einsum("bhtc,hvc->bhtv", o_lat, w_uv.to(o_lat.dtype))
+
+    @torch.no_grad()
+    def attention_distribution(self, q_nope, q_rope, c, k_rope, mask):
+        """The main attention's probabilities under ``mask``, summed over heads and renormalised:
+        (B, Tq, Tk), the target the indexer learns (no gradient)."""
+        w_uk, _ = self.up_weights()
+        q_lat = torch.einsum("bhtd,hdc->bhtc", q_nope, w_uk.to(q_nope.dtype))
+        s = (q_lat @ c.transpose(-1, -2) + q_rope @ k_rope.transpose(-1, -2)).float() * self.scale
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1).sum(1)
+        return p / p.sum(-1, keepdim=True)
+
+
+def indexer_kl(target: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over queries of ``KL(target || softmax(scores))`` over the keys in ``mask`` (B, Tq, Tk)."""
+    log_q = torch.log_softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    terms = torch.where(mask & (target > 0), target * (target.clamp_min(1e-30).log() - log_q), 0.0)
+    return terms.sum(-1).mean()

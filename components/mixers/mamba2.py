@@ -1,0 +1,186 @@
+"""Mamba-2 (SSD, Dao & Gu 2024): the ``mamba2`` token mixer, its fixed-size decode state, and the
+``mixer_only`` block of a Mamba-2 model (a layer with no FFN).
+
+One layer, for an input ``u`` (B, T, d_model), with ``H`` heads of width ``P``, ``G`` groups and a
+state of ``N`` per head::
+
+    z, xBC, dt = in_proj(u)                        # gate (H*P), conv input (H*P + 2*G*N), step (H)
+    x, B, C    = silu(causal depthwise conv(xBC))  # the short convolution, window conv_kernel
+    dt         = clamp(softplus(dt + dt_bias), dt_limit)
+    S_t        = exp(dt_t * A) * S_{t-1} + B_t (dt_t x_t)^T     A = -exp(A_log) < 0, per head
+    y_t        = C_t^T S_t + D * x_t                            the D skip
+    out        = out_proj(GroupRMSNorm(y * silu(z)))            gated, then normed in G groups
+
+so the SSM is the decayed linear attention ``S_t = g_t S_{t-1} + k_t v_t^T`` with keys ``B``,
+queries ``C``, values ``x * dt`` and a data-dependent log-decay ``dt * A`` per head and token (B and
+C are shared by the ``H / G`` heads of a group). Its parallel form is the shared chunked core
+(:mod:`zoo.components.mixers._recurrent`), O(T * chunk_size); its recurrent form one step per token.
+
+As transformers' torch path does: the SSM runs in float32 whatever the model's dtype, its state is
+float32, the gate and norm are applied in float32 (norm after gating: ``norm_before_gate=False``).
+The decode state is the last ``conv_kernel`` inputs of the convolution (transformers keeps that many)
+and the SSM state, stored (B, H, N, P): the same numbers transformers stores as (B, H, P, N).
+
+Padding (a left-padded batch) enters the convolution as zeros and is a step of ``dt = 0``: it
+neither decays the state nor adds to it, so a padded row computes what the row alone computes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.core import kernels
+from zoo.components.mixers import _recurrent as recurrent
+from zoo.core.kinds import Cost
+from zoo.core.registry import register
+from zoo.core.state import FixedState
+from zoo.core.spec import SpecError, positive
+
+
+#: On the CPU the parallel form cuts chunks of at most this many tokens. A chunk of C tokens costs each
+#: token ~C * (N + P) per head within the chunk and ~2 * N * P across chunks, so for Mamba-2's widths
+#: (N, P = 64..128) C ~ 64 does the least work; checkpoints say 256, sized for GPUs. The result does not
+#: depend on the chunk (only the order of float32 sums does; tests check several sizes agree).
+CPU_CHUNK = 64
+
+
+@register("mixer", "mamba2")
+class Mamba2(nn.Module):
+    """The Mamba-2 (SSD) mixer; see the module's docstring for the computation."""
+
+    # The chunked form runs on the shared core, whose Triton kernel is chosen on CUDA.
+    kernel: ClassVar[str] = "scalar_decay"
+    backends: ClassVar[tuple] = ("triton", "torch")
+
+    @dataclass(frozen=True)
+    class Config:
+        n_heads: int
+        head_dim: int = 64
+        state_size: int = 128  # N: the width of B and C, the state's key side
+        n_groups: int = 1  # B and C are shared by n_heads / n_groups heads; the gated norm has as many groups
+        conv_kernel: int = 4
+        chunk_size: int = 256  # tokens per chunk of the parallel form (at most; see CPU_CHUNK)
+        bias: bool = False  # on in_proj and out_proj
+        conv_bias: bool = True
+        norm_eps: float = 1e-5  # of the gated RMSNorm
+        dt_limit_min: float = 0.0  # softplus(dt + dt_bias) is clamped to [dt_limit_min, dt_limit_max]
+        dt_limit_max: Optional[float] = None  # None: no upper limit
+        # Initialisation only: dt_bias is the inverse softplus of a log-uniform draw from [dt_min, dt_max]
+        # floored at dt_floor; A_log = log(1..n_heads); D = 1.
+        dt_min: float = 0.001
+        dt_max: float = 0.1
+        dt_floor: float = 1e-4
+
+        def check(self):
+            for name in ("n_heads", "head_dim", "state_size", "n_groups", "conv_kernel", "chunk_size"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or value < 1:
+                    raise SpecError(name, f"must be a positive integer, got {value!r}")
+            if self.n_heads % self.n_groups:
+                raise SpecError("n_groups", f"n_heads {self.n_heads} is not divisible by n_groups {self.n_groups} "
+                                            "(each group's B and C serve n_heads / n_groups heads)")
+            for name in ("norm_eps", "dt_min", "dt_max", "dt_floor"):
+                positive(name, getattr(self, name), allow_none=False)
+            if self.dt_limit_min < 0:
+                raise SpecError("dt_limit_min", f"must be >= 0, got {self.dt_limit_min}")
+            if self.dt_limit_max is not None and self.dt_limit_max <= self.dt_limit_min:
+                raise SpecError("dt_limit_max", f"must exceed dt_limit_min {self.dt_limit_min}, got {self.dt_limit_max}")
+
+    @staticmethod
+    def shrink(cfg, *, head_dim: int = 8, **_) -> dict:
+        """A tiny copy: 4 heads of ``head_dim``, state 8, the groups kept (1 or 2), chunks of 4 tokens so
+        that short test sequences cross chunk boundaries."""
+        return {"n_heads": 4, "head_dim": head_dim, "state_size": 8, "n_groups": 1 if cfg.n_groups == 1 else 2,
+                "chunk_size": 4}
+
+    def __init__(self, cfg, *, d_model: int, layer=None, spec=None, index: int = 0):
+        super().__init__()
+        self.cfg, self.index = cfg, index
+        H, P, N, G = cfg.n_heads, cfg.head_dim, cfg.state_size, cfg.n_groups
+        self.d_inner = H * P
+        self.conv_dim = H * P + 2 * G * N
+        self.in_proj = nn.Linear(d_model, self.d_inner + self.conv_dim + H, bias=cfg.bias)
+        self.conv1d = recurrent.ShortConv(self.conv_dim, cfg.conv_kernel, bias=cfg.conv_bias,
+                                          state_width=cfg.conv_kernel)
+        self.dt_bias = nn.Parameter(torch.empty(H))
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.D = nn.Parameter(torch.empty(H))
+        self.norm = recurrent.GatedRMSNorm(self.d_inner, cfg.norm_eps, groups=G, norm_before_gate=False)
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=cfg.bias)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        if self.A_log.is_meta:
+            return
+        cfg = self.cfg
+        self.A_log.copy_(torch.log(torch.arange(1, cfg.n_heads + 1, dtype=torch.float32)))
+        self.D.fill_(1.0)
+        lo, hi = math.log(cfg.dt_min), math.log(cfg.dt_max)
+        dt = torch.exp(torch.rand(cfg.n_heads) * (hi - lo) + lo).clamp(min=cfg.dt_floor)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+
+    # -- what this part states about itself -------------------------------------------------------
+    def new_state(self, batch, max_len, *, dtype, device) -> FixedState:
+        """The last ``conv_kernel`` convolution inputs (B, conv_dim, K) in the model's dtype and the SSM
+        state (B, H, N, P) in float32: of fixed size whatever the length."""
+        cfg = self.cfg
+        return FixedState(batch, device, conv=((self.conv_dim, cfg.conv_kernel), dtype),
+                                    ssm=((cfg.n_heads, cfg.state_size, cfg.head_dim), torch.float32))
+
+    def cost(self, context: int) -> Cost:
+        """Per token: the convolution (``2 * conv_dim * conv_kernel``), the state update and read-out
+        (``4 * H * N * P``), whatever the context; the state is the convolution window plus ``H * N *
+        P``, fixed. (The SSM state is held in float32; the figure counts elements.)"""
+        cfg = self.cfg
+        ssm = cfg.n_heads * cfg.state_size * cfg.head_dim
+        flops = 2 * self.conv_dim * cfg.conv_kernel + 4 * ssm
+        return Cost(flops=flops, flops_mean=flops, state_fixed=self.conv_dim * cfg.conv_kernel + ssm)
+
+    def facts(self) -> dict:
+        cfg = self.cfg
+        return {"mamba2 heads": f"{cfg.n_heads} x {cfg.head_dim}, state {cfg.state_size}, {cfg.n_groups} group(s)",
+                "conv kernel": cfg.conv_kernel, "chunk": cfg.chunk_size}
+
+    # -- forward ----------------------------------------------------------------------------------
+    def forward(self, u: torch.Tensor, ctx, pos=None) -> torch.Tensor:
+        cfg = self.cfg
+        Bsz, T, _ = u.shape
+        H, P, N, G = cfg.n_heads, cfg.head_dim, cfg.state_size, cfg.n_groups
+        state = ctx.state.layers[self.index] if ctx is not None and ctx.state is not None else None
+        mask = ctx.key_mask[:, ctx.slots] if ctx is not None and ctx.key_mask is not None else None
+        z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, H], -1)
+        if mask is not None:
+            xBC = xBC * mask[..., None].to(xBC.dtype)
+        xBC = self.conv1d(xBC, state.get(Bsz)[0] if state is not None else None)  # then SiLU
+        x, Bm, Cm = xBC.split([self.d_inner, G * N, G * N], -1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(cfg.dt_limit_min, cfg.dt_limit_max)
+        if mask is not None:
+            dt = dt * mask[..., None]  # a padded step: no decay, no input
+        x = x.float().view(Bsz, T, H, P)
+        heads = lambda t: t.float().view(Bsz, T, G, 1, N).expand(-1, -1, -1, H // G, -1).reshape(Bsz, T, H, N)  # noqa: E731
+        q, k = heads(Cm).transpose(1, 2), heads(Bm).transpose(1, 2)  # (B, H, T, N)
+        v = (x * dt[..., None]).transpose(1, 2)  # (B, H, T, P)
+        log_decay = (dt * -torch.exp(self.A_log.float())).transpose(1, 2)  # (B, H, T), <= 0
+        S = state.get(Bsz)[1] if state is not None else None
+        if state is not None and T == 1:
+            y, S_new = recurrent.step(q[:, :, 0], k[:, :, 0], v[:, :, 0], log_decay[:, :, 0], S)
+            y = y[:, :, None]
+        else:
+            fast = kernels.fast(self, q)  # the core's Triton kernel on CUDA
+            run = fast if fast is not None else recurrent.chunked
+            chunk = cfg.chunk_size if u.device.type != "cpu" else min(cfg.chunk_size, CPU_CHUNK)
+            y, S_new = run(q, k, v, log_decay, S, chunk=chunk)
+        if state is not None:
+            S.copy_(S_new)
+        y = y.transpose(1, 2) + self.D.float()[:, None] * x  # (B, T, H, P), the D skip
+        y = self.norm(y.reshape(Bsz, T, self.d_inner), z)
+        return self.out_proj(y.to(u.dtype))
+
+

@@ -1,0 +1,212 @@
+"""Multi-head Latent Attention (DeepSeek-V2, arXiv:2405.04434; DeepSeek-V3).
+
+Keys and values come from one shared latent ``c = RMSNorm(W_DKV x)`` of ``kv_lora_rank`` values per
+token, up-projected per head by ``kv_b_proj`` into a key part without position (``qk_nope_head_dim``)
+and a value (``v_head_dim``). Position enters through a separate ``qk_rope_head_dim`` part: every
+query head has its own, the key part is one vector shared by all heads (``W_KR x``, rotated).
+Queries come from ``x`` directly, or through a low-rank latent of ``q_lora_rank`` with its own
+RMSNorm (DeepSeek-V2-Lite has none). Per head::
+
+    q = [q_nope ; RoPE(q_rope)]      k = [W_UK c ; RoPE(k_rope)]      v = W_UV c
+    softmax scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 * (YaRN's mscale_all_dim term)^2
+
+The decode state holds only ``c`` (after its norm) and the rotated ``k_rope`` of each token: a
+:class:`~zoo.core.state.KVState` with one "head" whose keys are the latent and whose values are the
+rotated key part, exactly what transformers' cache stores for these models. Nothing per head is
+kept.
+
+Decoding is *absorbed* by default: ``W_UK`` is folded into the query (``q_nope W_UK`` lives in the
+latent space) and ``W_UV`` into the output, so the new queries attend over the cached latents
+directly, as multi-query attention with one key/value head of width ``kv_lora_rank (+ rope)``;
+the per-head keys and values of the cache are never built. Without a decode state (training,
+a full forward) the plain path up-projects the latents and attends per head, as the reference does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.core.kinds import Cost
+from zoo.core.registry import register
+from zoo.core.spec import Part, SpecError, part_field, positive
+from zoo.core.state import KVState
+
+from zoo.components.mixers._masks import dense_mask
+
+
+def softmax_factor(spec, layer) -> float:
+    """What the layer's RoPE scaling multiplies the softmax scale by (DeepSeek's YaRN: the square
+    of its ``mscale_all_dim`` term); 1 without one."""
+    position = layer.position if layer.position is not None else spec.position
+    scaling = getattr(position.config, "scaling", None) if position is not None else None
+    fn = getattr(scaling.cls, "softmax_factor", None) if scaling is not None else None
+    return float(fn(scaling.config)) if callable(fn) else 1.0
+
+
+@register("mixer", "mla")
+class MLA(nn.Module):
+    """Multi-head latent attention: keys and values from a compressed latent, a decoupled rotary
+    key shared by the heads; the decode state is the latent and the rotated key part."""
+
+    @dataclass(frozen=True)
+    class Config:
+        n_heads: int
+        kv_lora_rank: int
+        qk_nope_head_dim: int
+        qk_rope_head_dim: int
+        v_head_dim: int
+        q_lora_rank: Optional[int] = None  # None: queries straight from x (DeepSeek-V2-Lite)
+        bias: bool = False  # on q_a_proj, kv_a_proj and o_proj (transformers' attention_bias)
+        latent_norm: Part = part_field("norm", "rmsnorm")  # on the q and kv latents
+        decode: Literal["absorbed", "plain"] = "absorbed"  # how a decode state is attended
+
+        def check(self):
+            for name in ("n_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                positive(name, getattr(self, name), allow_none=False)
+            positive("q_lora_rank", self.q_lora_rank)
+            if self.qk_rope_head_dim % 2:
+                raise SpecError("qk_rope_head_dim", f"is rotated in pairs and must be even, got {self.qk_rope_head_dim}")
+
+    @classmethod
+    def rotary_dim(cls, cfg, d_model: int) -> int:
+        """RoPE rotates only the decoupled part of each query head and the shared key part."""
+        return cfg.qk_rope_head_dim
+
+    @classmethod
+    def check_in_model(cls, cfg, *, spec, layer):
+        position = layer.position if layer.position is not None else spec.position
+        if position is None or position.cls.applies_to != "qk":
+            return
+        rd = getattr(position.config, "rotary_dim", None)
+        fraction = getattr(position.config, "rotary_fraction", 1.0)
+        if (rd is not None and rd != cfg.qk_rope_head_dim) or fraction != 1.0:
+            raise SpecError("qk_rope_head_dim", f"{cfg.qk_rope_head_dim} is the width RoPE rotates in MLA; the position "
+                            f"encoding asks for rotary_dim {rd} / rotary_fraction {fraction}: drop them")
+
+    @staticmethod
+    def shrink(cfg, *, head_dim: int = 8, **_) -> dict:
+        """A tiny copy: 4 heads, a 16-wide kv latent, the nope/rope/value widths from ``head_dim``."""
+        out = {"n_heads": 4, "kv_lora_rank": 2 * head_dim, "qk_nope_head_dim": head_dim,
+               "qk_rope_head_dim": max(2, head_dim // 2), "v_head_dim": head_dim + head_dim // 2}
+        if cfg.q_lora_rank is not None:
+            out["q_lora_rank"] = 3 * head_dim // 2
+        return out
+
+    def __init__(self, cfg, *, d_model: int, layer, spec, index: int = 0):
+        super().__init__()
+        self.cfg, self.index = cfg, index
+        H, C = cfg.n_heads, cfg.kv_lora_rank
+        self.n_heads, self.kv_lora_rank = H, C
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.qk_dim = self.nope + self.rope
+        self.scale = self.qk_dim ** -0.5 * softmax_factor(spec, layer)
+        self.dropout = spec.dropout
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(d_model, H * self.qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d_model, cfg.q_lora_rank, bias=cfg.bias)
+            self.q_a_norm = cfg.latent_norm.build(dim=cfg.q_lora_rank)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * self.qk_dim, bias=False)
+        self.kv_a_proj = nn.Linear(d_model, C + self.rope, bias=cfg.bias)
+        self.kv_a_norm = cfg.latent_norm.build(dim=C)
+        self.kv_b_proj = nn.Linear(C, H * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, d_model, bias=cfg.bias)
+
+    # -- what this part states about itself ---------------------------------------------------------
+    def new_state(self, batch, max_len, *, dtype=None, device=None) -> KVState:
+        """One single-"head" KV state: keys are the normed latent (kv_lora_rank), values the rotated
+        key part (qk_rope_head_dim)."""
+        return KVState(window=None, max_len=max_len)
+
+    def cost(self, context: int) -> Cost:
+        """The plain path's scores and weighted sum (``2 H (nope + rope) + 2 H v`` FLOPs per key);
+        the decode state is ``kv_lora_rank + qk_rope_head_dim`` values per token."""
+        per_key = 2 * self.n_heads * (self.qk_dim + self.v_dim)
+        state = self.kv_lora_rank + self.rope
+        return Cost(flops=per_key * context, flops_mean=per_key * (context + 1) / 2,
+                    state_per_token=state, state_at_context=state * context)
+
+    def facts(self) -> dict:
+        return {"attention": "MLA", "n_heads": self.n_heads, "q_lora_rank": self.cfg.q_lora_rank,
+                "kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.nope, "qk_rope_head_dim": self.rope,
+                "v_head_dim": self.v_dim, "state_per_token": self.kv_lora_rank + self.rope,
+                "mha_state_per_token": self.n_heads * (self.qk_dim + self.v_dim), "decode": self.cfg.decode}
+
+    # -- forward -------------------------------------------------------------------------------------
+    def queries(self, x):
+        """(B, H, T, nope) and (B, H, T, rope) query parts, before rotation."""
+        B, T, _ = x.shape
+        q = self.q_proj(x) if self.cfg.q_lora_rank is None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        q = q.view(B, T, self.n_heads, self.qk_dim).transpose(1, 2)
+        return q.split([self.nope, self.rope], dim=-1)
+
+    def latents(self, x):
+        """(B, 1, T, kv_lora_rank) normed latent and (B, 1, T, rope) key part, before rotation."""
+        B, T, _ = x.shape
+        c, k_rope = self.kv_a_proj(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        return self.kv_a_norm(c).view(B, 1, T, -1), k_rope.view(B, 1, T, -1)
+
+    def up_weights(self):
+        """``W_UK`` (H, nope, kv_lora_rank) and ``W_UV`` (H, v, kv_lora_rank), views of kv_b_proj."""
+        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope], w[:, self.nope :]
+
+    def forward(self, x, ctx, pos):
+        B, T, _ = x.shape
+        q_nope, q_rope = self.queries(x)
+        c, k_rope = self.latents(x)
+        if pos is not None:
+            q_rope, k_rope = pos.rotate(q_rope, k_rope)
+            q_rope, k_rope = q_rope.to(x.dtype), k_rope.to(x.dtype)
+        q_idx = k_idx = ctx.slots
+        if ctx.state is not None:
+            c, k_rope, k_idx = ctx.state.layers[self.index].update(c, k_rope, q_idx)
+        key_mask = ctx.key_mask
+        if key_mask is not None and k_idx is not q_idx:
+            key_mask = key_mask[:, k_idx]
+        if ctx.state is not None and self.cfg.decode == "absorbed":
+            out = self.attend_absorbed(q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask)
+        else:
+            out = self.attend_plain(q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))
+
+    def _mask(self, q_idx, k_idx, key_mask):
+        """(None, True) for a plain causal forward over its own slots, else (boolean mask, False)."""
+        if key_mask is None and k_idx is q_idx:
+            return None, True
+        return dense_mask(q_idx, k_idx, None, key_mask), False
+
+    def attend_plain(self, q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask):
+        """Up-project every latent into per-head keys and values, then attend per head."""
+        B, H, _, _ = q_nope.shape
+        Tk = c.shape[2]
+        kv = self.kv_b_proj(c[:, 0]).view(B, Tk, H, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(B, H, Tk, self.rope)], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        mask, causal = self._mask(q_idx, k_idx, key_mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
+                                              dropout_p=self.dropout if self.training else 0.0)
+
+    def attend_absorbed(self, q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask):
+        """Attend over the latents themselves: ``W_UK`` folded into the queries, ``W_UV`` applied
+        to the weighted sum of latents. Every head meets the same key ``[c ; k_rope]`` (multi-query
+        attention), so the heads are folded into the rows of one matrix product per batch row; the
+        cache is read in place (SDPA would expand it to every head)."""
+        B, H, T, _ = q_nope.shape
+        w_uk, w_uv = self.up_weights()
+        q_lat = torch.einsum("bhtd,hdc->bhtc", q_nope, w_uk.to(q_nope.dtype))
+        c, k_rope = c[:, 0], k_rope[:, 0]  # (B, Tk, kv_lora_rank), (B, Tk, rope)
+        scores = q_lat.reshape(B, H * T, -1) @ c.transpose(1, 2) + q_rope.reshape(B, H * T, -1) @ k_rope.transpose(1, 2)
+        scores = (scores * self.scale).view(B, H, T, -1)
+        mask = dense_mask(q_idx, k_idx, None, key_mask)
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(c.dtype)
+        probs = F.dropout(probs, self.dropout, self.training)
+        o_lat = (probs.view(B, H * T, -1) @ c).view(B, H, T, -1)  # (B, H, T, kv_lora_rank)
+        return torch.einsum("bhtc,hvc->bhtv", o_lat, w_uv.to(o_lat.dtype))
