@@ -148,7 +148,7 @@ def kernel_cases(a, dev, dtype):
     batch = max(1, n // seq)
     mk = dict(device=dev, dtype=dtype)
     llama = zoo.get_spec("llama3-8b", {"n_layers": 1, **({"d_model": d, "vocab_size": a.vocab,
-                                        "layers.*.attention.n_heads": heads, "layers.*.attention.n_kv_heads": kv,
+                                        "layers.*.mixer.n_heads": heads, "layers.*.mixer.n_kv_heads": kv,
                                         "layers.*.ffn.d_ff": d_ff} if tiny else {})})
     cases = []
 
@@ -174,10 +174,10 @@ def kernel_cases(a, dev, dtype):
     labels = torch.randint(0, a.vocab, (n,), device=dev)
     cases.append(("loss (linear + CE)", f"({n}, {d}) x vocab {a.vocab}", "loss:triton", _loss(labels), [h, w]))
 
-    gemma = zoo.get_spec("gemma2-9b", {"n_layers": 2, **({"d_model": d, "layers.*.attention.head_dim": hd,
-                                       "layers.*.attention.n_heads": heads, "layers.*.attention.n_kv_heads": kv,
-                                       "layers.local.attention.window": 3} if tiny else {})})
-    attn = gemma.layer(0).attention.build(d_model=gemma.d_model, layer=gemma.layer(0), spec=gemma).to(**mk)
+    gemma = zoo.get_spec("gemma2-9b", {"n_layers": 2, **({"d_model": d, "layers.*.mixer.head_dim": hd,
+                                       "layers.*.mixer.n_heads": heads, "layers.*.mixer.n_kv_heads": kv,
+                                       "layers.local.mixer.window": 3} if tiny else {})})
+    attn = gemma.layer(0).mixer.build(d_model=gemma.d_model, layer=gemma.layer(0), spec=gemma).to(**mk)
     aseq = seq if tiny else 8192  # longer than Gemma 2's 4096 window
     idx = torch.arange(aseq, device=dev)
     qa = torch.randn(1, attn.n_heads, aseq, attn.head_dim, **mk, requires_grad=not tiny)
@@ -316,7 +316,7 @@ def run_training(a, bench, dtype):
     dev = bench.device
     over = {"n_layers": a.layers, "vocab_size": a.vocab}
     if a.dry_run:
-        over.update({"d_model": 64, "layers.*.attention.n_heads": 4, "layers.*.attention.n_kv_heads": 2,
+        over.update({"d_model": 64, "layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 2,
                      "layers.*.ffn.d_ff": 160})
     model = zoo.build("llama3-8b", device=dev, dtype=torch.float32, seed=0, **over)  # fp32 master weights
     seq = min(a.seq, 8) if a.dry_run else a.seq

@@ -37,7 +37,7 @@ from zoo.components.kernels import attention as flex
 path, T, padding = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 torch.manual_seed(0)
 model = zoo.build("gemma2-2b", n_layers=2, d_model=64, vocab_size=256, seed=0, overrides={
-    "layers.*.attention.n_heads": 4, "layers.*.attention.n_kv_heads": 2, "layers.*.attention.head_dim": 16,
+    "layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 2, "layers.*.mixer.head_dim": 16,
     "layers.*.ffn.d_ff": 128}).eval()
 flex._kernel = lambda device: flex._flex()  # the fused kernel on the CPU too (forward only)
 

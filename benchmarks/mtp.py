@@ -46,7 +46,7 @@ def main() -> None:
     from zoo.core.state import step_layout
 
     overrides = {"n_layers": args.layers, "d_model": args.d_model, "vocab_size": 256, "max_seq_len": 1024,
-                 "layers.*.attention.n_heads": 4, "layers.*.attention.n_kv_heads": 2,
+                 "layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 2,
                  "layers.*.ffn.d_ff": 4 * args.d_model, "mtp": {"depth": 1, "weight": args.mtp_weight}}
     held: dict = {}
     t0 = time.perf_counter()

@@ -12,8 +12,9 @@
         └─ N ─ mixer(·, ctx, pos) ──── + ── h ──┬──────────────────────┐
                                                 └─ N ─ FFN(·, ctx) ──── + ── y
 
-The mixer is stored as ``attention`` (its parameters are ``layers.{i}.attention.*`` whatever kind it
-is, so checkpoints and weight maps keep their names). The FFN gets the forward context too, to add
+Every block stores its token mixer as ``mixer`` (its parameters are ``layers.{i}.mixer.*`` whatever
+kind it is), its FFN as ``ffn``, and its norms as ``attn_norm``/``ffn_norm`` (and ``attn_out_norm``/
+``ffn_out_norm`` where the placement has them). The FFN gets the forward context too, to add
 auxiliary losses (a mixture of experts' balance); one written to take ``x`` alone is called so.
 """
 
@@ -31,15 +32,12 @@ class _Block(nn.Module):
     def __init__(self, *, spec, layer, index):
         super().__init__()
         d = spec.d_model
-        self.attention = layer.mixer.build(d_model=d, layer=layer, spec=spec, index=index)
+        self.mixer = layer.mixer.build(d_model=d, layer=layer, spec=spec, index=index)
         self.ffn = layer.ffn.build(d_model=d)
         self._ffn_ctx = takes_ctx(self.ffn)
         self.drop = nn.Dropout(spec.dropout)
         self._norm_part, self._d = layer.norm, d
 
-    @property
-    def mixer(self) -> nn.Module:
-        return self.attention
 
     def _norm(self):
         return self._norm_part.build(dim=self._d)
@@ -67,15 +65,15 @@ class Serial(_Block):
     def forward(self, x, ctx, pos):
         w = self.where
         if w == "pre":
-            h = x + self.drop(self.attention(self.attn_norm(x), ctx, pos))
+            h = x + self.drop(self.mixer(self.attn_norm(x), ctx, pos))
             return h + self.drop(self._ffn(self.ffn_norm(h), ctx))
         if w == "post":
-            h = self.attn_norm(x + self.drop(self.attention(x, ctx, pos)))
+            h = self.attn_norm(x + self.drop(self.mixer(x, ctx, pos)))
             return self.ffn_norm(h + self.drop(self._ffn(h, ctx)))
         if w == "sandwich":
-            h = x + self.drop(self.attn_out_norm(self.attention(self.attn_norm(x), ctx, pos)))
+            h = x + self.drop(self.attn_out_norm(self.mixer(self.attn_norm(x), ctx, pos)))
             return h + self.drop(self.ffn_out_norm(self._ffn(self.ffn_norm(h), ctx)))
-        h = x + self.drop(self.attn_out_norm(self.attention(x, ctx, pos)))
+        h = x + self.drop(self.attn_out_norm(self.mixer(x, ctx, pos)))
         return h + self.drop(self.ffn_out_norm(self._ffn(h, ctx)))
 
 
@@ -95,7 +93,7 @@ class Parallel(_Block):
     def forward(self, x, ctx, pos):
         a = self.attn_norm(x)
         f = a if self.ffn_norm is None else self.ffn_norm(x)
-        return x + self.drop(self.attention(a, ctx, pos)) + self.drop(self._ffn(f, ctx))
+        return x + self.drop(self.mixer(a, ctx, pos)) + self.drop(self._ffn(f, ctx))
 
 
 @register("block", "ffn_only")
@@ -109,15 +107,12 @@ class FFNOnly(nn.Module):
 
     def __init__(self, cfg, *, spec, layer, index):
         super().__init__()
-        self.attention = NoMixer()
+        self.mixer = NoMixer()
         self.ffn = layer.ffn.build(d_model=spec.d_model)
         self._ffn_ctx = takes_ctx(self.ffn)
         self.ffn_norm = layer.norm.build(dim=spec.d_model)
         self.drop = nn.Dropout(spec.dropout)
 
-    @property
-    def mixer(self) -> nn.Module:
-        return self.attention
 
     def forward(self, x, ctx, pos):
         h = self.ffn_norm(x)
@@ -135,17 +130,14 @@ class MixerOnly(nn.Module):
 
     def __init__(self, cfg, *, spec, layer, index):
         super().__init__()
-        self.attention = layer.mixer.build(d_model=spec.d_model, layer=layer, spec=spec, index=index)
+        self.mixer = layer.mixer.build(d_model=spec.d_model, layer=layer, spec=spec, index=index)
         self.ffn = None
         self.attn_norm = layer.norm.build(dim=spec.d_model)
         self.drop = nn.Dropout(spec.dropout)
 
-    @property
-    def mixer(self) -> nn.Module:
-        return self.attention
 
     def forward(self, x, ctx, pos):
-        return x + self.drop(self.attention(self.attn_norm(x), ctx, pos))
+        return x + self.drop(self.mixer(self.attn_norm(x), ctx, pos))
 
 
 @register("block", "scaled_residual")
@@ -171,6 +163,6 @@ class ScaledResidual(_Block):
     def forward(self, x, ctx, pos):
         c = self.cfg
         a = self.attn_norm(x)
-        h = c.attn_alpha * a + c.attn_beta * self.drop(self.attention(a, ctx, pos))
+        h = c.attn_alpha * a + c.attn_beta * self.drop(self.mixer(a, ctx, pos))
         b = self.ffn_norm(h)
         return c.ffn_alpha * b + c.ffn_beta * self.drop(self._ffn(b, ctx))

@@ -14,7 +14,7 @@ from zoo.train.data import load_tokens, unigram_entropy
 
 TINY = {
     "n_layers": 2, "d_model": 64, "vocab_size": 256, "max_seq_len": 128,
-    "layers.*.attention.n_heads": 4, "layers.*.attention.n_kv_heads": 2, "layers.*.ffn.d_ff": 128,
+    "layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.d_ff": 128,
 }
 
 

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from zoo.hookspecs import hookimpl
-from zoo.recipes import Family
+from zoo.core.hooks import hookimpl
+from zoo.core.spec import Family
 
 
 @hookimpl

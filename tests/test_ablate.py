@@ -245,7 +245,7 @@ def test_the_attention_logit_probe_matches_the_scores_the_softmax_sees(monkeypat
                 "layers.*.mixer.softcap": softcap}
         model = zoo.build("llama3-8b", overrides=over, seed=0)
         for layer in model.layers:
-            layer.attention.backend = "eager"
+            layer.mixer.backend = "eager"
         seen = []
         softmax = torch.softmax
 
@@ -263,7 +263,7 @@ def test_the_attention_logit_probe_matches_the_scores_the_softmax_sees(monkeypat
         if softcap:
             assert max(got) < softcap
         assert probe.take() == [None, None]  # reset by take
-        assert "attend" not in vars(model.layers[0].attention)  # unwrapped on exit
+        assert "attend" not in vars(model.layers[0].mixer)  # unwrapped on exit
 
 
 def test_trackers_get_every_step_and_an_unknown_tracker_is_refused(tmp_path, monkeypatch):

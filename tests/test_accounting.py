@@ -13,7 +13,7 @@ def test_llama2_70b_kv_cache_worked_example():
     gqa = account("llama2-70b", context=4096, batch=64, dtype="bf16")
     assert gqa["kv_cache"]["bytes_per_token"] == 2 * 80 * 8 * 128 * 2 == 327_680  # ~0.33 MB
     assert gqa["shape"]["attention"] == "GQA-8"
-    mha = account("llama2-70b", context=4096, batch=64, overrides={"layers.*.attention.n_kv_heads": 64})
+    mha = account("llama2-70b", context=4096, batch=64, overrides={"layers.*.mixer.n_kv_heads": 64})
     assert mha["kv_cache"]["bytes_per_token"] == 2 * 80 * 64 * 128 * 2 == 2_621_440  # ~2.6 MB, 8x
     # 4k context x batch 64: GQA needs 85.9 GB and MHA 687 GB. The notes call it "85 GB vs
     # 10.7 GB"; 10.7 GB is GQA at batch 8 (docs/accounting.md).
@@ -64,11 +64,11 @@ def test_largest_preset_on_the_meta_device():
     assert a["kv_cache"]["bytes_per_token"] == 2 * 126 * 8 * 128 * 2
 
 
-@pytest.mark.parametrize("name,extra", [("llama2-7b", {}), ("gemma2-2b", {"layers.local.attention.window": 3})])
+@pytest.mark.parametrize("name,extra", [("llama2-7b", {}), ("gemma2-2b", {"layers.local.mixer.window": 3})])
 @torch.no_grad()
 def test_account_matches_what_the_cache_holds(name, extra):
     tiny = {"n_layers": 2, "d_model": 64, "vocab_size": 128, "layers.*.ffn.d_ff": 96,
-            "layers.*.attention.n_heads": 4, "layers.*.attention.n_kv_heads": 2, "layers.*.attention.head_dim": 16}
+            "layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 2, "layers.*.mixer.head_dim": 16}
     model = zoo.build(name, overrides={**tiny, **extra}, seed=0).eval()
     state = model.new_state(3, 10)
     model(torch.randint(0, 128, (3, 10)), state=state)

@@ -189,8 +189,8 @@ def test_save_is_atomic(ckpt, monkeypatch):
 
 def test_save_needs_model_type_and_an_expressible_model():
     model = zoo.build("mistral-7b", device="meta", n_layers=1, d_model=32, vocab_size=64,
-                      overrides={"layers.*.attention.n_heads": 4, "layers.*.attention.n_kv_heads": 2,
-                                 "layers.*.ffn.d_ff": 48, "layers.*.attention.window": 8})
+                      overrides={"layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 2,
+                                 "layers.*.ffn.d_ff": 48, "layers.*.mixer.window": 8})
     with pytest.raises(CheckpointError, match="pass model_type="):
         zoo.save_pretrained(model, "unused")
     with pytest.raises(CheckpointError, match="cannot be written as llama.*sliding"):
@@ -241,7 +241,7 @@ def test_real_world_config_spellings():
         config_to_spec({**gptj, "rotary": False})
     falcon = {"model_type": "falcon", "vocab_size": 64, "hidden_size": 32, "n_layer": 1, "n_head": 4,
               "alibi": False, "multi_query": True, "apply_residual_connection_post_layernorm": False}
-    assert config_to_spec(falcon).layer(0).attention.n_kv_heads == 1
+    assert config_to_spec(falcon).layer(0).mixer.n_kv_heads == 1
     with pytest.raises(ConfigError, match="'alibi'.*ALiBi"):
         config_to_spec({**falcon, "alibi": True})
 
@@ -256,7 +256,7 @@ def test_formats_are_registry_parts():
 def test_a_format_that_cannot_describe_the_model_says_so(tmp_path):
     # GPT-3's learned positions have no RoPE base for the llama format to write.
     model = zoo.build("gpt3-125m", n_layers=1, d_model=32, vocab_size=64, max_seq_len=16,
-                      overrides={"layers.*.attention.n_heads": 2, "layers.*.attention.head_dim": 16}, seed=0)
+                      overrides={"layers.*.mixer.n_heads": 2, "layers.*.mixer.head_dim": 16}, seed=0)
     for model_type in zoo.list_components("checkpoint_format"):
         if model_type == "gpt2":
             continue

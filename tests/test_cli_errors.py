@@ -17,7 +17,7 @@ tiny = pytest.importorskip("zoo.checkpoints.tiny")
 pytest.importorskip("transformers")
 
 TRAIN = ["train", "llama3-8b", "--set", "n_layers=1", "--set", "d_model=32", "--set", "vocab_size=256",
-         "--set", "layers.*.attention.n_heads=4", "--set", "layers.*.attention.n_kv_heads=2", "--cpu",
+         "--set", "layers.*.mixer.n_heads=4", "--set", "layers.*.mixer.n_kv_heads=2", "--cpu",
          "--no-progress"]
 
 

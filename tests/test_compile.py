@@ -48,8 +48,8 @@ def test_flex_attention_stays_on_and_traces_inside_torch_compile(monkeypatch, on
     from zoo.components.kernels import attention as flex
 
     model = zoo.build("gemma2-2b", n_layers=2, d_model=32, vocab_size=150, seed=0,
-                      overrides={"layers.*.attention.head_dim": 16, "layers.*.ffn.d_ff": 48,
-                                 "layers.local.attention.window": 4}).eval()
+                      overrides={"layers.*.mixer.head_dim": 16, "layers.*.ffn.d_ff": 48,
+                                 "layers.local.mixer.window": 4}).eval()
     ids = torch.randint(0, 150, (2, 9))
     ran = []
     real = flex.flex_attend

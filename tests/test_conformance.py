@@ -205,7 +205,7 @@ def test_glu_defaults_to_eight_thirds():
 
 def _pos(name, d_model=32, head_dim=16, **cfg):
     spec = zt.tiny_spec({"position": {"name": name, **cfg}, "d_model": d_model,
-                         "layers.default.attention.head_dim": head_dim})
+                         "layers.default.mixer.head_dim": head_dim})
     return spec.position.build(spec=spec, layer=spec.layer(0))
 
 
@@ -343,9 +343,9 @@ def test_yarn_keeps_fast_dims_interpolates_slow_ones_and_scales_attention():
 # ------------------------------------------------------------------------------------ attention
 
 def _attention(**cfg):
-    spec = zt.tiny_spec({"layers.default.attention": {"name": "attention", **cfg}})
+    spec = zt.tiny_spec({"layers.default.mixer": {"name": "attention", **cfg}})
     layer = spec.layer(0)
-    attn = layer.attention.build(d_model=spec.d_model, layer=layer, spec=spec, index=0)
+    attn = layer.mixer.build(d_model=spec.d_model, layer=layer, spec=spec, index=0)
     return attn, spec
 
 
@@ -362,9 +362,9 @@ def test_mha_gqa_mqa_shapes(heads, kv, head_dim):
 
 def test_head_dim_independent_of_d_model():
     """GPT-3 XL as printed: 24 heads of 128 with d_model 2048."""
-    spec = zt.tiny_spec({"d_model": 2048, "layers.default.attention": {"name": "attention", "n_heads": 24, "head_dim": 128}})
+    spec = zt.tiny_spec({"d_model": 2048, "layers.default.mixer": {"name": "attention", "n_heads": 24, "head_dim": 128}})
     with torch.device("meta"):
-        attn = spec.layer(0).attention.build(d_model=2048, layer=spec.layer(0), spec=spec, index=0)
+        attn = spec.layer(0).mixer.build(d_model=2048, layer=spec.layer(0), spec=spec, index=0)
     assert attn.q_proj.weight.shape == (24 * 128, 2048)
 
 
@@ -473,7 +473,7 @@ def _block(name, **cfg):
 def test_serial_block_equations(where):
     b, spec = _block("serial", norm_position=where)
     x, ctx, rot = zt.attention_inputs(spec)
-    A = lambda h: b.attention(h, ctx, rot)  # noqa: E731
+    A = lambda h: b.mixer(h, ctx, rot)  # noqa: E731
     if where == "pre":
         h = x + A(b.attn_norm(x))
         y = h + b.ffn(b.ffn_norm(h))
@@ -497,7 +497,7 @@ def test_parallel_block_equation(shared):
     x, ctx, rot = zt.attention_inputs(spec)
     n2 = b.attn_norm if shared else b.ffn_norm
     assert (b.ffn_norm is None) == shared
-    y = x + b.attention(b.attn_norm(x), ctx, rot) + b.ffn(n2(x))
+    y = x + b.mixer(b.attn_norm(x), ctx, rot) + b.ffn(n2(x))
     torch.testing.assert_close(b(x, ctx, rot), y)
 
 
@@ -795,7 +795,7 @@ def test_scaled_residual_block_takes_the_residual_after_the_norm():
     b, spec = _block("scaled_residual", attn_alpha=1.7, attn_beta=0.6, ffn_alpha=2.2, ffn_beta=0.4)
     x, ctx, rot = zt.attention_inputs(spec)
     a = b.attn_norm(x)
-    h = 1.7 * a + 0.6 * b.attention(a, ctx, rot)
+    h = 1.7 * a + 0.6 * b.mixer(a, ctx, rot)
     n = b.ffn_norm(h)
     torch.testing.assert_close(b(x, ctx, rot), 2.2 * n + 0.4 * b.ffn(n))
     torch.testing.assert_close(b(100 * x, ctx, rot), b(x, ctx, rot), atol=1e-4, rtol=1e-4)

@@ -70,12 +70,12 @@ def test_greedy_tokens_equal_transformers(case, pair):
 def test_the_decode_state_is_transformers_cache_after_prefill_and_several_tokens(case, decode, pair):
     hf, ours = pair(case)
     for layer in ours.layers:
-        layer.attention.cfg = dataclasses.replace(layer.attention.cfg, decode=decode)
+        layer.mixer.cfg = dataclasses.replace(layer.mixer.cfg, decode=decode)
     try:
         check_state_against_cache(hf, ours)
     finally:
         for layer in ours.layers:
-            layer.attention.cfg = dataclasses.replace(layer.attention.cfg, decode="absorbed")
+            layer.mixer.cfg = dataclasses.replace(layer.mixer.cfg, decode="absorbed")
 
 
 def check_state_against_cache(hf, ours):

@@ -117,7 +117,7 @@ def test_describe_gives_dsa_attention_flops_against_dense_mla_by_context():
     from zoo.tools.accounting import account
 
     model = zoo.build("deepseek-v3.2-exp", device="meta")
-    dsa = model.layers[0].attention
+    dsa = model.layers[0].mixer
     per_key = 2 * 128 * (192 + 128)  # MLA's scores and weighted sum per key
     index_per_key = 2 * 64 * (128 + 1)  # the indexer's dot products and head weighting per key
     for context in (1024, 2048, 65536):

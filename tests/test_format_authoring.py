@@ -19,8 +19,8 @@ from zoo.cli import main
 
 LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
-SMALL = {"n_layers": 2, "d_model": 32, "vocab_size": 64, "layers.*.attention.n_heads": 4,
-         "layers.*.attention.n_kv_heads": 2, "layers.*.ffn.d_ff": 64}
+SMALL = {"n_layers": 2, "d_model": 32, "vocab_size": 64, "layers.*.mixer.n_heads": 4,
+         "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.d_ff": 64}
 
 
 def test_every_dropout_field_is_accepted_whatever_its_value():
@@ -94,7 +94,7 @@ def test_a_format_adds_its_own_activation_names():
 
 def test_a_save_mismatch_names_the_differing_fields(tmp_path):
     model = zoo.build("llama3-8b", device="meta", overrides={**SMALL, "head.softcap": 30.0,
-                                                            "layers.*.attention.softcap": 50.0})
+                                                            "layers.*.mixer.softcap": 50.0})
     with pytest.raises(CheckpointError) as err:
         zoo.save_pretrained(model, tmp_path / "out", model_type="llama")
     message = str(err.value)

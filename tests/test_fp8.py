@@ -132,7 +132,7 @@ def test_fp8_checkpoint_loads_dequantised(fp8):
     # Each quantised weight is exactly the reference dequantisation, e.g. the 200 x 128 up-projection.
     assert torch.equal(model.layers[0].ffn.up.weight, dequantized["model.layers.0.mlp.up_proj.weight"])
     assert torch.equal(model.layers[1].ffn.down.weight, dequantized["model.layers.1.mlp.down_proj.weight"])
-    assert torch.equal(model.layers[1].attention.q_proj.weight, dequantized["model.layers.1.self_attn.q_proj.weight"])
+    assert torch.equal(model.layers[1].mixer.q_proj.weight, dequantized["model.layers.1.self_attn.q_proj.weight"])
 
     # Each weight is within e4m3 rounding of the unquantised one: half a unit in the last of 3
     # mantissa bits (2^-4 relative), or half the smallest subnormal step (2^-10 of the block's scale).

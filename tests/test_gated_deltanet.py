@@ -91,7 +91,7 @@ def test_the_mixer_passes_the_mixer_contract():
 def test_the_decode_state_is_fixed_in_size_and_accounted():
     model = zt.tiny_model(zt.hybrid_spec("gated_deltanet", {"n_heads": 4, "n_key_heads": 2, "key_dim": 8,
                                                             "value_dim": 6, "chunk_size": 4}))
-    gdn = model.layers[0].attention
+    gdn = model.layers[0].mixer
     cost = gdn.cost(4096)
     assert cost.state_fixed == 4 * 8 * 6 + (2 * 2 * 8 + 4 * 6) * 3 and cost.state_per_token == 0
     sizes = []

@@ -11,17 +11,17 @@ from zoo.inference.generate import sample_next
 
 TINY = {
     "n_layers": 2, "d_model": 64, "vocab_size": 128, "layers.*.ffn.d_ff": 96,
-    "layers.*.attention.n_heads": 4, "layers.*.attention.n_kv_heads": 2, "layers.*.attention.head_dim": 16,
+    "layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 2, "layers.*.mixer.head_dim": 16,
 }
 # Windows much shorter than the prompt, so prefill and decode both run past them.
 FAMILIES = {
     "llama2-7b": {},
-    "mistral-7b": {"layers.*.attention.window": 4},
-    "gemma2-2b": {"layers.local.attention.window": 5},
-    "gemma3-1b": {"n_layers": 6, "layers.local.attention.window": 3, "layers.*.attention.n_kv_heads": 1},
+    "mistral-7b": {"layers.*.mixer.window": 4},
+    "gemma2-2b": {"layers.local.mixer.window": 5},
+    "gemma3-1b": {"n_layers": 6, "layers.local.mixer.window": 3, "layers.*.mixer.n_kv_heads": 1},
     "olmo2-7b": {},
-    "gpt3-125m": {"layers.*.attention.n_kv_heads": 4},
-    "transformer-2017": {"layers.*.attention.n_kv_heads": 4},
+    "gpt3-125m": {"layers.*.mixer.n_kv_heads": 4},
+    "transformer-2017": {"layers.*.mixer.n_kv_heads": 4},
 }
 
 
@@ -50,7 +50,7 @@ def test_cached_decode_matches_full_forward(name):
 
 @torch.no_grad()
 def test_ring_buffer_is_bounded_and_equals_a_full_cache():
-    model = tiny("mistral-7b", **{"layers.*.attention.window": 4})
+    model = tiny("mistral-7b", **{"layers.*.mixer.window": 4})
     ids = torch.randint(0, 128, (2, 6))
     # A full cache: the mask alone applies the window.
     ring, full = model.new_state(2), DecodeState([KVState(window=None) for _ in range(2)])
@@ -71,7 +71,7 @@ def test_ring_buffer_is_bounded_and_equals_a_full_cache():
 def test_cache_is_sized_by_kv_heads():
     nbytes = {}
     for kv in (4, 2, 1):  # MHA, GQA, MQA
-        model = tiny("llama2-7b", **{"layers.*.attention.n_kv_heads": kv})
+        model = tiny("llama2-7b", **{"layers.*.mixer.n_kv_heads": kv})
         cache = model.new_state(1)
         model(torch.randint(0, 128, (1, 10)), state=cache)
         nbytes[kv] = cache.nbytes()

@@ -9,11 +9,11 @@ import zoo
 
 TINY = {
     "n_layers": 2, "d_model": 64, "vocab_size": 128, "layers.*.ffn.d_ff": 96,
-    "layers.*.attention.n_heads": 4, "layers.*.attention.n_kv_heads": 2, "layers.*.attention.head_dim": 16,
+    "layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 2, "layers.*.mixer.head_dim": 16,
 }
 SPECS = {
     "llama2-7b": {},
-    "gemma2-2b": {"layers.local.attention.window": 5},  # soft-caps; a window far shorter than the sequence
+    "gemma2-2b": {"layers.local.mixer.window": 5},  # soft-caps; a window far shorter than the sequence
 }
 
 

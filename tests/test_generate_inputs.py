@@ -11,7 +11,7 @@ import zoo
 @pytest.fixture(scope="module")
 def model():
     return zoo.build("llama3-8b", n_layers=1, d_model=32, vocab_size=64, max_seq_len=32,
-                     **{"layers.*.attention.n_heads": 4, "layers.*.attention.n_kv_heads": 2, "layers.*.ffn.d_ff": 64})
+                     **{"layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.d_ff": 64})
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def test_bad_generation_inputs_are_refused_before_any_compute(model, no_compute,
 
 def test_learned_positions_stop_at_max_seq_len_before_any_compute(monkeypatch):
     learned = zoo.build("gpt3-125m", n_layers=1, d_model=32, vocab_size=64, max_seq_len=32,
-                        overrides={"layers.*.attention.n_heads": 4})
+                        overrides={"layers.*.mixer.n_heads": 4})
     assert zoo.generate(learned, IDS, 28).shape == (1, 32)  # up to the table's last row
     monkeypatch.setattr(learned, "hidden_states", lambda *a, **k: pytest.fail("the model ran"))
     with pytest.raises(ValueError, match=r"max_new_tokens 29 after a prompt of 4 tokens reaches 33, beyond the "

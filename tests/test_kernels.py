@@ -171,7 +171,7 @@ def test_fused_loss_scales_with_the_incoming_gradient_and_skips_work_without_gra
 
 
 def tiny(name, **over):
-    base = {"layers.*.attention.head_dim": 16, "layers.*.ffn.d_ff": 72}
+    base = {"layers.*.mixer.head_dim": 16, "layers.*.ffn.d_ff": 72}
     return zoo.build(name, n_layers=2, d_model=32, vocab_size=150, seed=0, overrides={**base, **over})
 
 
@@ -189,9 +189,9 @@ def spy_on_fast_paths(monkeypatch):
 
 @pytest.mark.parametrize("name,over", [
     # Gemma 2: 1 + w norms in fp32, sandwich blocks, GeGLU (tanh), tied head, final soft-cap 30
-    ("gemma2-2b", {"layers.local.attention.window": 4}),
+    ("gemma2-2b", {"layers.local.mixer.window": 4}),
     # Llama 3: GQA, SwiGLU, untied head, llama3 RoPE scaling; z-loss on
-    ("llama3-8b", {"layers.*.attention.n_heads": 4, "layers.*.attention.n_kv_heads": 2, "z_loss": 1e-3}),
+    ("llama3-8b", {"layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 2, "z_loss": 1e-3}),
 ])
 def test_model_loss_and_gradients_with_every_fast_path(monkeypatch, name, over):
     model = tiny(name, **over)
@@ -230,8 +230,8 @@ def test_fused_loss_with_a_padded_vocabulary():
 
 def test_flex_attention_forward_matches_eager_with_softcap_window_gqa_and_padding():
     # FlexAttention has no backward on the CPU: its gradients are checked on CUDA by the benchmark.
-    model = tiny("gemma2-2b", **{"layers.local.attention.window": 3, "layers.*.attention.n_heads": 4,
-                                 "layers.*.attention.n_kv_heads": 2}).eval()
+    model = tiny("gemma2-2b", **{"layers.local.mixer.window": 3, "layers.*.mixer.n_heads": 4,
+                                 "layers.*.mixer.n_kv_heads": 2}).eval()
     ids = torch.randint(0, 150, (2, 11))
     mask = torch.ones(2, 11, dtype=torch.long)
     mask[0, :3] = 0

@@ -12,8 +12,8 @@ from zoo.core import kernels
 
 
 def tiny(name="gemma2-2b", **over):
-    base = {"layers.*.attention.head_dim": 16, "layers.*.ffn.d_ff": 48, "layers.local.attention.window": 4} \
-        if name.startswith("gemma2") else {"layers.*.attention.head_dim": 16, "layers.*.ffn.d_ff": 48}
+    base = {"layers.*.mixer.head_dim": 16, "layers.*.ffn.d_ff": 48, "layers.local.mixer.window": 4} \
+        if name.startswith("gemma2") else {"layers.*.mixer.head_dim": 16, "layers.*.ffn.d_ff": 48}
     return zoo.build(name, n_layers=2, d_model=32, vocab_size=100, seed=0, overrides={**base, **over})
 
 
@@ -104,7 +104,7 @@ def test_per_component_settings(monkeypatch):
 def test_forced_eager_attention_runs_eager(monkeypatch):
     model = tiny("llama3-8b")
     calls = []
-    attn = model.layers[0].attention
+    attn = model.layers[0].mixer
     monkeypatch.setattr(attn, "_eager", lambda *a: calls.append(1) or type(attn)._eager(attn, *a))
     ids = torch.randint(0, 100, (1, 5))
     model(ids)

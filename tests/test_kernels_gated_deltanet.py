@@ -74,7 +74,7 @@ def tiny():
 
 def test_the_mixer_chooses_the_kernel_only_when_forced_and_computes_the_same(monkeypatch):
     model = tiny()
-    mixer = model.layers[0].attention
+    mixer = model.layers[0].mixer
     x = torch.randn(2, 9, 8)
     assert kernels.decide(mixer, "cpu", torch.float32).backend is None  # never chosen on the CPU by itself
     calls = []

@@ -49,7 +49,7 @@ def test_kernel_matches_the_core_forward_and_backward(T, Dk, Dv, with_state):
 
 def test_mixers_choose_the_kernel_when_forced():
     model = zt.tiny_model(zt.hybrid_spec("lightning_attention", {"n_heads": 2, "head_dim": 8, "chunk": 4}))
-    mixer = model.layers[0].attention
+    mixer = model.layers[0].mixer
     x = torch.randn(2, 9, 8)
     assert kernels.decide(mixer, "cpu", torch.float32).backend is None  # never chosen on the CPU by itself
     with kernels.using("scalar_decay:triton"):

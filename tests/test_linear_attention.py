@@ -38,7 +38,7 @@ def test_decoding_matches_the_full_forward(name, cfg):
 @pytest.mark.parametrize("name,cfg", VARIANTS[:1] + VARIANTS[-1:], ids=lambda v: str(v))
 def test_the_state_is_fixed_size_and_accounted(name, cfg):
     m = model(name, cfg)
-    mixer = m.layers[0].attention
+    mixer = m.layers[0].mixer
     sizes = []
     for T in (4, 40):
         state = m.new_state(1, None)
@@ -51,7 +51,7 @@ def test_the_state_is_fixed_size_and_accounted(name, cfg):
 
 def test_retnet_decay_is_one_gamma_per_head():
     m = model("linear_attention", {"n_heads": 4, "head_dim": 8, "decay": "retnet"})
-    got = m.layers[0].attention.log_gamma.exp()
+    got = m.layers[0].mixer.log_gamma.exp()
     torch.testing.assert_close(got, torch.tensor([1 - 2 ** -5, 1 - 2 ** -6, 1 - 2 ** -7, 1 - 2 ** -8]))
 
 

@@ -86,8 +86,8 @@ def test_building_a_block_mask_holds_blocks_not_token_pairs(padding):
 
 def test_masks_are_not_rebuilt_when_the_shape_repeats_and_once_per_forward_with_padding():
     model = zoo.build("gemma2-2b", n_layers=4, d_model=32, vocab_size=150, seed=0,
-                      overrides={"layers.*.attention.head_dim": 16, "layers.*.ffn.d_ff": 48,
-                                 "layers.local.attention.window": 3}).eval()
+                      overrides={"layers.*.mixer.head_dim": 16, "layers.*.ffn.d_ff": 48,
+                                 "layers.local.mixer.window": 3}).eval()
     ids = torch.randint(0, 150, (2, 11))
     pad = torch.ones(2, 11, dtype=torch.long)
     pad[0, :3] = 0
@@ -115,7 +115,7 @@ def test_dense_masks_of_the_reference_paths_are_built_once_per_forward(monkeypat
     real = attention.causal_mask
     monkeypatch.setattr(attention, "causal_mask", lambda *a: built.append(a[2]) or real(*a))  # the window; not the tensors
     model = zoo.build("mistral-7b", n_layers=4, d_model=32, vocab_size=150, seed=0,
-                      overrides={"layers.*.attention.window": 3, "layers.*.attention.head_dim": 8,
+                      overrides={"layers.*.mixer.window": 3, "layers.*.mixer.head_dim": 8,
                                  "layers.*.ffn.d_ff": 48})
     ids = torch.randint(0, 150, (2, 9))
     pad = torch.ones(2, 9, dtype=torch.long)

@@ -40,7 +40,7 @@ def test_the_schedule_and_scales_come_from_the_config(pair):
     hf, ours = pair
     assert [ours.spec.layer(i).mixer.name for i in range(4)] == ["lightning_attention"] * 2 + ["attention", "lightning_attention"]
     assert ours.spec.layer(2).block.config.attn_alpha == 1.5 and ours.spec.layer(0).block.config.attn_beta == 0.9
-    torch.testing.assert_close(ours.layers[1].attention.slope, hf.model.layers[1].self_attn.slope_rate.reshape(-1))
+    torch.testing.assert_close(ours.layers[1].mixer.slope, hf.model.layers[1].self_attn.slope_rate.reshape(-1))
 
 
 def test_logits_match_with_padding(pair):
@@ -62,7 +62,7 @@ def test_greedy_tokens_and_decode_states_match_the_cache(pair):
     ids = ids_batch(T=9)
     with torch.no_grad():
         want = hf.generate(ids, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids))
-        got = ours.generate(ids, max_new_tokens=8)  # greedy
+        got = zoo.generate(ours, ids, max_new_tokens=8)  # greedy
         assert torch.equal(got, want)
 
         out = hf(ids, use_cache=True)

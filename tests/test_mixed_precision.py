@@ -20,8 +20,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 
 
 def tiny(name, **over):
-    base = {"layers.*.attention.head_dim": 16, "layers.*.ffn.d_ff": 48, "layers.*.attention.n_heads": 4,
-            "layers.*.attention.n_kv_heads": 2}
+    base = {"layers.*.mixer.head_dim": 16, "layers.*.ffn.d_ff": 48, "layers.*.mixer.n_heads": 4,
+            "layers.*.mixer.n_kv_heads": 2}
     return zoo.build(name, n_layers=2, d_model=32, vocab_size=150, seed=0, overrides={**base, **over})
 
 
@@ -42,8 +42,8 @@ def record_attention_inputs(monkeypatch, where, name):
     ("mistral-7b", "sdpa"), ("mistral-7b", "eager"), ("gemma2-2b", "eager"),
 ])
 def test_a_training_step_under_bf16_autocast_over_fp32_weights(monkeypatch, name, path):
-    model = tiny(name, **{"layers.*.attention.window": 4} if name == "mistral-7b" else
-                 {"layers.local.attention.window": 4})
+    model = tiny(name, **{"layers.*.mixer.window": 4} if name == "mistral-7b" else
+                 {"layers.local.mixer.window": 4})
     ids = torch.randint(0, 150, (2, 11))
     with kernels.using("off"):
         want = model.loss(ids).loss
@@ -61,7 +61,7 @@ def test_flex_attention_under_bf16_autocast_gets_one_dtype(monkeypatch):
     # FlexAttention has no backward on the CPU: the forward of the training step, in training mode.
     from zoo.components.kernels import attention as flex
 
-    model = tiny("gemma2-2b", **{"layers.local.attention.window": 4})
+    model = tiny("gemma2-2b", **{"layers.local.mixer.window": 4})
     ids = torch.randint(0, 150, (2, 11))
     seen = record_attention_inputs(monkeypatch, flex, "flex_attention")
     with torch.no_grad():

@@ -46,7 +46,7 @@ def test_the_plugin_registers_mixers_ffns_and_a_format(toy):
 
 def test_a_mixer_that_takes_no_rotation_leaves_attention_its_whole_head(toy):
     model = hybrid(toy)
-    rec, att = model.layers[0].attention, model.layers[1].attention
+    rec, att = model.layers[0].mixer, model.layers[1].mixer
     assert model._pos_key[0] is None and model._pos_key[2] is None  # recurrent layers: no RoPE
     rope = model.positions[model._pos_key[1]]
     assert rope.dim == att.head_dim == 8 and type(rec).__name__ == "ToyRecurrent"
@@ -55,11 +55,11 @@ def test_a_mixer_that_takes_no_rotation_leaves_attention_its_whole_head(toy):
 @torch.no_grad()
 def test_two_head_widths_in_one_model_each_rotate_their_whole_head():
     model = zoo.build("gemma2-2b", n_layers=2, d_model=64, vocab_size=128, seed=0,
-                      overrides={"layers.local.attention.head_dim": 16, "layers.global.attention.head_dim": 32,
-                                 "layers.*.ffn.d_ff": 64, "layers.local.attention.window": 4})
+                      overrides={"layers.local.mixer.head_dim": 16, "layers.global.mixer.head_dim": 32,
+                                 "layers.*.ffn.d_ff": 64, "layers.local.mixer.window": 4})
     assert len(model.positions) == 2
     for i, layer in enumerate(model.layers):
-        D = layer.attention.head_dim
+        D = layer.mixer.head_dim
         rope = model.positions[model._pos_key[i]]
         q = torch.randn(1, 1, 3, D)
         cos_sin = rope.prepare(torch.tensor([[5, 6, 7]]), torch.float32)

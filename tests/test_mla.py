@@ -1,4 +1,4 @@
-"""Multi-head Latent Attention (components/mla.py): the decode state holds only the latent and the
+"""Multi-head Latent Attention (components/mixers/mla.py): the decode state holds only the latent and the
 rotated key part, absorbed decoding equals the plain path, decoding equals the full forward, and
 inconsistent dimensions are refused by name. Parity with transformers is tests/test_deepseek.py."""
 
@@ -45,7 +45,7 @@ def test_absorbed_decoding_gives_the_plain_logits_without_building_per_head_keys
     with torch.no_grad():
         for name, model in (("plain", plain), ("absorbed", absorbed)):
             for layer in model.layers:
-                layer.attention.kv_b_proj.register_forward_hook(lambda *a, n=name: calls.__setitem__(n, calls[n] + 1))
+                layer.mixer.kv_b_proj.register_forward_hook(lambda *a, n=name: calls.__setitem__(n, calls[n] + 1))
             state = model.new_state(2, 12)
             outs.append(torch.cat([model(ids[:, :4], state=state)] + [model(ids[:, t:t + 1], state=state)
                                                                       for t in range(4, 12)], 1))
@@ -74,7 +74,7 @@ def test_the_latent_in_the_state_is_the_normed_compression_and_the_key_part_is_r
     spec = _spec(None)
     model = zt.tiny_model(spec)
     x = torch.randn(1, 6, spec.d_model)
-    mla = model.layers[0].attention
+    mla = model.layers[0].mixer
     ctx = zoo.core.context.ForwardContext(position_ids=torch.arange(6)[None], slots=torch.arange(6),
                                         state=zoo.core.state.DecodeState([mla.new_state(1, 6)]))
     _, _, pos = zt.attention_inputs(spec, B=1, T=6)
@@ -90,10 +90,10 @@ def test_yarn_mscale_all_dim_multiplies_the_softmax_scale():
     plain = zt.tiny_model(_spec(None, {"name": "rope"}))
     yarn = zt.tiny_model(_spec(None, YARN))
     m = 0.1 * 0.707 * torch.log(torch.tensor(4.0)).item() + 1.0
-    assert plain.layers[0].attention.scale == pytest.approx((8 + 4) ** -0.5)
-    assert yarn.layers[0].attention.scale == pytest.approx((8 + 4) ** -0.5 * m * m)
+    assert plain.layers[0].mixer.scale == pytest.approx((8 + 4) ** -0.5)
+    assert yarn.layers[0].mixer.scale == pytest.approx((8 + 4) ** -0.5 * m * m)
     no_all_dim = {**YARN, "scaling": {**YARN["scaling"], "mscale_all_dim": None}}
-    assert zt.tiny_model(_spec(None, no_all_dim)).layers[0].attention.scale == pytest.approx((8 + 4) ** -0.5)
+    assert zt.tiny_model(_spec(None, no_all_dim)).layers[0].mixer.scale == pytest.approx((8 + 4) ** -0.5)
 
 
 def test_pairs_to_half_rotates_interleaved_pairs_and_writes_them_half_split():
@@ -126,6 +126,6 @@ def test_a_rope_width_other_than_the_decoupled_part_is_refused():
 
 
 def test_describe_shows_state_per_token_beside_mha():
-    facts = zt.tiny_model(_spec(12)).layers[0].attention.facts()
+    facts = zt.tiny_model(_spec(12)).layers[0].mixer.facts()
     assert facts["state_per_token"] == 16 + 4
     assert facts["mha_state_per_token"] == 4 * (8 + 4 + 12)

@@ -20,8 +20,8 @@ from zoo.core.state import KVState, step_layout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SMALL = {"n_layers": 2, "d_model": 32, "vocab_size": 64, "layers.*.attention.n_heads": 4,
-         "layers.*.attention.n_kv_heads": 2, "layers.*.ffn.d_ff": 64, "max_seq_len": 256}
+SMALL = {"n_layers": 2, "d_model": 32, "vocab_size": 64, "layers.*.mixer.n_heads": 4,
+         "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.d_ff": 64, "max_seq_len": 256}
 
 
 def tiny(mtp=None, preset="llama3-8b", seed=0, **over):
@@ -117,7 +117,7 @@ def test_qwen3_next_layout_names_the_same_module_in_its_own_tree():
     assert names["mtp.pre_fc_norm_embedding.weight"] == "mtp.layers.0.enorm.weight"
     assert names["mtp.pre_fc_norm_hidden.weight"] == "mtp.layers.0.hnorm.weight"
     assert names["mtp.norm.weight"] == "mtp.layers.0.norm.weight"
-    assert names["mtp.layers.0.self_attn.q_proj.weight"] == "mtp.layers.0.block.attention.q_proj.weight"
+    assert names["mtp.layers.0.self_attn.q_proj.weight"] == "mtp.layers.0.block.mixer.q_proj.weight"
     assert not any("embed_tokens" in h or "shared_head" in h for h in names)
 
 
@@ -247,9 +247,9 @@ def test_speculative_greedy_equals_plain_greedy(periodic, which):
     model = periodic if which == "trained" else tiny({"depth": 1}, seed=3)
     total = SpeculationStats()
     for ids in (torch.tensor([[3, 17, 5, 42, 9]]), torch.tensor([[1, 2, 3, 60, 61, 7, 8]]), torch.tensor([[30]])):
-        plain = model.generate(ids, 30)
+        plain = zoo.generate(model, ids, 30)
         stats = SpeculationStats()
-        fast = model.generate(ids, 30, speculative="mtp", stats=stats)
+        fast = zoo.generate(model, ids, 30, speculative="mtp", stats=stats)
         assert torch.equal(fast, plain)
         assert stats.drafted == stats.steps > 0
         total.drafted += stats.drafted
@@ -262,20 +262,20 @@ def test_speculative_greedy_equals_plain_greedy(periodic, which):
 
 def test_speculative_rolls_back_a_sliding_window_ring():
     """Window 4, so the ring wraps; the random model's drafts are all rejected and rolled back."""
-    window = {"preset": "mistral-7b", "layers.*.attention.window": 4}
+    window = {"preset": "mistral-7b", "layers.*.mixer.window": 4}
     for model in (trained(**window), tiny({"depth": 1}, seed=3, **window)):
         stats = SpeculationStats()
         for ids in (torch.tensor([[3, 17, 5, 42, 9, 11]]), torch.tensor([[8, 1, 60, 2]])):
-            assert torch.equal(model.generate(ids, 25, speculative="mtp", stats=stats), model.generate(ids, 25))
+            assert torch.equal(zoo.generate(model, ids, 25, speculative="mtp", stats=stats), zoo.generate(model, ids, 25))
         assert stats.drafted > 0
 
 
 def test_speculative_stops_and_pads_like_plain(periodic):
     ids = torch.tensor([[0, 0, 3, 17, 5]])
     mask = torch.tensor([[0, 0, 1, 1, 1]])
-    plain = periodic.generate(ids, 20, attention_mask=mask, stop=9)
+    plain = zoo.generate(periodic, ids, 20, attention_mask=mask, stop=9)
     seen = []
-    fast = periodic.generate(ids, 20, attention_mask=mask, stop=9, speculative="mtp", callback=seen.append)
+    fast = zoo.generate(periodic, ids, 20, attention_mask=mask, stop=9, speculative="mtp", callback=seen.append)
     assert torch.equal(fast, plain)
     assert torch.equal(torch.cat(seen), fast[0, 5:])
 
@@ -283,13 +283,13 @@ def test_speculative_stops_and_pads_like_plain(periodic):
 def test_speculative_refusals(periodic):
     ids = torch.tensor([[1, 2], [3, 4]])
     with pytest.raises(ValueError, match="one sequence at a time"):
-        periodic.generate(ids, 4, speculative="mtp")
+        zoo.generate(periodic, ids, 4, speculative="mtp")
     with pytest.raises(ValueError, match="greedily"):
-        periodic.generate(ids[:1], 4, speculative="mtp", temperature=0.7)
+        zoo.generate(periodic, ids[:1], 4, speculative="mtp", temperature=0.7)
     with pytest.raises(ValueError, match="multi-token prediction"):
-        tiny().generate(ids[:1], 4, speculative="mtp")
+        zoo.generate(tiny(), ids[:1], 4, speculative="mtp")
     with pytest.raises(ValueError, match="'mtp'"):
-        periodic.generate(ids[:1], 4, speculative="medusa")
+        zoo.generate(periodic, ids[:1], 4, speculative="medusa")
 
 
 def test_speculative_refuses_a_mixer_that_cannot_roll_back():
@@ -298,7 +298,7 @@ def test_speculative_refuses_a_mixer_that_cannot_roll_back():
     zoo.load_plugin("toy_plugin")  # tests/toy_plugin.py: a recurrent mixer whose state has no truncate
     model = zt.tiny_model(zt.hybrid_spec("toy_recurrent", mtp={"depth": 1}))
     with pytest.raises(ValueError, match=r"layer 0's decode state .* has no truncate"):
-        model.generate(torch.tensor([[1, 2, 3]]), 4, speculative="mtp")
+        zoo.generate(model, torch.tensor([[1, 2, 3]]), 4, speculative="mtp")
 
 
 def test_kv_ring_truncate_restores_what_the_drafts_replaced():
@@ -390,7 +390,7 @@ def test_deepseek_v3_mtp_loads_matches_transformers_and_saves_back(tmp_path):
                                                    ForwardContext(position_ids=pos, slots=slots)))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     stats = SpeculationStats()  # MLA's latent state rolls back too
-    assert torch.equal(model.generate(ids[:1], 12, speculative="mtp", stats=stats), model.generate(ids[:1], 12))
+    assert torch.equal(zoo.generate(model, ids[:1], 12, speculative="mtp", stats=stats), zoo.generate(model, ids[:1], 12))
     assert stats.drafted > 0
     zoo.save_pretrained(model, tmp_path / "out")
     back = load_file(tmp_path / "out" / "model.safetensors")

@@ -184,7 +184,7 @@ def test_autoload_switch_and_explicit_loading(site):
         loaded = {n: i.distribution for n, i in zoo.manager().plugins.items()}
         info = zoo.load_plugin("good")
         m = zoo.build("llama3-8b", n_layers=1, d_model=32, vocab_size=64, overrides={
-            "layers.*.norm": "halfnorm", "layers.*.attention.n_heads": 4, "layers.*.attention.n_kv_heads": 2,
+            "layers.*.norm": "halfnorm", "layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 2,
             "layers.*.ffn.d_ff": 64})
         print(json.dumps([loaded, info.version, type(m.layers[0].attn_norm).__name__]))
     """)

@@ -52,7 +52,7 @@ def test_paper_counts_for_presets_without_weights():
     # GPT-3 XL: Table 2.1 prints 24 heads of 128 on d_model 2048 (1.52B parameters), but its own total
     # is 1.3B, which 16 heads of 128 give; the preset follows the total and notes the printing.
     xl = zoo.build("gpt3-1.3b", device="meta")
-    assert xl.layers[0].attention.q_proj.weight.shape == (16 * 128, 2048)
+    assert xl.layers[0].mixer.q_proj.weight.shape == (16 * 128, 2048)
     d, a, v, ctx, layers = 2048, 16 * 128, 50257, 2048, 24
     per_layer = 3 * (d * a + a) + (a * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 2 * 2 * d
     assert xl.num_parameters() == layers * per_layer + v * d + ctx * d + 2 * d == 1_315_723_264
@@ -67,12 +67,12 @@ def shrink(name: str) -> zoo.Decoder:
     for kind, layer in spec.layers.items():
         if layer.ffn.d_ff is not None:
             over[f"layers.{kind}.ffn.d_ff"] = 96
-        att = layer.attention
+        att = layer.mixer
         if att.name != "attention":  # another mixer (a recurrent one, MLA) shrinks itself, if it has sizes
             sizes = getattr(att.cls, "shrink", None)
             over.update({f"layers.{kind}.mixer.{k}": v for k, v in (sizes(att.config) if sizes else {}).items()})
             continue
-        base = f"layers.{kind}.attention"
+        base = f"layers.{kind}.mixer"
         kv = att.n_kv_heads
         over[f"{base}.n_heads"] = 4
         over[f"{base}.n_kv_heads"] = None if kv is None else (1 if kv == 1 else 2)

@@ -96,10 +96,10 @@ def same_as_transformers(config: dict) -> None:
     if getattr(hc, "rotary_dim", None):  # GPT-J: a rotary width in channels
         assert spec.position.rotary_dim == hc.rotary_dim
     if hasattr(hc, "query_pre_attn_scalar"):  # Gemma 2/3 scale scores by this, not by head_dim
-        assert {spec.layer(i).attention.scale_dim for i in range(spec.n_layers)} == {hc.query_pre_attn_scalar}
+        assert {spec.layer(i).mixer.scale_dim for i in range(spec.n_layers)} == {hc.query_pre_attn_scalar}
     if hasattr(hc, "final_logit_softcapping"):
         assert spec.head.softcap == hc.final_logit_softcapping
-        assert {spec.layer(i).attention.softcap for i in range(spec.n_layers)} == {hc.attn_logit_softcapping}
+        assert {spec.layer(i).mixer.softcap for i in range(spec.n_layers)} == {hc.attn_logit_softcapping}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)

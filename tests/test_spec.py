@@ -13,7 +13,7 @@ def tiny(**kw):
         "vocab_size": 64,
         "d_model": 32,
         "n_layers": 2,
-        "layers": {"default": {"attention": {"name": "attention", "n_heads": 4, "n_kv_heads": 2}}},
+        "layers": {"default": {"mixer": {"name": "attention", "n_heads": 4, "n_kv_heads": 2}}},
     }
     return apply_overrides(data, kw)
 
@@ -34,12 +34,12 @@ def test_defaults_fill_a_minimal_spec():
 @pytest.mark.parametrize(
     "override, path, words",
     [
-        ({"layers.default.attention.windw": 8}, "layers.default.mixer.windw", "did you mean 'window'"),
-        ({"layers.default.attention.window": 0}, "layers.default.mixer.window", "must be positive"),
-        ({"layers.default.attention.window": -4}, "layers.default.mixer.window", "-4"),
-        ({"layers.default.attention.n_kv_heads": 3}, "layers.default.mixer.n_kv_heads", "not divisible"),
-        ({"layers.default.attention.n_heads": "4"}, "layers.default.mixer.n_heads", "expected an integer"),
-        ({"layers.default.attention.n_heads": True}, "layers.default.mixer.n_heads", "expected an integer"),
+        ({"layers.default.mixer.windw": 8}, "layers.default.mixer.windw", "did you mean 'window'"),
+        ({"layers.default.mixer.window": 0}, "layers.default.mixer.window", "must be positive"),
+        ({"layers.default.mixer.window": -4}, "layers.default.mixer.window", "-4"),
+        ({"layers.default.mixer.n_kv_heads": 3}, "layers.default.mixer.n_kv_heads", "not divisible"),
+        ({"layers.default.mixer.n_heads": "4"}, "layers.default.mixer.n_heads", "expected an integer"),
+        ({"layers.default.mixer.n_heads": True}, "layers.default.mixer.n_heads", "expected an integer"),
         ({"layers.default.norm.name": "rmsnrom"}, "layers.default.norm.name", "rmsnorm"),
         ({"layers.default.ffn.activation": "swish"}, "layers.default.ffn.activation", "unknown activation"),
         ({"d_model": 30}, "layers.default.mixer.n_heads", "not divisible"),
@@ -62,7 +62,7 @@ def test_errors_name_the_exact_path_and_value(override, path, words):
 
 def test_missing_required_key_is_named():
     data = tiny()
-    del data["layers"]["default"]["attention"]["n_heads"]
+    del data["layers"]["default"]["mixer"]["n_heads"]
     with pytest.raises(SpecError) as info:
         ModelSpec.from_dict(data)
     err = info.value
@@ -74,7 +74,7 @@ def test_specs_are_immutable():
     with pytest.raises(Exception):
         spec.d_model = 8
     with pytest.raises(Exception):
-        spec.layers["default"].attention.config.n_heads = 8
+        spec.layers["default"].mixer.config.n_heads = 8
 
 
 @pytest.mark.parametrize("name", zoo.list_models())
@@ -88,7 +88,7 @@ def test_every_preset_round_trips_json_and_toml(name):
 
 def test_a_users_recipe_file_builds(tmp_path):
     spec = zoo.get_spec("gemma2-2b", n_layers=2, d_model=64, vocab_size=128,
-                        overrides={"layers.*.attention.head_dim": 16, "layers.*.ffn.d_ff": 96})
+                        overrides={"layers.*.mixer.head_dim": 16, "layers.*.ffn.d_ff": 96})
     toml_path = tmp_path / "my-recipe.toml"
     toml_path.write_text(spec.to_toml())
     json_path = tmp_path / "my-recipe.json"
@@ -96,7 +96,7 @@ def test_a_users_recipe_file_builds(tmp_path):
     for path in (toml_path, str(json_path)):
         model = zoo.build(path)
         assert model.spec == spec
-        assert model.layers[0].attention.window == 4096 and model.layers[1].attention.window is None
+        assert model.layers[0].mixer.window == 4096 and model.layers[1].mixer.window is None
 
 
 def test_recipe_file_errors_name_the_file(tmp_path):
@@ -109,31 +109,31 @@ def test_recipe_file_errors_name_the_file(tmp_path):
 
 def test_overrides_top_level_one_part_and_every_layer_kind():
     base = zoo.get_spec("gemma2-2b")
-    spec = zoo.get_spec("gemma2-2b", n_layers=4, overrides={"layers.local.attention.window": 64})
+    spec = zoo.get_spec("gemma2-2b", n_layers=4, overrides={"layers.local.mixer.window": 64})
     assert spec.n_layers == 4
-    assert spec.layers["local"].attention.window == 64
-    assert spec.layers["global"].attention.window is None
-    assert spec.layers["local"].attention.softcap == base.layers["local"].attention.softcap == 50.0
-    every = zoo.get_spec("gemma2-2b", overrides={"layers.*.attention.n_heads": 4, "layers.*.attention.n_kv_heads": 2})
-    assert {layer.attention.n_heads for layer in every.layers.values()} == {4}
+    assert spec.layers["local"].mixer.window == 64
+    assert spec.layers["global"].mixer.window is None
+    assert spec.layers["local"].mixer.softcap == base.layers["local"].mixer.softcap == 50.0
+    every = zoo.get_spec("gemma2-2b", overrides={"layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 2})
+    assert {layer.mixer.n_heads for layer in every.layers.values()} == {4}
     # double underscores spell dots, so overrides can be keyword arguments
     kw = zoo.get_spec("gemma2-2b", layers__local__attention__window=32)
-    assert kw.layers["local"].attention.window == 32
+    assert kw.layers["local"].mixer.window == 32
 
 
 def test_override_can_swap_a_part_and_unset_an_option():
     spec = zoo.get_spec("llama2-7b", overrides={"layers.default.norm": {"name": "layernorm", "bias": False}})
     assert spec.layers["default"].norm.name == "layernorm" and spec.layers["default"].norm.bias is False
-    no_window = zoo.get_spec("mistral-7b", overrides={"layers.default.attention.window": None})
-    assert no_window.layers["default"].attention.window is None
+    no_window = zoo.get_spec("mistral-7b", overrides={"layers.default.mixer.window": None})
+    assert no_window.layers["default"].mixer.window is None
 
 
 def test_override_errors_name_the_path():
     with pytest.raises(SpecError) as info:
-        zoo.get_spec("llama2-7b", overrides={"layers.default.attention.head_dm": 8})
+        zoo.get_spec("llama2-7b", overrides={"layers.default.mixer.head_dm": 8})
     assert info.value.path == "layers.default.mixer.head_dm"
     with pytest.raises(SpecError) as info:
-        zoo.get_spec("llama2-7b", overrides={"layers.nothing*.attention.n_heads": 8})
+        zoo.get_spec("llama2-7b", overrides={"layers.nothing*.mixer.n_heads": 8})
     assert "matches nothing" in str(info.value)
 
 

@@ -13,8 +13,8 @@ from zoo.train.data import ByteTokenizer, TokenData, load_tokens, unigram_entrop
 
 T = importlib.import_module("zoo.train.loop")  # the module; `zoo.train` is the function
 
-TINY = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.attention.n_heads": 4,
-        "layers.*.attention.n_kv_heads": 2, "layers.*.ffn.d_ff": 64}
+TINY = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.mixer.n_heads": 4,
+        "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.d_ff": 64}
 QUIET = dict(progress=False, plot=False, export=False, cpu=True)
 SMALL = dict(seq_len=16, **QUIET)
 
@@ -28,15 +28,15 @@ def metrics(out_dir):
 
 def test_weight_decay_only_on_matrices_not_norms_biases_or_embeddings():
     model = zoo.build("gpt3-125m", n_layers=2, d_model=32, vocab_size=64,
-                      overrides={"layers.*.attention.n_heads": 4, "layers.*.ffn.d_ff": 64})
+                      overrides={"layers.*.mixer.n_heads": 4, "layers.*.ffn.d_ff": 64})
     decay, rest = T.param_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     decayed = {names[id(p)] for p in decay["params"]}
     kept = {names[id(p)] for p in rest["params"]}
     assert decay["weight_decay"] == 0.1 and rest["weight_decay"] == 0.0
-    assert "layers.0.attention.q_proj.weight" in decayed and "layers.1.ffn.down.weight" in decayed
+    assert "layers.0.mixer.q_proj.weight" in decayed and "layers.1.ffn.down.weight" in decayed
     assert {"embed.weight", "positions.0.table.weight", "final_norm.weight", "final_norm.bias",
-            "layers.0.attn_norm.weight", "layers.0.attention.q_proj.bias"} <= kept
+            "layers.0.attn_norm.weight", "layers.0.mixer.q_proj.bias"} <= kept
     assert decayed.isdisjoint(kept) and len(decayed) + len(kept) == len(names)
 
 

@@ -10,8 +10,8 @@ import torch
 
 import zoo
 
-SETS = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.attention.n_heads": 4,
-        "layers.*.attention.n_kv_heads": 2, "layers.*.ffn.d_ff": 64}
+SETS = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.mixer.n_heads": 4,
+        "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.d_ff": 64}
 RUN = dict(steps=6, seq_len=32, global_batch=8, lr=3e-3, warmup_steps=2, seed=1)
 
 
@@ -68,8 +68,8 @@ def test_fsdp2_on_two_processes_trains_and_resumes_from_sharded_checkpoints(tmp_
     """FSDP2 per block from the meta device on a Gemma 2 shaped model (sandwich norms, soft-caps,
     sliding window): the loss falls; each process writes its own shard; a run resumed from the
     step-3 checkpoint repeats steps 4-6 of the uninterrupted one."""
-    sets = {**SETS, "layers.*.attention.head_dim": 16, "layers.local.attention.window": 8}
-    sets.pop("layers.*.attention.n_kv_heads")
+    sets = {**SETS, "layers.*.mixer.head_dim": 16, "layers.local.mixer.window": 8}
+    sets.pop("layers.*.mixer.n_kv_heads")
     script = tmp_path / "fsdp_run.py"
     script.write_text(FSDP_SCRIPT)
     run([str(script), str(tmp_path), json.dumps(sets), json.dumps(RUN)])

@@ -9,8 +9,8 @@ import pytest
 
 T = importlib.import_module("zoo.train.loop")
 
-TINY = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.attention.n_heads": 4,
-        "layers.*.attention.n_kv_heads": 2, "layers.*.ffn.d_ff": 64}
+TINY = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.mixer.n_heads": 4,
+        "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.d_ff": 64}
 QUIET = dict(progress=False, plot=False, export=False, cpu=True)
 KW = dict(overrides=TINY, steps=8, seq_len=32, global_batch=8, micro_batch=4, lr=3e-3, warmup_steps=3, **QUIET)
 
@@ -136,7 +136,7 @@ def test_non_finite_training_settings_are_refused_by_name(tmp_path, no_compute, 
 
 
 
-# A run stopped at step 2 of 4 by zoo 0.1, whose blocks stored the mixer as ``.attention``: its
+# A run stopped at step 2 of 4 by zoo 0.1, whose blocks stored the mixer as ``.mixer``: its
 # checkpoint names the weights ``layers.{i}.attention.*``.
 OLD_RUN = os.path.join(os.path.dirname(__file__), "data", "train_run_0.1")
 OLD_KW = dict(overrides={"n_layers": 1, "d_model": 16, "vocab_size": 256, "max_seq_len": 32, "layers.*.mixer.n_heads": 2,

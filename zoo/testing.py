@@ -113,7 +113,7 @@ def part(kind: str, name: str, config: Optional[dict[str, Any]] = None) -> Part:
 
 
 def tiny_spec(overrides: Optional[dict[str, Any]] = None, **kw: Any) -> ModelSpec:
-    """The tiny spec, with dotted-path overrides (``{"layers.default.attention.window": 4}``)."""
+    """The tiny spec, with dotted-path overrides (``{"layers.default.mixer.window": 4}``)."""
     return ModelSpec.from_dict(apply_overrides(copy.deepcopy(TINY), {**(overrides or {}), **kw}))
 
 

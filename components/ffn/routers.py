@@ -27,7 +27,7 @@ class Router(nn.Module):
     """A linear gate ``E x d_model`` applied in float32, and an optional per-expert selection bias
     (a buffer ``bias``, added to the scores only to choose experts, never to weight them).
 
-    The bias stays float32 whatever the model's dtype (zoo/precision.py): its entries may differ by
+    The bias stays float32 whatever the model's dtype (zoo/core/precision.py): its entries may differ by
     less than bfloat16 resolves near the scores they are added to, so rounding it changes the choice;
     transformers keeps DeepSeek-V3's ``e_score_correction_bias`` in float32 likewise."""
 

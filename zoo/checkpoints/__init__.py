@@ -171,7 +171,7 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
     uncovered = sorted(set(meta) - covered)
     if uncovered:
         raise CheckpointError(f"the {fmt.model_type} name map leaves zoo parameter {uncovered[0]!r} unfilled")
-    fp32 = set(fp32_tensors(model))  # never read narrower than float32 (zoo/precision.py)
+    fp32 = set(fp32_tensors(model))  # never read narrower than float32 (zoo/core/precision.py)
     first_of: dict[torch.dtype, str] = {}  # each stored floating dtype -> the first tensor that has it
     for b in bound:
         floating = any(meta[z].is_floating_point() for z in b.zoo)

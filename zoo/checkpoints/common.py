@@ -157,4 +157,4 @@ def pattern(types: list[str]) -> tuple[str, ...]:
 
 def layer_types_of(spec: ModelSpec, names: dict[str, str]) -> list[str]:
     """Per-layer HF layer types: ``names`` maps a property of the layer ("window" / "full") to the HF name."""
-    return [names["sliding" if spec.layer(i).attention.window is not None else "full"] for i in range(spec.n_layers)]
+    return [names["sliding" if spec.layer(i).mixer.window is not None else "full"] for i in range(spec.n_layers)]

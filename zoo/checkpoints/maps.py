@@ -7,10 +7,13 @@ a second, hand-written inverse. ``{i}`` in a name stands for the layer index.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
+
+from zoo.core.deprecations import warn
 
 Tensors = list[torch.Tensor]
 
@@ -131,6 +134,18 @@ FUSED_QKV_PER_HEAD = _qkv("fused_qkv_per_head", _per_head_split, _per_head_fuse)
 FUSED_QKV_GROUPED = _qkv("fused_qkv_grouped", _grouped_split, _grouped_fuse)
 
 
+#: zoo's side of the weight names of layer ``{i}``, and of its mixer: every format names them from these.
+ZOO_LAYER = "layers.{i}."
+ZOO_MIXER = ZOO_LAYER + "mixer."
+# zoo 0.1 stored the mixer as ``attention``: a (plugin) format may still name it so.
+_OLD_MIXER = re.compile(r"^((?:mtp\.)?layers\.(?:\{i\}|\d+)\.(?:block\.)?)attention\.")
+
+
+def current_name(name: str) -> str:
+    """``name`` with zoo 0.1's ``layers.{i}.attention.`` spelt ``layers.{i}.mixer.``."""
+    return _OLD_MIXER.sub(r"\1mixer.", name)
+
+
 @dataclass(frozen=True)
 class Rule:
     """HF name(s) <-> zoo name(s), through ``transform``. Names may contain ``{i}`` (layer index)."""
@@ -138,6 +153,12 @@ class Rule:
     hf: tuple[str, ...]
     zoo: tuple[str, ...]
     transform: Transform = IDENTITY
+
+    def __post_init__(self):
+        renamed = tuple(current_name(n) for n in self.zoo)
+        if renamed != self.zoo:  # a format written against zoo 0.1: loads and saves, and warns
+            warn("zoo-side parameter names layers.{i}.attention.*", stacklevel=4)
+            object.__setattr__(self, "zoo", renamed)
 
     @property
     def per_layer(self) -> bool:
@@ -176,7 +197,7 @@ def bind(rules: Sequence[Rule], model) -> Iterator[Bound]:
                 raise ValueError(f"rule {r.hf} -> {r.zoo}: the model lacks {missing}")
             heads = None
             if r.transform.needs_heads:
-                mixer = model.layers[i if i is not None else 0].attention
+                mixer = model.layers[i if i is not None else 0].mixer
                 if not callable(getattr(mixer, "heads", None)):
                     raise ValueError(f"rule {r.hf} -> {r.zoo}: transform {r.transform.name} needs the layer's heads, "
                                      f"but its mixer {type(mixer).__name__} has no heads() method")

@@ -9,7 +9,7 @@ def add_parser(sub):
     p = sub.add_parser("build", help="build presets on the meta device (allocating nothing) and summarise them")
     p.add_argument("names", nargs="*", default=["*"], help="preset names, shell patterns or recipe files (default: all)")
     p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
-                   help="override a spec field, e.g. --set n_layers=2 --set layers.local.attention.window=64")
+                   help="override a spec field, e.g. --set n_layers=2 --set layers.local.mixer.window=64")
     p.add_argument("--json", action="store_true", help="print JSON")
     return p
 

@@ -19,7 +19,7 @@ def add_parser(sub):
     p.add_argument("--context", type=int, default=None, help="context length for KV cache and attention FLOPs (default: the model's max_seq_len)")
     p.add_argument("--batch", type=int, default=1, help="batch size for the KV cache (default 1)")
     p.add_argument("--dtype", default="bf16", help="storage dtype of weights and cache: bf16, fp16, fp32, fp8, int8, int4 (default bf16)")
-    p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override a spec field, e.g. --set layers.*.attention.n_kv_heads=64")
+    p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override a spec field, e.g. --set layers.*.mixer.n_kv_heads=64")
     p.add_argument("--backends", nargs="?", const="here", default=None, metavar="DEVICE",
                    help="also print which backend (Triton, FlexAttention or plain PyTorch) each component would run "
                         "and why, on DEVICE (cuda or cpu; default: this machine's), honouring ZOO_KERNELS")

@@ -27,7 +27,7 @@ def add_parser(sub):
                        description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", help="preset name or recipe file (.toml/.json); may be omitted with --init-from")
     p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
-                   help="override a spec field, e.g. --set n_layers=2 --set layers.*.attention.n_heads=4")
+                   help="override a spec field, e.g. --set n_layers=2 --set layers.*.mixer.n_heads=4")
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")

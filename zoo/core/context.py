@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 import torch
 
+from zoo.core import deprecations as _deprecations
+
 
 class ForwardContext:
     """What every layer needs to know about the current forward pass.
@@ -72,4 +74,5 @@ class ForwardContext:
 
     @property
     def q_idx(self) -> torch.Tensor:  # the name before mixers
+        _deprecations.warn("ForwardContext.q_idx")
         return self.slots

@@ -24,11 +24,11 @@ REMOVED_IN = "0.4"
 
 #: old spelling -> new spelling
 ALIASES: dict[str, str] = {
-    "zoo.parts": "zoo.core.kinds (the bases), zoo.core.context (ForwardContext), zoo.core.spec (build_part)",
     "zoo.cache.KVCache.for_model(model, max_len)": "model.new_state(None, max_len)",
     "zoo.core.kinds.Rotary": "zoo.core.kinds.PositionState",
     "ForwardContext.q_idx": "ForwardContext.slots",
     "Decoder.hidden_states_in": "Decoder.run_layers",
+    "Decoder.generate(...)": "zoo.generate(model, ...)",
     "the cache= keyword": "state=",
     "PluginManager.add_attention": "PluginManager.add_mixer",
     "kind 'attention'": "kind 'mixer'",

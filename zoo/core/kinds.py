@@ -27,6 +27,8 @@ import inspect
 import torch
 from torch import nn
 
+from zoo.core import deprecations as _deprecations
+
 
 class PositionEncoding(nn.Module):
     """Base for position encodings. Absolute ones add to the embeddings; rotary ones rotate q and k;
@@ -78,7 +80,6 @@ class PositionState:
 
 
 #: The name this had before mixers (kept so that plugin code importing it keeps working).
-Rotary = PositionState
 
 
 @runtime_checkable
@@ -151,7 +152,10 @@ def rotary_dim_of(layer: Any, d_model: int) -> Optional[int]:
     if callable(fn):
         return fn(cfg, d_model)
     old = getattr(cls, "head_dim_for", None)
-    return old(cfg, d_model) if callable(old) else None
+    if not callable(old):
+        return None
+    _deprecations.warn("Mixer.head_dim_for(cfg, d_model)")
+    return old(cfg, d_model)
 
 
 def takes_ctx(module: nn.Module) -> bool:
@@ -162,6 +166,7 @@ def takes_ctx(module: nn.Module) -> bool:
     try:
         inspect.signature(module.forward).bind(None, None)
     except TypeError:
+        _deprecations.warn("an FFN whose forward takes no ctx")
         return False
     return True
 
@@ -224,7 +229,9 @@ KIND_ALIASES = {"attention": "mixer"}
 
 
 def canonical_kind(kind: str) -> str:
-    """The kind's current name (``attention`` -> ``mixer``)."""
+    """The kind's current name (``attention`` -> ``mixer``, deprecated)."""
+    if kind in KIND_ALIASES:
+        _deprecations.warn(f"kind {kind!r}")
     return KIND_ALIASES.get(kind, kind)
 
 
@@ -313,3 +320,10 @@ def check(kind: str, obj: Any) -> list[str]:
     """What ``obj`` lacks to be registered as a ``kind`` (empty when it conforms)."""
     fn = INTERFACES.get(canonical_kind(kind))
     return fn(obj) if fn is not None else []
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Rotary":  # the name of PositionState before mixers
+        _deprecations.warn("zoo.core.kinds.Rotary")
+        return PositionState
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Optional
 import pluggy
 
 from zoo.core import hooks, kinds
+from zoo.core.deprecations import warn
 from zoo.core.kinds import KINDS, KIND_ALIASES, canonical_kind  # noqa: F401  (re-exported)
 from zoo.core.kinds import interface  # noqa: F401  (re-exported: kinds declare their interface here too)
 
@@ -312,7 +313,8 @@ class PluginManager:
         return self.add("mixer", name, cls, override=override)
 
     def add_attention(self, name: str, cls: type, *, override: bool = False) -> type:
-        """The name :meth:`add_mixer` had before mixers: an attention is a token mixer."""
+        """The name :meth:`add_mixer` had before mixers (deprecated): an attention is a token mixer."""
+        warn("PluginManager.add_attention")
         return self.add("mixer", name, cls, override=override)
 
     def add_block(self, name: str, cls: type, *, override: bool = False) -> type:

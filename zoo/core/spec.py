@@ -4,7 +4,7 @@ A spec is a tree of frozen dataclasses. Every named part in it (a norm, an atten
 a position encoding...) is a :class:`Part`: the registered name plus that component's own
 ``Config`` dataclass. Parsing is strict: an unknown key, a wrong type or an impossible
 combination raises :class:`SpecError` naming the exact path, e.g.
-``layers.local.attention.window``.
+``layers.local.mixer.window``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 import tomllib
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
+from zoo.core import deprecations as _deprecations
 from zoo.core import registry as _registry
 
 if TYPE_CHECKING:
@@ -175,6 +176,7 @@ def parse(cls: type, data: Any, path: str = "") -> Any:
         if old in data:
             if new in data:
                 raise SpecError(_join(path, old), f"{old!r} is the old name of {new!r}; give only one of them")
+            _deprecations.warn(f"spec key {old!r}", stacklevel=4)
             data = {new if k == old else k: v for k, v in data.items()}
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -301,7 +303,7 @@ class HeadSpec:
 @dataclass(frozen=True)
 class LayerSpec:
     """One kind of layer: its block wiring and the parts it is made of. ``mixer`` is the token
-    mixer (attention is one kind; ``attention`` is accepted as the old name of the key)."""
+    mixer (attention is one kind; ``attention``, the old name of the key, is deprecated)."""
 
     KEY_ALIASES: typing.ClassVar[dict[str, str]] = {"attention": "mixer"}
 
@@ -314,7 +316,8 @@ class LayerSpec:
 
     @property
     def attention(self) -> Part:
-        """The old name of :attr:`mixer`."""
+        """The old name of :attr:`mixer` (deprecated)."""
+        _deprecations.warn("LayerSpec.attention")
         return self.mixer
 
 
@@ -353,7 +356,7 @@ class ModelSpec:
     dropout: float = 0.0
     init_std: float = 0.02
     label: Optional[str] = None
-    mtp: Optional[MTPSpec] = None  # multi-token prediction modules (zoo/mtp.py)
+    mtp: Optional[MTPSpec] = None  # multi-token prediction modules (zoo/model/mtp.py)
 
     def check(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "max_seq_len"):
@@ -470,8 +473,8 @@ _PATH_ALIASES = {**LayerSpec.KEY_ALIASES, **{new: old for old, new in LayerSpec.
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """Return a copy of ``data`` with each ``"a.b.c": value`` override set.
 
-    ``n_layers=2`` sets a top-level key; ``"layers.local.attention.window": 64`` one field of
-    one part; ``"layers.*.attention.n_heads": 4`` that field in every layer kind. Setting a
+    ``n_layers=2`` sets a top-level key; ``"layers.local.mixer.window": 64`` one field of
+    one part; ``"layers.*.mixer.n_heads": 4`` that field in every layer kind. Setting a
     part's ``name`` swaps the component (its other settings must then suit the new one).
     Keys may use ``__`` instead of ``.`` so they can be Python keyword arguments.
     """
@@ -491,7 +494,8 @@ def _set_path(node: Any, parts: list[str], value: Any, full: str, here: str) -> 
         if not keys:
             raise SpecError(_join(here, head), f"override {full!r} matches nothing")
     elif head not in node and _PATH_ALIASES.get(head) in node:
-        keys = [_PATH_ALIASES[head]]  # layers.*.attention reaches layers.*.mixer, and back
+        keys = [_PATH_ALIASES[head]]  # layers.*.mixer reaches layers.*.mixer, and back
+        _deprecations.warn("spec key 'attention'", stacklevel=5)
     else:
         keys = [head]
     for k in keys:

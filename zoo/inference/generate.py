@@ -11,6 +11,7 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch
 
+from zoo.core.deprecations import warn
 from zoo.core.state import DecodeState
 
 
@@ -144,6 +145,8 @@ def generate(
     main model verifying (one sequence at a time; same tokens as plain greedy); ``stats`` (a
     :class:`zoo.inference.speculative.SpeculationStats`) then receives the drafts made and accepted.
     """
+    if cache is not None:
+        warn("the cache= keyword")
     state = state if state is not None else cache
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.core import deprecations as _deprecations
 from zoo.core import kernels as _kernels
 from zoo.core import precision as _precision
 from zoo.core import registry as _registry
@@ -69,7 +70,7 @@ class Decoder(nn.Module):
             self.head_bias = nn.Parameter(torch.zeros(rows))
         else:
             self.register_parameter("head_bias", None)
-        # Multi-token prediction modules (zoo/mtp.py), when the spec asks for them.
+        # Multi-token prediction modules (zoo/model/mtp.py), when the spec asks for them.
         self.mtp = MTP(spec) if spec.mtp is not None else None
         self.drop = nn.Dropout(spec.dropout)
         self._softcap = _registry.get("stability", "softcap")  # the one soft-cap (components/stability.py)
@@ -92,7 +93,7 @@ class Decoder(nn.Module):
 
     # -- decoding ---------------------------------------------------------------------------------
     def _apply(self, fn, recurse=True):
-        # .to(dtype), .half(), .bfloat16(): tensors a part declares float32 stay float32 (zoo/precision.py)
+        # .to(dtype), .half(), .bfloat16(): tensors a part declares float32 stay float32 (zoo/core/precision.py)
         return _precision.apply_keeping_fp32(self, super()._apply, fn, recurse)
 
     def new_state(self, batch: Optional[int], max_len: Optional[int] = None, *, dtype=None, device=None) -> DecodeState:
@@ -102,7 +103,7 @@ class Decoder(nn.Module):
         dtype, device = dtype or p.dtype, device or p.device
         layers = []
         for i, layer in enumerate(self.layers):
-            mixer = layer.attention
+            mixer = layer.mixer
             make = getattr(mixer, "new_state", None)
             state = make(batch, max_len, dtype=dtype, device=device) if callable(make) else None
             if state is None:
@@ -138,6 +139,8 @@ class Decoder(nn.Module):
     ):
         """Final hidden states (before the head), and every layer's output if asked. ``cache`` is the
         old name of ``state``."""
+        if cache is not None:
+            _deprecations.warn("the cache= keyword")
         ctx = self.context(input_ids, attention_mask, position_ids, state if state is not None else cache)
         return self.run_layers(input_ids, ctx, output_hidden_states)
 
@@ -164,7 +167,10 @@ class Decoder(nn.Module):
             x = self.final_norm(x)
         return (x, hidden) if output_hidden_states else x
 
-    hidden_states_in = run_layers  # the name before mixers
+    def hidden_states_in(self, *args: Any, **kw: Any):
+        """The name of :meth:`run_layers` before mixers (deprecated)."""
+        _deprecations.warn("Decoder.hidden_states_in")
+        return self.run_layers(*args, **kw)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings (scaled where the spec says), without absolute positions."""
@@ -211,6 +217,8 @@ class Decoder(nn.Module):
         """Logits of shape (batch, seq, vocab); with ``labels``, the :meth:`loss` instead (so a
         wrapper that only sees ``forward`` — DDP, FSDP — still gets the fused loss path).
         ``state`` (``cache`` is its old name) continues a decode state."""
+        if cache is not None:
+            _deprecations.warn("the cache= keyword")
         if labels is not None:
             return self.loss(input_ids, labels, attention_mask)
         return self.logits_from_hidden(self.hidden_states(input_ids, attention_mask, position_ids,
@@ -268,6 +276,9 @@ class Decoder(nn.Module):
         return total
 
     def generate(self, input_ids, max_new_tokens: int = 32, **kwargs):
+        """Deprecated: ``zoo.generate(model, ...)``. The decoding loop is above the model (it imports
+        the model, not the reverse), so this reaches it with a lazy import."""
+        _deprecations.warn("Decoder.generate(...)")
         from zoo.inference.generate import generate
 
         return generate(self, input_ids, max_new_tokens, **kwargs)

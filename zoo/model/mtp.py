@@ -63,7 +63,7 @@ class MTP(nn.Module):
         self.like = max(i for i in range(spec.n_layers) if spec.layer_kind(i) == kind)
 
     def new_state(self, batch: Optional[int], max_len: Optional[int] = None, *, dtype, device) -> DecodeState:
-        states = [m.block.attention.new_state(batch, max_len, dtype=dtype, device=device) for m in self.layers]
+        states = [m.block.mixer.new_state(batch, max_len, dtype=dtype, device=device) for m in self.layers]
         return DecodeState(states, batch=batch, max_len=max_len, device=device)
 
     def run(self, model, depth: int, h: torch.Tensor, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

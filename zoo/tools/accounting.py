@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from zoo.core.deprecations import warn
 from zoo.core.kinds import Cost
 
 DTYPE_BYTES = {
@@ -88,7 +89,7 @@ def _facts(module: nn.Module) -> dict[str, Any]:
 
 def layer_facts(layer: nn.Module) -> dict[str, Any]:
     """What a layer's parts report about themselves (the mixer's heads and window, the FFN's width...)."""
-    return {**_facts(layer.attention), **_facts(layer.ffn)}
+    return {**_facts(layer.mixer), **_facts(layer.ffn)}
 
 
 def _per_kind(values: dict[str, Any], kinds: int) -> Any:
@@ -145,7 +146,7 @@ def account(
     matmul_params = non_embedding + head_matrix
     active_matmul = matmul_params - inactive
 
-    costs = [part_costs[layer.attention] for layer in model.layers]
+    costs = [part_costs[layer.mixer] for layer in model.layers]
     mixing_at_context = sum(c.flops for c in costs)
     mixing_mean = sum(c.flops_mean for c in costs)
     state_per_token = sum(c.state_per_token for c in costs) * nbytes
@@ -177,7 +178,7 @@ def account(
         "batch": batch,
         "bytes": state_total,
     }
-    return {
+    return _Account({
         "name": spec.label or (model_or_name if isinstance(model_or_name, str) else None),
         "d_model": spec.d_model,
         "n_layers": spec.n_layers,
@@ -195,7 +196,7 @@ def account(
                 "without_embeddings_and_head": non_embedding - inactive,
             },
             "published": published,
-            # The multi-token prediction modules (zoo/mtp.py), not in the figures above (used in
+            # The multi-token prediction modules (zoo/model/mtp.py), not in the figures above (used in
             # training and for drafting only).
             "mtp": model.num_parameters(mtp=True) - total if mtp else 0,
         },
@@ -226,7 +227,7 @@ def account(
             "adamw_mixed_precision_bytes": total * ADAMW_MIXED_BYTES_PER_PARAM,
             "inference_bytes": total * nbytes + state_total,
         },
-    }
+    })
 
 
 def components(model_or_name: Any, overrides: Optional[dict[str, Any]] = None) -> list[tuple[str, str]]:
@@ -256,7 +257,7 @@ def components(model_or_name: Any, overrides: Optional[dict[str, Any]] = None) -
             (prefix + "position", render(spec.position_for(i))),
             (prefix + "mixer", render(ls.mixer)),
         ]
-        rows += [(prefix + key, str(value)) for key, value in _facts(layer.attention).items() if value is not None]
+        rows += [(prefix + key, str(value)) for key, value in _facts(layer.mixer).items() if value is not None]
         rows.append((prefix + "ffn", render(ls.ffn) if layer.ffn is not None else "none (the block has none)"))
         for key, value in _facts(layer.ffn).items():
             if key == "d_ff" and value:
@@ -284,3 +285,12 @@ def render_embedding(spec) -> str:
     if spec.embedding.padded_vocab_size:
         parts.append(f"{spec.embedding.padded_vocab_size} rows")
     return ", ".join(parts) or "plain"
+
+
+class _Account(dict):
+    """The account; its ``kv_cache`` key, the name of ``decode_state`` before mixers, warns when read."""
+
+    def __getitem__(self, key):
+        if key == "kv_cache":
+            warn("accounting key 'kv_cache'")
+        return super().__getitem__(key)

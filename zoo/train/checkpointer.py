@@ -9,11 +9,14 @@ import random
 import shutil
 from pathlib import Path
 from typing import Any
+
 import torch
 from torch import nn
-from zoo.train.resume import fsync_dir, fsync_tree, step_of
+
+from zoo.checkpoints.maps import current_name
 from zoo.core.spec import ModelSpec, differences
 from zoo.train.config import TrainConfig
+from zoo.train.resume import fsync_dir, fsync_tree, step_of
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -115,7 +118,8 @@ class Checkpointer:
         from torch.distributed.tensor import DTensor
 
         sharded = state["sharded"]
-        weights = load_file(str(path / self._files(sharded, "model")))
+        # A checkpoint of zoo 0.1 names the mixer ``layers.{i}.attention.*``: read it under today's names.
+        weights = {current_name(k): v for k, v in load_file(str(path / self._files(sharded, "model"))).items()}
         with torch.no_grad():
             for name, t in model.state_dict(keep_vars=True).items():
                 if name not in weights:

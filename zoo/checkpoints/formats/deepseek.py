@@ -3,7 +3,7 @@
 Every layer attends with MLA; its RoPE rotates only the decoupled ``qk_rope_head_dim`` part (V2
 rotates interleaved pairs in place, V3 with ``rope_interleave`` rotates the pairs and writes them
 half-split, as transformers does), and DeepSeek's YaRN multiplies the softmax scale by
-``mscale(factor, mscale_all_dim)^2`` (components/rope_scaling.py). The first
+``mscale(factor, mscale_all_dim)^2`` (components/positions/rope_scaling.py). The first
 ``first_k_dense_replace`` layers have a dense SwiGLU FFN, the rest an ``moe`` with
 ``n_shared_experts`` always-active experts (one shared FFN of ``n_shared_experts x
 moe_intermediate_size``, ungated):
@@ -25,13 +25,13 @@ from typing import Any
 
 from zoo.checkpoints.common import activation, activation_name, pattern, rope_parameters, rope_part, rope_to_hf
 from zoo.checkpoints.format import CheckpointFormat, Fields
-from zoo.checkpoints.maps import STACK, rule
+from zoo.checkpoints.maps import STACK, ZOO_LAYER, ZOO_MIXER, rule
 from zoo.model.mtp import mtp_layer_kind
 from zoo.checkpoints.mtp import mtp_rules, read_mtp
 from zoo.core.spec import ModelSpec
 
-LAYER, ZLAYER = "model.layers.{i}.", "layers.{i}."
-ATTENTION = {  # HF self_attn.* -> zoo attention.*
+LAYER = "model.layers.{i}."
+ATTENTION = {  # HF self_attn.* -> zoo mixer.*
     "q_proj": "q_proj", "q_a_proj": "q_a_proj", "q_a_layernorm": "q_a_norm", "q_b_proj": "q_b_proj",
     "kv_a_proj_with_mqa": "kv_a_proj", "kv_a_layernorm": "kv_a_norm", "kv_b_proj": "kv_b_proj", "o_proj": "o_proj",
 }
@@ -59,22 +59,22 @@ class DeepSeek(CheckpointFormat):
     def rules(self, spec):
         rules = [rule("model.embed_tokens.weight", "embed.weight"), rule("model.norm.weight", "final_norm.weight"),
                  rule("lm_head.weight", "lm_head.weight"),
-                 rule(f"{LAYER}input_layernorm.weight", f"{ZLAYER}attn_norm.weight"),
-                 rule(f"{LAYER}post_attention_layernorm.weight", f"{ZLAYER}ffn_norm.weight")]
+                 rule(f"{LAYER}input_layernorm.weight", f"{ZOO_LAYER}attn_norm.weight"),
+                 rule(f"{LAYER}post_attention_layernorm.weight", f"{ZOO_LAYER}ffn_norm.weight")]
         for hf, z in ATTENTION.items():
             for w in ("weight", "bias"):
-                rules.append(rule(f"{LAYER}self_attn.{hf}.{w}", f"{ZLAYER}attention.{z}.{w}"))
+                rules.append(rule(f"{LAYER}self_attn.{hf}.{w}", f"{ZOO_MIXER}{z}.{w}"))
         for hf, z in PROJ.items():
             for w in ("weight", "bias"):
-                rules.append(rule(f"{LAYER}mlp.{hf}.{w}", f"{ZLAYER}ffn.{z}.{w}"))
-            rules.append(rule(f"{LAYER}mlp.shared_experts.{hf}.weight", f"{ZLAYER}ffn.shared.{z}.weight"))
+                rules.append(rule(f"{LAYER}mlp.{hf}.{w}", f"{ZOO_LAYER}ffn.{z}.{w}"))
+            rules.append(rule(f"{LAYER}mlp.shared_experts.{hf}.weight", f"{ZOO_LAYER}ffn.shared.{z}.weight"))
         moe = moe_part(spec)
         if moe is not None:
-            rules.append(rule(f"{LAYER}mlp.gate.weight", f"{ZLAYER}ffn.router.weight"))
-            rules.append(rule(f"{LAYER}mlp.gate.e_score_correction_bias", f"{ZLAYER}ffn.router.bias"))
+            rules.append(rule(f"{LAYER}mlp.gate.weight", f"{ZOO_LAYER}ffn.router.weight"))
+            rules.append(rule(f"{LAYER}mlp.gate.e_score_correction_bias", f"{ZOO_LAYER}ffn.router.bias"))
             for z, hf in EXPERTS.items():
                 names = [f"{LAYER}mlp.experts.{j}.{hf}.weight" for j in range(moe.n_experts)]
-                rules.append(rule(names, f"{ZLAYER}ffn.{z}", STACK))
+                rules.append(rule(names, f"{ZOO_LAYER}ffn.{z}", STACK))
         # The multi-token prediction modules (V3) as layers n_layers, n_layers + 1, ...
         return mtp_rules(rules, spec) + rules
 

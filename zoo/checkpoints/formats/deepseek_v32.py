@@ -12,8 +12,8 @@ weights_proj}``, under the same names in zoo's mixer.
 from __future__ import annotations
 
 from zoo.checkpoints.format import Fields
-from zoo.checkpoints.formats.deepseek import LAYER, ZLAYER, DeepseekV3
-from zoo.checkpoints.maps import rule
+from zoo.checkpoints.formats.deepseek import LAYER, DeepseekV3
+from zoo.checkpoints.maps import ZOO_MIXER, rule
 from zoo.core.spec import ModelSpec
 
 INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
@@ -28,7 +28,7 @@ class DeepseekV32(DeepseekV3):
     tiny = {**DeepseekV3.tiny, "index_n_heads": 3, "index_head_dim": 16, "index_topk": 64}
 
     def rules(self, spec):
-        return super().rules(spec) + [rule(f"{LAYER}self_attn.indexer.{w}", f"{ZLAYER}attention.indexer.{w}")
+        return super().rules(spec) + [rule(f"{LAYER}self_attn.indexer.{w}", f"{ZOO_MIXER}indexer.{w}")
                                       for w in INDEXER]
 
     def rope_layout(self, f):

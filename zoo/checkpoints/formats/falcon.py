@@ -8,11 +8,11 @@ from __future__ import annotations
 from zoo.checkpoints.common import activation, activation_name, rope_parameters, rope_part, rope_to_hf
 from zoo.checkpoints.format import CheckpointFormat, Fields
 from zoo.checkpoints.formats._classic import aliases, layernorm, linear_rules
-from zoo.checkpoints.maps import FUSED_QKV, FUSED_QKV_GROUPED, FUSED_QKV_PER_HEAD, rule
+from zoo.checkpoints.maps import FUSED_QKV, FUSED_QKV_GROUPED, FUSED_QKV_PER_HEAD, ZOO_LAYER, ZOO_MIXER, rule
 from zoo.checkpoints.sizes import ffn_size
 from zoo.core.spec import ModelSpec
 
-H, Z = "transformer.h.{i}.", "layers.{i}."
+H = "transformer.h.{i}."
 
 
 class Falcon(CheckpointFormat):
@@ -26,8 +26,8 @@ class Falcon(CheckpointFormat):
     @staticmethod
     def layout(spec):
         layer = spec.layer(0)
-        n_heads = layer.attention.n_heads
-        n_kv = layer.attention.n_kv_heads or n_heads
+        n_heads = layer.mixer.n_heads
+        n_kv = layer.mixer.n_kv_heads or n_heads
         block = layer.block
         if block.name == "parallel" and not block.shared_norm or n_kv not in (1, n_heads):
             return "new"
@@ -41,13 +41,13 @@ class Falcon(CheckpointFormat):
         else:
             norms = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
         rules = [rule("transformer.word_embeddings.weight", "embed.weight")]
-        rules += [rule(f"{H}self_attention.query_key_value.{w}", [f"{Z}attention.{p}_proj.{w}" for p in "qkv"], qkv)
+        rules += [rule(f"{H}self_attention.query_key_value.{w}", [f"{ZOO_MIXER}{p}_proj.{w}" for p in "qkv"], qkv)
                   for w in ("weight", "bias")]
-        rules += linear_rules(f"{H}self_attention.dense", f"{Z}attention.o_proj")
-        rules += linear_rules(f"{H}mlp.dense_h_to_4h", f"{Z}ffn.up")
-        rules += linear_rules(f"{H}mlp.dense_4h_to_h", f"{Z}ffn.down")
+        rules += linear_rules(f"{H}self_attention.dense", f"{ZOO_MIXER}o_proj")
+        rules += linear_rules(f"{H}mlp.dense_h_to_4h", f"{ZOO_LAYER}ffn.up")
+        rules += linear_rules(f"{H}mlp.dense_4h_to_h", f"{ZOO_LAYER}ffn.down")
         for hf, zoo in norms.items():
-            rules += linear_rules(f"{H}{hf}", f"{Z}{zoo}")
+            rules += linear_rules(f"{H}{hf}", f"{ZOO_LAYER}{zoo}")
         rules += linear_rules("transformer.ln_f", "final_norm")
         return rules + [rule("lm_head.weight", "lm_head.weight")]
 
@@ -81,7 +81,7 @@ class Falcon(CheckpointFormat):
             "vocab_size": f.require("vocab_size"), "d_model": d, "n_layers": f.require("num_hidden_layers"),
             "max_seq_len": max_pos, "position": rope_part(f, rope_parameters(f), max_pos=max_pos),
             "layers": {"default": {
-                "attention": {"name": "attention", "n_heads": n_heads, "n_kv_heads": n_kv, "bias": bias,
+                "mixer": {"name": "attention", "n_heads": n_heads, "n_kv_heads": n_kv, "bias": bias,
                               "out_bias": bias},
                 "ffn": {"name": "mlp", "d_ff": f.get("ffn_hidden_size", 4 * d), "bias": bias,
                         "activation": activation(f, "activation", "gelu")},
@@ -94,7 +94,7 @@ class Falcon(CheckpointFormat):
 
     def spec_to_config(self, spec):
         layer = spec.layer(0)
-        att = layer.attention
+        att = layer.mixer
         n_kv = att.n_kv_heads or att.n_heads
         layout = self.layout(spec)
         parallel = layer.block.name == "parallel"

@@ -6,11 +6,11 @@ from __future__ import annotations
 from zoo.checkpoints.common import activation, activation_name
 from zoo.checkpoints.format import CheckpointFormat, Fields
 from zoo.checkpoints.formats._classic import layernorm, linear_rules
-from zoo.checkpoints.maps import FUSED_QKV, TRANSPOSE, compose, rule
+from zoo.checkpoints.maps import FUSED_QKV, TRANSPOSE, ZOO_LAYER, ZOO_MIXER, compose, rule
 from zoo.checkpoints.sizes import ffn_size
 from zoo.core.spec import ModelSpec
 
-H, Z = "transformer.h.{i}.", "layers.{i}."
+H = "transformer.h.{i}."
 
 
 class GPT2(CheckpointFormat):
@@ -23,16 +23,16 @@ class GPT2(CheckpointFormat):
         return [
             rule("transformer.wte.weight", "embed.weight"),
             rule("transformer.wpe.weight", "positions.0.table.weight"),
-            rule(f"{H}attn.c_attn.weight", [f"{Z}attention.{p}_proj.weight" for p in "qkv"], compose(TRANSPOSE, FUSED_QKV)),
-            rule(f"{H}attn.c_attn.bias", [f"{Z}attention.{p}_proj.bias" for p in "qkv"], FUSED_QKV),
-            rule(f"{H}attn.c_proj.weight", f"{Z}attention.o_proj.weight", TRANSPOSE),
-            rule(f"{H}attn.c_proj.bias", f"{Z}attention.o_proj.bias"),
-            rule(f"{H}mlp.c_fc.weight", f"{Z}ffn.up.weight", TRANSPOSE),
-            rule(f"{H}mlp.c_fc.bias", f"{Z}ffn.up.bias"),
-            rule(f"{H}mlp.c_proj.weight", f"{Z}ffn.down.weight", TRANSPOSE),
-            rule(f"{H}mlp.c_proj.bias", f"{Z}ffn.down.bias"),
-            *linear_rules(f"{H}ln_1", f"{Z}attn_norm"),
-            *linear_rules(f"{H}ln_2", f"{Z}ffn_norm"),
+            rule(f"{H}attn.c_attn.weight", [f"{ZOO_MIXER}{p}_proj.weight" for p in "qkv"], compose(TRANSPOSE, FUSED_QKV)),
+            rule(f"{H}attn.c_attn.bias", [f"{ZOO_MIXER}{p}_proj.bias" for p in "qkv"], FUSED_QKV),
+            rule(f"{H}attn.c_proj.weight", f"{ZOO_MIXER}o_proj.weight", TRANSPOSE),
+            rule(f"{H}attn.c_proj.bias", f"{ZOO_MIXER}o_proj.bias"),
+            rule(f"{H}mlp.c_fc.weight", f"{ZOO_LAYER}ffn.up.weight", TRANSPOSE),
+            rule(f"{H}mlp.c_fc.bias", f"{ZOO_LAYER}ffn.up.bias"),
+            rule(f"{H}mlp.c_proj.weight", f"{ZOO_LAYER}ffn.down.weight", TRANSPOSE),
+            rule(f"{H}mlp.c_proj.bias", f"{ZOO_LAYER}ffn.down.bias"),
+            *linear_rules(f"{H}ln_1", f"{ZOO_LAYER}attn_norm"),
+            *linear_rules(f"{H}ln_2", f"{ZOO_LAYER}ffn_norm"),
             *linear_rules("transformer.ln_f", "final_norm"),
             rule("lm_head.weight", "lm_head.weight"),
         ]
@@ -65,7 +65,7 @@ class GPT2(CheckpointFormat):
 
     def spec_to_config(self, spec):
         layer = spec.layer(0)
-        att = layer.attention
+        att = layer.mixer
         if att.scale_dim not in (None, 1.0) or att.head_dim not in (None, spec.d_model // att.n_heads):
             raise ValueError("gpt2's heads are d_model / n_heads wide and scaled by their width (or not at all)")
         return {

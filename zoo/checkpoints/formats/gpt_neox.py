@@ -6,11 +6,11 @@ from __future__ import annotations
 from zoo.checkpoints.common import activation, activation_name, rope_parameters, rope_part, rope_to_hf
 from zoo.checkpoints.format import CheckpointFormat, Fields
 from zoo.checkpoints.formats._classic import aliases, layernorm, linear_rules
-from zoo.checkpoints.maps import FUSED_QKV_PER_HEAD, rule
+from zoo.checkpoints.maps import FUSED_QKV_PER_HEAD, ZOO_LAYER, ZOO_MIXER, rule
 from zoo.checkpoints.sizes import ffn_size
 from zoo.core.spec import ModelSpec
 
-H, Z = "gpt_neox.layers.{i}.", "layers.{i}."
+H = "gpt_neox.layers.{i}."
 
 
 class GPTNeoX(CheckpointFormat):
@@ -25,13 +25,13 @@ class GPTNeoX(CheckpointFormat):
     def rules(self, spec):
         return [
             rule("gpt_neox.embed_in.weight", "embed.weight"),
-            *[rule(f"{H}attention.query_key_value.{w}", [f"{Z}attention.{p}_proj.{w}" for p in "qkv"],
+            *[rule(f"{H}attention.query_key_value.{w}", [f"{ZOO_MIXER}{p}_proj.{w}" for p in "qkv"],
                    FUSED_QKV_PER_HEAD) for w in ("weight", "bias")],
-            *linear_rules(f"{H}attention.dense", f"{Z}attention.o_proj"),
-            *linear_rules(f"{H}mlp.dense_h_to_4h", f"{Z}ffn.up"),
-            *linear_rules(f"{H}mlp.dense_4h_to_h", f"{Z}ffn.down"),
-            *linear_rules(f"{H}input_layernorm", f"{Z}attn_norm"),
-            *linear_rules(f"{H}post_attention_layernorm", f"{Z}ffn_norm"),
+            *linear_rules(f"{H}attention.dense", f"{ZOO_MIXER}o_proj"),
+            *linear_rules(f"{H}mlp.dense_h_to_4h", f"{ZOO_LAYER}ffn.up"),
+            *linear_rules(f"{H}mlp.dense_4h_to_h", f"{ZOO_LAYER}ffn.down"),
+            *linear_rules(f"{H}input_layernorm", f"{ZOO_LAYER}attn_norm"),
+            *linear_rules(f"{H}post_attention_layernorm", f"{ZOO_LAYER}ffn_norm"),
             *linear_rules("gpt_neox.final_layer_norm", "final_norm"),
             rule("embed_out.weight", "lm_head.weight"),
         ]
@@ -52,7 +52,7 @@ class GPTNeoX(CheckpointFormat):
             "vocab_size": f.require("vocab_size"), "d_model": d, "n_layers": f.require("num_hidden_layers"),
             "max_seq_len": max_pos, "position": rope_part(f, params, max_pos=max_pos),
             "layers": {"default": {
-                "attention": {"name": "attention", "n_heads": n_heads, "bias": bias, "out_bias": bias},
+                "mixer": {"name": "attention", "n_heads": n_heads, "bias": bias, "out_bias": bias},
                 "ffn": {"name": "mlp", "d_ff": f.require("intermediate_size"), "bias": True,
                         "activation": activation(f, "hidden_act", "gelu")},
                 "norm": norm, "block": block,
@@ -64,7 +64,7 @@ class GPTNeoX(CheckpointFormat):
 
     def spec_to_config(self, spec):
         layer = spec.layer(0)
-        att = layer.attention
+        att = layer.mixer
         return {
             "vocab_size": spec.vocab_size, "hidden_size": spec.d_model, "num_hidden_layers": spec.n_layers,
             "num_attention_heads": att.n_heads, "intermediate_size": ffn_size(spec),

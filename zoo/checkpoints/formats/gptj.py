@@ -6,11 +6,11 @@ from __future__ import annotations
 from zoo.checkpoints.common import activation, activation_name
 from zoo.checkpoints.format import CheckpointFormat, Fields
 from zoo.checkpoints.formats._classic import layernorm, linear_rules
-from zoo.checkpoints.maps import rule
+from zoo.checkpoints.maps import ZOO_LAYER, ZOO_MIXER, rule
 from zoo.checkpoints.sizes import ffn_size
 from zoo.core.spec import ModelSpec
 
-H, Z = "transformer.h.{i}.", "layers.{i}."
+H = "transformer.h.{i}."
 
 
 class GPTJ(CheckpointFormat):
@@ -23,11 +23,11 @@ class GPTJ(CheckpointFormat):
     def rules(self, spec):
         return [
             rule("transformer.wte.weight", "embed.weight"),
-            *[rule(f"{H}attn.{p}_proj.weight", f"{Z}attention.{p}_proj.weight") for p in "qkv"],
-            rule(f"{H}attn.out_proj.weight", f"{Z}attention.o_proj.weight"),
-            *linear_rules(f"{H}mlp.fc_in", f"{Z}ffn.up"),
-            *linear_rules(f"{H}mlp.fc_out", f"{Z}ffn.down"),
-            *linear_rules(f"{H}ln_1", f"{Z}attn_norm"),
+            *[rule(f"{H}attn.{p}_proj.weight", f"{ZOO_MIXER}{p}_proj.weight") for p in "qkv"],
+            rule(f"{H}attn.out_proj.weight", f"{ZOO_MIXER}o_proj.weight"),
+            *linear_rules(f"{H}mlp.fc_in", f"{ZOO_LAYER}ffn.up"),
+            *linear_rules(f"{H}mlp.fc_out", f"{ZOO_LAYER}ffn.down"),
+            *linear_rules(f"{H}ln_1", f"{ZOO_LAYER}attn_norm"),
             *linear_rules("transformer.ln_f", "final_norm"),
             rule("lm_head.weight", "lm_head.weight"),
             rule("lm_head.bias", "lm_head.bias"),
@@ -49,7 +49,7 @@ class GPTJ(CheckpointFormat):
             "max_seq_len": f.get("n_positions", 2048),
             "position": {"name": "rope", "theta": 10000.0, "layout": "interleaved", "rotary_dim": rotary_dim},
             "layers": {"default": {
-                "attention": {"name": "attention", "n_heads": n_heads},
+                "mixer": {"name": "attention", "n_heads": n_heads},
                 "ffn": {"name": "mlp", "d_ff": f.get("n_inner", 4 * d), "bias": True,
                         "activation": activation(f, "activation_function", "gelu_new")},
                 "norm": norm, "block": {"name": "parallel", "shared_norm": True},
@@ -61,7 +61,7 @@ class GPTJ(CheckpointFormat):
 
     def spec_to_config(self, spec):
         layer = spec.layer(0)
-        att = layer.attention
+        att = layer.mixer
         pos = spec.position
         rd = pos.rotary_dim if pos.rotary_dim is not None else int(spec.d_model // att.n_heads * pos.rotary_fraction)
         return {

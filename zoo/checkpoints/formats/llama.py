@@ -9,12 +9,11 @@ from typing import Any
 from zoo.checkpoints.common import activation, activation_name, layer_types_of, pattern, rope_parameters, rope_part, rope_to_hf
 from zoo.checkpoints.format import CheckpointFormat, ConfigError, Fields
 from zoo.checkpoints.sizes import ffn_size
-from zoo.checkpoints.maps import rule
+from zoo.checkpoints.maps import ZOO_LAYER, ZOO_MIXER, rule
 from zoo.core.spec import ModelSpec
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER = "model.layers.{i}."
-ZLAYER = "layers.{i}."
 
 TINY = {
     "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -54,14 +53,14 @@ class LlamaStyle(CheckpointFormat):
         rules = [rule("model.embed_tokens.weight", "embed.weight")]
         for p in ("q", "k", "v", "o"):
             for w in ("weight", "bias"):
-                rules.append(rule(f"{LAYER}self_attn.{p}_proj.{w}", f"{ZLAYER}attention.{p}_proj.{w}"))
+                rules.append(rule(f"{LAYER}self_attn.{p}_proj.{w}", f"{ZOO_MIXER}{p}_proj.{w}"))
         for p in ("q", "k"):
-            rules.append(rule(f"{LAYER}self_attn.{p}_norm.weight", f"{ZLAYER}attention.{p}_norm.weight"))
+            rules.append(rule(f"{LAYER}self_attn.{p}_norm.weight", f"{ZOO_MIXER}{p}_norm.weight"))
         for hf, zoo in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
             for w in ("weight", "bias"):
-                rules.append(rule(f"{LAYER}mlp.{hf}.{w}", f"{ZLAYER}ffn.{zoo}.{w}"))
+                rules.append(rule(f"{LAYER}mlp.{hf}.{w}", f"{ZOO_LAYER}ffn.{zoo}.{w}"))
         for hf, zoo in self.NORMS[self.norm_position].items():
-            rules.append(rule(f"{LAYER}{hf}.weight", f"{ZLAYER}{zoo}.weight"))
+            rules.append(rule(f"{LAYER}{hf}.weight", f"{ZOO_LAYER}{zoo}.weight"))
         rules += [rule("model.norm.weight", "final_norm.weight"), rule("lm_head.weight", "lm_head.weight")]
         return rules
 
@@ -124,7 +123,7 @@ class LlamaStyle(CheckpointFormat):
         position = ropes[types[0]]
         layers = {}
         for t in dict.fromkeys(types):
-            layer = {"attention": {**attention, **({"window": window} if t == SLIDING else {})},
+            layer = {"mixer": {**attention, **({"window": window} if t == SLIDING else {})},
                      "ffn": ffn, "norm": norm, "block": block}
             if ropes[t] != position:
                 layer["position"] = ropes[t]
@@ -146,7 +145,7 @@ class LlamaStyle(CheckpointFormat):
     # -- spec -> config -------------------------------------------------------------------------
     def spec_to_config(self, spec):
         layer = spec.layer(0)
-        att, ffn, norm = layer.attention, layer.ffn, layer.norm
+        att, ffn, norm = layer.mixer, layer.ffn, layer.norm
         head_dim = att.cls.head_dim_for(att.config, spec.d_model)
         cfg: dict[str, Any] = {
             "vocab_size": spec.vocab_size, "hidden_size": spec.d_model, "num_hidden_layers": spec.n_layers,
@@ -166,7 +165,7 @@ class LlamaStyle(CheckpointFormat):
             cfg["attn_logit_softcapping"] = att.softcap
             cfg["final_logit_softcapping"] = spec.head.softcap
         types = layer_types_of(spec, {"sliding": SLIDING, "full": FULL})
-        windows = {spec.layer(i).attention.window for i in range(spec.n_layers)} - {None}
+        windows = {spec.layer(i).mixer.window for i in range(spec.n_layers)} - {None}
         self.windows_to_config(cfg, types, windows.pop() if windows else None)
         ropes = {t: rope_to_hf(spec.position_for(i), head_dim) for i, t in enumerate(types)}
         cfg["rope_parameters"] = self.ropes_to_config(ropes)

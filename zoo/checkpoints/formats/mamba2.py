@@ -25,10 +25,10 @@ import math
 from typing import Any, Optional
 
 from zoo.checkpoints.format import CheckpointFormat, ConfigError, Fields
-from zoo.checkpoints.maps import rule
+from zoo.checkpoints.maps import ZOO_LAYER, ZOO_MIXER, rule
 from zoo.core.spec import ModelSpec
 
-H, Z = "backbone.layers.{i}.", "layers.{i}."
+H = "backbone.layers.{i}."
 MIXER_TENSORS = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D",
                  "norm.weight", "out_proj.weight", "out_proj.bias")
 #: Infinity as transformers writes it in config.json (plain JSON has no infinity); it also reads a bare
@@ -78,8 +78,8 @@ class Mamba2Format(CheckpointFormat):
     def rules(self, spec):
         return [
             rule("backbone.embeddings.weight", "embed.weight"),
-            rule(f"{H}norm.weight", f"{Z}attn_norm.weight"),
-            *[rule(f"{H}mixer.{t}", f"{Z}attention.{t}") for t in MIXER_TENSORS],
+            rule(f"{H}norm.weight", f"{ZOO_LAYER}attn_norm.weight"),
+            *[rule(f"{H}mixer.{t}", f"{ZOO_MIXER}{t}") for t in MIXER_TENSORS],
             rule("backbone.norm_f.weight", "final_norm.weight"),
             rule("lm_head.weight", "lm_head.weight"),
         ]

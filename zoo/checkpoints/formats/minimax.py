@@ -17,9 +17,9 @@ import torch
 
 from zoo.checkpoints.common import activation, activation_name, pattern
 from zoo.checkpoints.format import Fields
-from zoo.checkpoints.formats.llama import LAYER, ZLAYER, TINY
+from zoo.checkpoints.formats.llama import LAYER, TINY
 from zoo.checkpoints.formats.moe import Mixtral
-from zoo.checkpoints.maps import Transform, rule
+from zoo.checkpoints.maps import Transform, ZOO_MIXER, rule
 from zoo.core.spec import ModelSpec
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -70,7 +70,7 @@ class MiniMax(Mixtral):
 
     # -- the weight-name map --------------------------------------------------------------------
     def rules(self, spec):
-        a, z = f"{LAYER}self_attn.", f"{ZLAYER}attention."
+        a, z = f"{LAYER}self_attn.", f"{ZOO_MIXER}"
         chunks = {spec.layer(i).mixer.chunk for i in range(spec.n_layers) if spec.layer(i).mixer.name == "lightning_attention"}
         return super().rules(spec) + [
             *(rule(f"{a}{p}.weight", f"{z}{p}.weight") for p in ("qkv_proj", "output_gate", "norm", "out_proj")),

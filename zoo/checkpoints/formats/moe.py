@@ -16,8 +16,8 @@ from typing import Any
 
 from zoo.checkpoints.common import activation, pattern
 from zoo.checkpoints.format import Fields
-from zoo.checkpoints.formats.llama import TINY, LAYER, ZLAYER, FULL, LlamaStyle, Mistral, Qwen3
-from zoo.checkpoints.maps import STACK, rule
+from zoo.checkpoints.formats.llama import TINY, LAYER, FULL, LlamaStyle, Mistral, Qwen3
+from zoo.checkpoints.maps import STACK, ZOO_LAYER, rule
 from zoo.core.spec import ModelSpec
 
 MOE_TINY = {**TINY, "num_hidden_layers": 3, "output_router_logits": True, "router_aux_loss_coef": 0.02}
@@ -43,13 +43,13 @@ class MoEStyle(LlamaStyle):
         if moe is None:
             return rules
         m = f"{LAYER}{self.mlp}."
-        rules.append(rule(f"{m}gate.weight", f"{ZLAYER}ffn.router.weight"))
+        rules.append(rule(f"{m}gate.weight", f"{ZOO_LAYER}ffn.router.weight"))
         for zoo_name, hf in self.projections.items():
             names = [f"{m}experts.{j}.{hf}.weight" for j in range(moe.n_experts)]
-            rules.append(rule(names, f"{ZLAYER}ffn.{zoo_name}", STACK))
+            rules.append(rule(names, f"{ZOO_LAYER}ffn.{zoo_name}", STACK))
         for hf, z in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
-            rules.append(rule(f"{m}shared_expert.{hf}.weight", f"{ZLAYER}ffn.shared.{z}.weight"))
-        rules.append(rule(f"{m}shared_expert_gate.weight", f"{ZLAYER}ffn.shared_gate.weight"))
+            rules.append(rule(f"{m}shared_expert.{hf}.weight", f"{ZOO_LAYER}ffn.shared.{z}.weight"))
+        rules.append(rule(f"{m}shared_expert_gate.weight", f"{ZOO_LAYER}ffn.shared_gate.weight"))
         return rules
 
     @staticmethod

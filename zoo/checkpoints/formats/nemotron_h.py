@@ -40,7 +40,7 @@ from typing import Any
 from zoo.checkpoints.common import activation, activation_name, pattern
 from zoo.checkpoints.format import CheckpointFormat, Fields
 from zoo.checkpoints.formats.mamba2 import MIXER_TENSORS, Mamba2Format
-from zoo.checkpoints.maps import rule
+from zoo.checkpoints.maps import ZOO_LAYER, ZOO_MIXER, rule
 from zoo.core.spec import ModelSpec
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
@@ -60,7 +60,7 @@ UNUSED = ("expand", "time_step_limit", "mamba_proj_bias", "attention_bias", "sli
           "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob", "mtp_layers_block_type",
           "mtp_hybrid_override_pattern", "num_hidden_layers")
 KINDS = {MAMBA: "mamba", ATTENTION: "attention", MLP: "mlp"}
-H, Z = "backbone.layers.{i}.", "layers.{i}."
+H = "backbone.layers.{i}."
 
 
 class NemotronH(CheckpointFormat):
@@ -95,12 +95,12 @@ class NemotronH(CheckpointFormat):
             rule("backbone.norm_f.weight", "final_norm.weight"),
             rule("lm_head.weight", "lm_head.weight"),
             # one norm per layer: the mixer's in mixer_only, the FFN's in ffn_only
-            rule(f"{H}norm.weight", f"{Z}attn_norm.weight"),
-            rule(f"{H}norm.weight", f"{Z}ffn_norm.weight"),
-            *[rule(f"{m}{t}", f"{Z}attention.{t}") for t in MIXER_TENSORS],
-            *[rule(f"{m}{p}_proj.weight", f"{Z}attention.{p}_proj.weight") for p in "qkvo"],
-            rule(f"{m}up_proj.weight", f"{Z}ffn.up.weight"), rule(f"{m}up_proj.bias", f"{Z}ffn.up.bias"),
-            rule(f"{m}down_proj.weight", f"{Z}ffn.down.weight"), rule(f"{m}down_proj.bias", f"{Z}ffn.down.bias"),
+            rule(f"{H}norm.weight", f"{ZOO_LAYER}attn_norm.weight"),
+            rule(f"{H}norm.weight", f"{ZOO_LAYER}ffn_norm.weight"),
+            *[rule(f"{m}{t}", f"{ZOO_MIXER}{t}") for t in MIXER_TENSORS],
+            *[rule(f"{m}{p}_proj.weight", f"{ZOO_MIXER}{p}_proj.weight") for p in "qkvo"],
+            rule(f"{m}up_proj.weight", f"{ZOO_LAYER}ffn.up.weight"), rule(f"{m}up_proj.bias", f"{ZOO_LAYER}ffn.up.bias"),
+            rule(f"{m}down_proj.weight", f"{ZOO_LAYER}ffn.down.weight"), rule(f"{m}down_proj.bias", f"{ZOO_LAYER}ffn.down.bias"),
         ]
 
     # -- config -> spec ---------------------------------------------------------------------------

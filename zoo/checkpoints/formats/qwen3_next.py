@@ -12,7 +12,7 @@ The FFN is zoo's ``moe`` (softmax, top-k, renormalised when ``norm_topk_prob``) 
 expert gated by ``sigmoid(shared_expert_gate(x))``, as Qwen2-MoE; ``mlp_only_layers`` and
 ``decoder_sparse_step`` make dense layers as there.
 
-Released checkpoints also carry a multi-token-prediction module under ``mtp.*`` (zoo/mtp.py's
+Released checkpoints also carry a multi-token-prediction module under ``mtp.*`` (zoo/model/mtp.py's
 ``QWEN3_NEXT`` layout): ``mtp.fc`` projects ``[pre_fc_norm_embedding(embed(t[i+1]));
 pre_fc_norm_hidden(h[i])]``, embedding first as vLLM's ``qwen3_next_mtp`` concatenates them, into
 ``mtp.layers.0``, a gated-attention MoE layer, then ``mtp.norm``. transformers drops it; zoo loads
@@ -30,9 +30,9 @@ import torch
 
 from zoo.checkpoints.common import pattern, rope_parameters, rope_part
 from zoo.checkpoints.format import Fields
-from zoo.checkpoints.formats.llama import FULL, GEMMA_NORM, LAYER, TINY, ZLAYER, LlamaStyle
+from zoo.checkpoints.formats.llama import FULL, GEMMA_NORM, LAYER, TINY, LlamaStyle
 from zoo.checkpoints.formats.moe import MOE_TINY, MoEStyle
-from zoo.checkpoints.maps import Transform, rule
+from zoo.checkpoints.maps import Transform, ZOO_MIXER, rule
 from zoo.checkpoints.mtp import QWEN3_NEXT, mtp_rules, read_mtp
 from zoo.model.mtp import mtp_layer_kind
 from zoo.core.spec import ModelSpec
@@ -91,7 +91,7 @@ class Qwen3Next(MoEStyle):
         if gdn is not None:
             Hk = gdn.n_key_heads or gdn.n_heads
             r = gdn.n_heads // Hk
-            hf, z = f"{LAYER}linear_attn.", f"{ZLAYER}attention."
+            hf, z = f"{LAYER}linear_attn.", f"{ZOO_MIXER}"
             rules.append(rule(f"{hf}in_proj_qkvz.weight", f"{z}in_proj_qkvz.weight",
                               grouped("grouped_qkvz", Hk, [gdn.key_dim, gdn.key_dim, r * gdn.value_dim, r * gdn.value_dim])))
             rules.append(rule(f"{hf}in_proj_ba.weight", f"{z}in_proj_ba.weight", grouped("grouped_ba", Hk, [r, r])))

@@ -1,0 +1,267 @@
+"""Every deprecated spelling in zoo.core.deprecations keeps working, and warns naming the new one.
+
+Driven by the table itself (a new entry without an exercise here fails) and by an explicit list of
+the import paths zoo 0.1 had (a module that moves without leaving a shim fails)."""
+
+import importlib
+import re
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+import zoo
+import zoo.testing as zt
+from zoo.core.deprecations import ALIASES, MOVED_MODULES, REMOVED_IN
+
+# zoo 0.1's module paths, each with names code written against it imports from there. Written out
+# by hand, not read from the table.
+OLD_IMPORTS = {
+    "zoo.parts": ["PositionEncoding", "ForwardContext", "build_part"],
+    "zoo.cache": ["DecodeState", "KVState"],
+    "zoo.interfaces": ["Mixer", "Cost", "PositionEncoding", "PositionState", "ForwardContext", "build_part",
+                       "rotary_dim_of"],
+    "zoo.hookspecs": ["hookimpl", "zoo_register", "CONSTRUCTOR_CONTEXT", "module_interface", "check"],
+    "zoo.registry": ["register", "get", "manager", "PluginManager", "RegistryError", "PluginError", "canonical_kind"],
+    "zoo.spec": ["ModelSpec", "Part", "SpecError", "parse_part", "part_field", "apply_overrides"],
+    "zoo.state": ["DecodeState", "KVState", "StaticKVState", "step_layout"],
+    "zoo.kernels": ["Backend", "KIND"],
+    "zoo.precision": [],
+    "zoo.recipes": ["Family", "build", "get_spec", "list_models", "published_params"],
+    "zoo.mtp": ["MTP", "MTPModule", "mtp_layer_kind", "MTPLayout", "DEEPSEEK", "mtp_rules", "read_mtp",
+                "SpeculationStats", "speculative_generate"],
+    "zoo.generation": ["generate", "length_limit"],
+    "zoo.compiled": ["CompiledDecoder"],
+    "zoo.tokenizer": ["Tokenizer"],
+    "zoo.training": ["train", "TrainConfig", "TrainResult", "Checkpointer", "checkpoints", "read_checkpoint_state"],
+    "zoo.resume": ["step_of", "resume_point"],
+    "zoo.data": ["TokenData", "get_tokenizer"],
+    "zoo.ablate": [],
+    "zoo.accounting": ["account"],
+    "zoo.verification": ["verify"],
+    "zoo.upcycling": ["upcycle"],
+    "zoo.components.attention": ["Attention", "causal_mask", "dense_mask"],
+    "zoo.components.mla": ["MLA"],
+    "zoo.components.dsa": ["DSA"],
+    "zoo.components.linear_attention": ["LinearAttention", "LightningAttention", "ScaledResidual"],
+    "zoo.components.mamba2": ["Mamba2", "MixerOnly"],
+    "zoo.components.gated_deltanet": ["GatedDeltaNet", "chunk_gated_delta_rule"],
+    "zoo.components.recurrent": ["FixedState", "chunked", "step", "ShortConv", "GatedRMSNorm"],
+    "zoo.components.masks": ["per_forward"],
+    "zoo.components.ffn_only": ["NoMixer", "NoState", "FFNOnly"],
+    "zoo.components.ffn": ["MLP", "SwiGLU", "derive_d_ff"],
+    "zoo.components.moe": ["MoE", "Router", "SoftmaxTopK"],
+    "zoo.components.positions": ["RoPE", "NoPE", "Learned"],
+    "zoo.components.rope_scaling": ["YaRN", "Llama3", "default_inv_freq"],
+}
+
+
+def test_every_old_import_path_is_in_the_table():
+    assert set(OLD_IMPORTS) == set(MOVED_MODULES)
+
+
+@pytest.mark.parametrize("old", sorted(OLD_IMPORTS))
+def test_an_old_import_path_hands_over_each_name_and_warns_naming_its_new_home(old):
+    shim = importlib.import_module(old)
+    names = OLD_IMPORTS[old] or [n for n in dir(shim)][:3]
+    assert names, f"{old} hands over no names"
+    for name in names:
+        home = next(h for h in MOVED_MODULES[old] if hasattr(importlib.import_module(h), name))
+        with pytest.warns(DeprecationWarning, match=rf"{re.escape(old)}\.{name} is deprecated .* removed in "
+                                                    rf"{REMOVED_IN}: use {re.escape(home)}\.{name}$"):
+            got = getattr(shim, name)
+        assert got is getattr(importlib.import_module(home), name)
+
+
+def test_an_unknown_name_of_an_old_module_says_where_it_moved():
+    shim = importlib.import_module("zoo.training")
+    with pytest.raises(AttributeError, match="zoo.train.loop"):
+        shim.no_such_name  # noqa: B018
+
+
+def test_old_module_paths_stay_reachable_as_attributes_of_zoo():
+    with pytest.warns(DeprecationWarning, match="use zoo.core.registry.manager"):
+        assert zoo.registry.manager() is zoo.manager()
+
+
+# -- each alias of the table, exercised -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Cfg:
+    n_heads: int = 2
+
+
+class OldMixer(nn.Module):
+    """A mixer written before mixers: ``head_dim_for`` instead of ``rotary_dim``, registered by add_attention."""
+
+    Config = _Cfg
+
+    @staticmethod
+    def head_dim_for(cfg, d_model):
+        return d_model // cfg.n_heads
+
+    def __init__(self, cfg, *, d_model, layer, spec, index=0):
+        super().__init__()
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x, ctx, pos):
+        return self.proj(x)
+
+
+@dataclass(frozen=True)
+class _NoCfg:
+    pass
+
+
+class CtxlessFFN(nn.Module):
+    """An FFN written before FFNs got the forward context: ``forward(x)``."""
+
+    Config = _NoCfg
+
+    def __init__(self, cfg, *, d_model):
+        super().__init__()
+        self.lin = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _model():
+    return zoo.build(zt.TINY, seed=0).eval()
+
+
+def _ids():
+    return torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+
+
+def _kv_cache_for_model():
+    model = _model()
+    state = importlib.import_module("zoo.cache").KVCache.for_model(model)
+    assert state.__class__.__name__ == "DecodeState"
+
+
+def _rotary():
+    from zoo.core.kinds import PositionState, Rotary
+
+    assert Rotary is PositionState
+
+
+def _q_idx():
+    model = _model()
+    ctx = model.context(_ids())
+    assert ctx.q_idx is ctx.slots
+
+
+def _hidden_states_in():
+    model, ids = _model(), _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model.hidden_states_in(ids, model.context(ids)), model.run_layers(ids, model.context(ids)),
+                                   rtol=0, atol=0)
+
+
+def _cache_keyword():
+    model, ids = _model(), _ids()
+    with torch.no_grad():
+        state = model.new_state(1, 16)
+        steps = [model(ids[:, :4], cache=state), model(ids[:, 4:], cache=state)]
+        torch.testing.assert_close(torch.cat(steps, 1), model(ids), atol=1e-5, rtol=1e-5)
+    assert torch.equal(zoo.generate(model, ids, 3, cache=model.new_state(1, 16)), zoo.generate(model, ids, 3))
+
+
+def _add_attention():
+    manager = zoo.manager()
+    with manager.providing("old_plugin"):
+        manager.add_attention("old_mixer", OldMixer, override=True)
+    assert zoo.get("mixer", "old_mixer") is OldMixer
+
+
+def _kind_attention():
+    assert zoo.get("attention", "attention") is zoo.get("mixer", "attention")
+
+
+def _spec_key_attention():
+    spec = zoo.get_spec({**zt.TINY, "layers": {"default": {"attention": {"name": "attention", "n_heads": 2}}}})
+    assert spec.layer(0).mixer.n_heads == 2
+    assert zoo.get_spec(zt.TINY, {"layers.*.attention.n_heads": 2}).layer(0).mixer.n_heads == 2
+
+
+def _layer_spec_attention():
+    spec = zoo.get_spec(zt.TINY)
+    assert spec.layer(0).attention is spec.layer(0).mixer
+
+
+def _head_dim_for():
+    _add_attention()
+    spec = zoo.get_spec({**zt.TINY, "layers": {"default": {"mixer": {"name": "old_mixer", "n_heads": 2}}}})
+    assert zoo.build(spec, seed=0).positions["0"].dim == spec.d_model // 2  # RoPE sized by head_dim_for
+
+
+def _ctxless_ffn():
+    manager = zoo.manager()
+    with manager.providing("old_plugin"):
+        manager.add_ffn("ctxless", CtxlessFFN, override=True)
+    model = zoo.build(zt.TINY, overrides={"layers.*.ffn": "ctxless"}, seed=0)
+    assert model.loss(torch.randint(0, 64, (2, 8))).loss.isfinite()
+
+
+def _kv_cache_key():
+    from zoo.tools.accounting import account
+
+    acc = account(zt.TINY)
+    assert acc["kv_cache"] == acc["decode_state"]
+
+
+def _decoder_generate():
+    model, ids = _model(), _ids()
+    assert torch.equal(model.generate(ids, 3), zoo.generate(model, ids, 3))
+
+
+def _old_parameter_names():
+    from zoo.checkpoints.maps import rule
+
+    r = rule("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.attention.q_proj.weight")
+    assert r.zoo == ("layers.{i}.mixer.q_proj.weight",)
+    assert rule("mtp.0", "mtp.layers.0.block.attention.o_proj.weight").zoo == ("mtp.layers.0.block.mixer.o_proj.weight",)
+
+
+EXERCISES = {
+    "zoo.cache.KVCache.for_model(model, max_len)": _kv_cache_for_model,
+    "zoo.core.kinds.Rotary": _rotary,
+    "ForwardContext.q_idx": _q_idx,
+    "Decoder.hidden_states_in": _hidden_states_in,
+    "Decoder.generate(...)": _decoder_generate,
+    "the cache= keyword": _cache_keyword,
+    "PluginManager.add_attention": _add_attention,
+    "kind 'attention'": _kind_attention,
+    "spec key 'attention'": _spec_key_attention,
+    "LayerSpec.attention": _layer_spec_attention,
+    "Mixer.head_dim_for(cfg, d_model)": _head_dim_for,
+    "an FFN whose forward takes no ctx": _ctxless_ffn,
+    "accounting key 'kv_cache'": _kv_cache_key,
+    "zoo-side parameter names layers.{i}.attention.*": _old_parameter_names,
+}
+
+
+def test_every_alias_of_the_table_is_exercised_here():
+    assert set(EXERCISES) == set(ALIASES)
+
+
+@pytest.mark.parametrize("old", sorted(ALIASES))
+def test_an_old_spelling_still_works_and_warns_naming_the_new_one(old):
+    with pytest.warns(DeprecationWarning, match=rf"^{re.escape(old)} is deprecated since zoo 0\.2 and will be removed "
+                                                rf"in {REMOVED_IN}: use {re.escape(ALIASES[old])}$"):
+        EXERCISES[old]()
+
+
+def test_the_new_spellings_do_not_warn(recwarn):
+    import warnings
+
+    warnings.simplefilter("error", DeprecationWarning)
+    model, ids = _model(), _ids()
+    spec = zoo.get_spec(zt.TINY, {"layers.*.mixer.n_heads": 2})
+    with torch.no_grad():
+        state = model.new_state(1, 16)
+        model(ids[:, :4], state=state)
+    zoo.generate(model, ids, 2)
+    assert spec.layer(0).mixer.n_heads == 2 and "layers.0.mixer.q_proj.weight" in model.state_dict()
