@@ -7,6 +7,10 @@
 
 from __future__ import annotations
 
+from zoo.core import deprecations as _deprecations
+
+_deprecations.install()  # zoo.training, zoo.spec, ...: the old module paths, which warn
+
 from zoo.core.hooks import hookimpl
 from zoo.model.decoder import Decoder, build_model
 from zoo.model.loss import LossOutput, lm_loss

@@ -8,16 +8,20 @@ deprecated in zoo 0.2 and will be removed in zoo 0.4.
   by :func:`warn` where the old spelling is read.
 - :data:`MOVED_MODULES`: import paths that moved when zoo was grouped into wings (``zoo.core``,
   ``zoo.model``, ``zoo.inference``, ``zoo.checkpoints``, ``zoo.train``, ``zoo.tools``) and
-  ``components/`` into folders by kind. The old module is a shim made by :func:`moved_module`: it
+  ``components/`` into folders by kind. No file is left at an old path: :func:`install` puts a finder
+  on ``sys.meta_path`` that makes the old module on import, as a shim (:func:`moved_module`) that
   warns when a name is taken from it and hands over the name from its new home.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 import types
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 DEPRECATED_IN = "0.2"
 REMOVED_IN = "0.4"
@@ -113,3 +117,46 @@ def moved_module(old: str) -> tuple[Callable[[str], Any], Callable[[], list[str]
         raise AttributeError(f"module {old!r} has no attribute {name!r} (it moved to {', '.join(homes)})")
 
     return __getattr__, names
+
+
+class KVCache:
+    """``zoo.cache.KVCache.for_model(model, max_len)``: the old spelling of ``model.new_state(None, max_len)``."""
+
+    @staticmethod
+    def for_model(model, max_len: Optional[int] = None):
+        warn("zoo.cache.KVCache.for_model(model, max_len)")
+        return model.new_state(None, max_len)
+
+
+#: Names an old module held itself (not moved anywhere): the shim carries them.
+_OWN: dict[str, dict[str, Any]] = {"zoo.cache": {"KVCache": KVCache}}
+
+
+class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Makes the shim of an old module path of :data:`MOVED_MODULES` when it is imported."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None):
+        if fullname in MOVED_MODULES and fullname not in _PACKAGES:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        old = module.__name__
+        module.__doc__ = (f"Deprecated since zoo {DEPRECATED_IN}, removed in {REMOVED_IN}: moved to "
+                          f"{', '.join(MOVED_MODULES[old])}.")
+        module.__getattr__, module.__dir__ = moved_module(old)
+        vars(module).update(_OWN.get(old, {}))
+
+
+# Old modules whose path is now a package (components/ffn/, components/positions/): the package's
+# own ``__init__`` is their shim.
+_PACKAGES = ("zoo.components.ffn", "zoo.components.positions")
+
+
+def install() -> None:
+    """Let the old module paths import (once per process; ``import zoo`` calls this)."""
+    if not any(isinstance(f, _OldPaths) for f in sys.meta_path):
+        sys.meta_path.append(_OldPaths())

@@ -1,16 +1,14 @@
-"""The plugin contract: the hooks a zoo plugin implements and the interface of each kind of part.
+"""The plugin hook: what a zoo plugin implements (``zoo_register``).
 
 A plugin is a module, found through the ``zoo.plugins`` entry-point group (or loaded by name
 through ``ZOO_PLUGINS`` / :func:`zoo.load_plugin`), that implements ``zoo_register`` with
 ``@zoo.hookimpl``. pluggy calls hooks with keyword arguments only, and an implementation may
 accept any subset of a hook's arguments, so the contract can grow without breaking plugins.
 
-Every kind of part has an interface, checked when the part is registered, so that a plugin
-author sees what is missing at once rather than when a model is built.
+The interface of each kind of part, checked when a part is registered, is :mod:`zoo.core.kinds`.
 """
 
 from __future__ import annotations
-
 
 import pluggy
 

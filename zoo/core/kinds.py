@@ -1,6 +1,8 @@
-"""The interfaces that registered parts implement, and the context the builder hands them.
+"""The kinds of part: the base each kind implements, every kind zoo knows (:data:`KINDS`), and the
+interface check each registration passes (the tables below). The forward context is
+:mod:`zoo.core.context`; the plugin hook is :mod:`zoo.core.hooks`.
 
-They are deliberately thin, so that fast kernels (SDPA, flex attention, Triton) fit behind them:
+The interfaces are deliberately thin, so that fast kernels (SDPA, flex attention, Triton) fit behind them:
 
 - a norm is any ``nn.Module`` built as ``cls(config, dim=...)`` and called on ``x``;
 - an FFN is built as ``cls(config, d_model=...)`` and called as ``ffn(x, ctx)`` (``ctx`` may be

@@ -1,5 +1,0 @@
-"""Deprecated since zoo 0.2, removed in 0.4: moved to zoo.core.kinds, zoo.core.context, zoo.core.spec."""
-
-from zoo.core.deprecations import moved_module
-
-__getattr__, __dir__ = moved_module(__name__)
