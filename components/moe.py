@@ -95,10 +95,11 @@ class Router(nn.Module):
             self.bias = None
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, generator: Optional[torch.Generator] = None, std: float = 0.02) -> None:
+        """The gate Normal(0, ``std``) (the spec's ``init_std`` when the model initialises it), the bias 0."""
         with torch.no_grad():
             if not self.weight.is_meta:
-                self.weight.normal_(0.0, 0.02)
+                self.weight.normal_(0.0, std, generator=generator)
             if self.bias is not None and not self.bias.is_meta:
                 self.bias.zero_()
 
@@ -343,11 +344,13 @@ class MoE(nn.Module):
         self.register_buffer("load", torch.zeros(E), persistent=False)
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, generator: Optional[torch.Generator] = None, std: float = 0.02) -> None:
+        """Each expert matrix Normal(0, ``std``) (the spec's ``init_std`` when the model initialises it);
+        the router and the shared expert initialise themselves."""
         with torch.no_grad():
             for w in (self.w_gate, self.w_up, self.w_down):
                 if w is not None and not w.is_meta:
-                    w.normal_(0.0, 0.02)
+                    w.normal_(0.0, std, generator=generator)
             if not self.load.is_meta:
                 self.load.zero_()
 

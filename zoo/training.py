@@ -352,6 +352,19 @@ def _shard(model: nn.Module, accelerator) -> None:
     fully_shard(model, **kwargs)
 
 
+def start_model(spec: ModelSpec, accelerator, *, seed: int, sharded: bool) -> nn.Module:
+    """The model to train, on the accelerator's device, with the weights ``build_model(spec, seed=seed)``
+    gives on one process. Sharded: built on the meta device, wrapped with FSDP2 per block, then
+    each process allocates and initialises only its shard (one module's whole parameters at a time)."""
+    if not sharded:
+        return build_model(spec, device=accelerator.device, seed=seed)
+    net = build_model(spec, device="meta")
+    _shard(net, accelerator)
+    net.to_empty(device=accelerator.device)
+    net.init_weights(seed=seed)
+    return net
+
+
 def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides: Optional[dict[str, Any]] = None,
           on_step: Optional[Callable[[dict[str, Any], nn.Module], None]] = None, **fields: Any) -> TrainResult:
     """Train a preset name, recipe file, dict or :class:`ModelSpec` (with spec ``overrides``), from
@@ -416,13 +429,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
 
     # Model: meta first; FSDP2 shards before anything is allocated.
     torch.manual_seed(config.seed)
-    if use_fsdp:
-        net = build_model(spec, device="meta")
-        _shard(net, acc)
-        net.to_empty(device=acc.device)
-        net.init_weights()
-    else:
-        net = build_model(spec, device=acc.device, seed=config.seed)
+    net = start_model(spec, acc, seed=config.seed, sharded=use_fsdp)
     fmt = getattr(pretrained, "checkpoint_format", None)  # export in the format the weights came in
     if pretrained is not None and ckpt_state is None:
         load_full_state_dict(net, pretrained.state_dict(), sharded=use_fsdp)
