@@ -14,8 +14,7 @@ import torch
 import zoo
 from zoo.recipes import get_spec
 from zoo.registry import list_components
-from zoo.spec import ModelSpec
-from zoo.testing import hybrid_spec, shrink, tiny_spec_with
+from zoo.testing import hybrid_spec, one_of_each, tiny_spec_with
 
 # Presets that between them use every built-in mixer, FFN, router, block and position kind (and MTP);
 # the parts no preset uses come from the tiny spec.
@@ -25,14 +24,6 @@ PRESETS = ["llama3-8b", "gemma2-2b", "gpt3-125m", "palm-8b", "transformer-2017",
 PARTS = {"linear_attention": lambda: hybrid_spec("linear_attention", {"n_heads": 4, "head_dim": 8}),
          "glu": lambda: tiny_spec_with("ffn", "glu"), "reglu": lambda: tiny_spec_with("ffn", "reglu"),
          "alibi": lambda: tiny_spec_with("position", "alibi")}
-
-
-def one_of_each(name, **sizes):
-    """A tiny copy of preset ``name`` with one layer of each of its layer kinds."""
-    spec = get_spec(name)
-    data = shrink(spec, n_layers=len(spec.layers), **sizes).to_dict()
-    data["layer_pattern"] = list(spec.layers)
-    return ModelSpec.from_dict(data)
 
 
 SPECS = {**{name: (lambda name=name: one_of_each(name)) for name in PRESETS}, **PARTS}
@@ -118,8 +109,7 @@ import json, sys
 import torch
 import zoo
 from accelerate import Accelerator
-from zoo.recipes import get_spec
-from test_init_seed import one_of_each
+from zoo.testing import one_of_each
 from zoo.training import full_state_dict, start_model
 
 acc = Accelerator(cpu=True)
@@ -153,8 +143,7 @@ def test_fsdp2_from_meta_on_two_processes_starts_from_the_one_process_weights(tm
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(script), str(out), json.dumps(names)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
