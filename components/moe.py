@@ -39,6 +39,7 @@ are 16-byte aligned, else expert by expert (the reference path, always available
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -112,7 +113,11 @@ class Router(nn.Module):
         return {}
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        """``x W^T`` in float32, under autocast too (which would run the matmul in bfloat16 and
+        change the choice of experts)."""
+        kind = x.device.type
+        with torch.autocast(kind, enabled=False) if torch.is_autocast_enabled(kind) else contextlib.nullcontext():
+            return F.linear(x.float(), self.weight.float())
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         """Top-k of ``scores`` (plus the selection bias, when there is one)."""
@@ -415,7 +420,9 @@ class MoE(nn.Module):
             ys = _experts_grouped(xs, counts, self.w_gate, self.w_up, self.w_down, self.act, self.gated)
         else:
             ys = _experts_loop(xs, counts, self.w_gate, self.w_up, self.w_down, self.act, self.gated)
-        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+        # Weighted and summed in the input's dtype: under autocast over float32 weights the expert
+        # matmuls return bfloat16 and the tokens (and the residual) are float32.
+        ys = ys.to(flat.dtype) * weights.reshape(-1)[order, None].to(flat.dtype)
         return torch.zeros_like(flat).index_add_(0, token, ys), dropped
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
