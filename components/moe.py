@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.hookspecs import module_interface
-from zoo.interfaces import Cost, build_part
+from zoo.interfaces import Cost, build_part, recomputing
 from zoo.registry import manager, register
 from zoo.spec import Part, SpecError, part_field, positive
 
@@ -435,7 +435,7 @@ class MoE(nn.Module):
             if self.shared_gate is not None:
                 s = torch.sigmoid(self.shared_gate(flat)) * s
             out = out + s
-        if self.training and self.cfg.bias_update != "none":
+        if self.training and self.cfg.bias_update != "none" and not recomputing():  # once per forward
             with torch.no_grad():
                 self.load += torch.bincount(r.indices.reshape(-1), minlength=self.cfg.n_experts).to(self.load.dtype)
         if ctx is not None:

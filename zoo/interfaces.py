@@ -18,6 +18,8 @@ part reads its attributes.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
 
@@ -80,6 +82,26 @@ class PositionState:
 Rotary = PositionState
 
 
+_RECOMPUTING = contextvars.ContextVar("zoo_recomputing", default=False)
+
+
+def recomputing() -> bool:
+    """True while activation checkpointing recomputes a block's forward during backward. A part with a
+    side effect in its forward (a counter of tokens per expert) skips it then, so that it happens once
+    per forward; :class:`ForwardContext` ignores the losses and metrics added then."""
+    return _RECOMPUTING.get()
+
+
+@contextlib.contextmanager
+def recomputation():
+    """The scope :func:`recomputing` reports (entered by zoo's activation checkpointing)."""
+    token = _RECOMPUTING.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(token)
+
+
 class ForwardContext:
     """What every layer needs to know about the current forward pass.
 
@@ -121,6 +143,8 @@ class ForwardContext:
     def add_loss(self, name: str, value: torch.Tensor, weight: float = 1.0) -> None:
         """Add an auxiliary loss term: the total loss gains ``weight * value``. Terms of one name
         (one per MoE layer, say) add up; their weights must agree."""
+        if recomputing():  # added once already, in the forward
+            return
         if name in self.aux:
             if self.aux_weights[name] != weight:
                 raise ValueError(f"auxiliary loss {name!r} added with weights {self.aux_weights[name]} and {weight}")
@@ -130,6 +154,8 @@ class ForwardContext:
 
     def add_metric(self, name: str, value: torch.Tensor) -> None:
         """Record a metric (no gradient); values of one name from several layers are averaged."""
+        if recomputing():
+            return
         value = value.detach()
         n = self._metric_counts.get(name, 0)
         self.metrics[name] = value if n == 0 else self.metrics[name] + (value - self.metrics[name]) / (n + 1)

@@ -44,6 +44,69 @@ from zoo.resume import check_resumed_config, fsync_dir, fsync_tree, metrics_up_t
 from zoo.spec import ModelSpec, differences
 
 
+MESH_DIMS = ("dp_replicate", "dp_shard", "ep", "tp")
+
+
+@dataclass
+class ParallelConfig:
+    """How the processes split the work (the ``[parallel]`` table of a training config; ``--dp-replicate``,
+    ``--dp-shard``, ``--tp``, ``--ep``, ``--ac`` on the command line). The product of the sizes is the
+    number of processes. ``dp_replicate`` > 1 with ``dp_shard`` > 1 is HSDP (FSDP2 within each replica,
+    gradients averaged across replicas); ``ac`` checkpoints activations: ``none``, ``block`` (every
+    block) or ``N`` (every N-th block, counting from the first)."""
+
+    dp_replicate: int = 1  # replicas (HSDP's outer dimension)
+    dp_shard: int = -1  # FSDP2 shards within a replica; -1: the processes left by the other sizes
+    tp: int = 1  # tensor (and sequence) parallel degree
+    ep: int = 1  # expert parallel degree
+    ac: str = "none"  # activation checkpointing: none, block, or every N-th block
+
+    def sizes(self, processes: int) -> dict[str, int]:
+        """Each mesh dimension's size for ``processes`` processes (``dp_shard = -1`` resolved); raises,
+        naming the sizes to change, when they do not multiply to ``processes``."""
+        for name in MESH_DIMS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and not (name == "dp_shard" and value == -1)):
+                raise ValueError(f"parallel.{name} must be a positive integer{' or -1 (the rest)' if name == 'dp_shard' else ''}, "
+                                 f"got {value!r}")
+        fixed = {n: getattr(self, n) for n in MESH_DIMS if not (n == "dp_shard" and self.dp_shard == -1)}
+        product = math.prod(fixed.values())
+        given = " x ".join(f"{n} {v}" for n, v in fixed.items() if v != 1) or "1"
+        if self.dp_shard == -1:
+            if processes % product:
+                raise ValueError(
+                    f"parallel: {given} = {product} does not divide the {processes} processes, so dp_shard = -1 "
+                    f"has no size; change {', '.join(n for n, v in fixed.items() if v != 1)} to divide {processes}, "
+                    "or launch a multiple of their product")
+            return {**fixed, "dp_shard": processes // product}
+        if product != processes:
+            raise ValueError(
+                f"parallel: {given} = {product}, but {processes} processes are running; the sizes must multiply "
+                f"to {processes}: change {', '.join(n for n, v in fixed.items() if v != 1) or 'dp_shard'}, or set "
+                "dp_shard = -1 to take the rest")
+        return fixed
+
+    def checkpointed(self, n_layers: int) -> list[int]:
+        """The blocks whose activations are recomputed in backward."""
+        ac = str(self.ac).strip().lower()
+        if ac == "none":
+            return []
+        if ac == "block":
+            return list(range(n_layers))
+        if ac.isdigit() and int(ac) >= 1:
+            return list(range(0, n_layers, int(ac)))
+        raise ValueError(f"parallel.ac must be none, block or a positive integer N (every N-th block), got {self.ac!r}")
+
+    def check(self) -> None:
+        self.checkpointed(1)
+        if self.tp != 1 or self.ep != 1:
+            which = " and ".join(f"{n} = {getattr(self, n)}" for n in ("tp", "ep") if getattr(self, n) != 1)
+            raise NotImplementedError(
+                f"parallel: {which} is not supported yet: tensor/sequence parallel plans of the parts and the "
+                "experts' dispatch over an expert-parallel dimension are still to come (docs/training.md); "
+                "use dp_replicate and dp_shard")
+
+
 @dataclass
 class TrainConfig:
     """What to train on and how. Batch sizes count sequences of ``seq_len`` tokens."""
@@ -85,8 +148,35 @@ class TrainConfig:
     plot: bool = True
     export: bool = True  # write the trained weights with zoo.save_pretrained to out_dir/final
     export_format: Optional[str] = None  # HF model_type to export as; None: the first that fits the spec
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # a dict is read as its fields
+
+    def __post_init__(self):
+        if isinstance(self.parallel, dict):
+            known = {f.name for f in dataclasses.fields(ParallelConfig)}
+            unknown = sorted(set(self.parallel) - known)
+            if unknown:
+                raise ValueError(f"parallel.{unknown[0]}: not a parallel setting; they are {sorted(known)}")
+            self.parallel = ParallelConfig(**self.parallel)
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **fields: Any) -> "TrainConfig":
+        """A config from a TOML file of TrainConfig fields, with a ``[parallel]`` table; ``fields`` override it."""
+        import tomllib
+
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path}: not valid TOML ({exc})") from None
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in known:
+                raise ValueError(f"{path}: {key!r} is not a TrainConfig field; they are {sorted(known)}")
+        if "data" in data:
+            data["data"] = tuple(data["data"])
+        return cls(**{**data, **fields})
 
     def check(self) -> None:
+        self.parallel.check()
         for f in dataclasses.fields(self):  # NaN passes every comparison below: refuse it first
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -324,8 +414,10 @@ def _check_fsdp_launch(use_fsdp: bool) -> None:
                          "`torchrun`, or leave fsdp off for one process")
 
 
-def _shard(model: nn.Module, accelerator) -> None:
-    """FSDP2, one unit per block and one for the root (embeddings, final norm, head)."""
+def _shard(model: nn.Module, accelerator, mesh=None) -> None:
+    """FSDP2, one unit per block and one for the root (embeddings, final norm, head), over the mesh's
+    data-parallel dimensions: sharded over ``dp_shard`` (and ``ep``) and, with ``dp_replicate`` > 1,
+    replicated across it (HSDP)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -341,7 +433,8 @@ def _shard(model: nn.Module, accelerator) -> None:
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     mp = MixedPrecisionPolicy(param_dtype=dtypes.get(accelerator.mixed_precision), reduce_dtype=torch.float32)
     kwargs: dict[str, Any] = {
-        "mesh": init_device_mesh(accelerator.device.type, (accelerator.num_processes,)),
+        "mesh": _data_parallel_mesh(mesh) if mesh is not None else init_device_mesh(accelerator.device.type,
+                                                                                     (accelerator.num_processes,)),
         "mp_policy": mp,
         "reshard_after_forward": getattr(plugin, "reshard_after_forward", True) if plugin is not None else True,
     }
@@ -352,17 +445,53 @@ def _shard(model: nn.Module, accelerator) -> None:
     fully_shard(model, **kwargs)
 
 
-def start_model(spec: ModelSpec, accelerator, *, seed: int, sharded: bool) -> nn.Module:
+def start_model(spec: ModelSpec, accelerator, *, seed: int, sharded: bool,
+                parallel: Optional[ParallelConfig] = None) -> nn.Module:
     """The model to train, on the accelerator's device, with the weights ``build_model(spec, seed=seed)``
-    gives on one process. Sharded: built on the meta device, wrapped with FSDP2 per block, then
-    each process allocates and initialises only its shard (one module's whole parameters at a time)."""
+    gives on one process, its blocks checkpointed as ``parallel.ac`` says. Sharded: built on the meta
+    device, checkpointed, wrapped with FSDP2 per block over the mesh of ``parallel`` (torchtitan's
+    order: activation checkpointing, then FSDP), then each process allocates and initialises only its
+    shard (one module's whole parameters at a time)."""
+    parallel = parallel or ParallelConfig()
     if not sharded:
-        return build_model(spec, device=accelerator.device, seed=seed)
+        net = build_model(spec, device=accelerator.device, seed=seed)
+        checkpoint_blocks(net, parallel.checkpointed(len(net.layers)))
+        return net
     net = build_model(spec, device="meta")
-    _shard(net, accelerator)
+    checkpoint_blocks(net, parallel.checkpointed(len(net.layers)))
+    _shard(net, accelerator, device_mesh(parallel, accelerator))
     net.to_empty(device=accelerator.device)
     net.init_weights(seed=seed)
     return net
+
+
+def device_mesh(parallel: ParallelConfig, accelerator):
+    """The DeviceMesh of ``parallel`` over the launched processes, dimensions named as in :data:`MESH_DIMS`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sizes = parallel.sizes(accelerator.num_processes)
+    return init_device_mesh(accelerator.device.type, tuple(sizes[n] for n in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+
+
+def checkpoint_blocks(model: nn.Module, blocks: list[int]) -> None:
+    """Recompute the activations of ``model.layers[i]`` for each ``i`` in ``blocks`` during backward
+    (``torch.utils.checkpoint``, non-reentrant, as torchtitan wraps its blocks): a block then keeps
+    only its inputs. Losses, metrics and counters the block's parts add are not added again when it is
+    recomputed (:func:`zoo.interfaces.recomputing`). State-dict keys do not change (``named_parameters``
+    shows the wrapper's ``_checkpoint_wrapped_module``, which ``init_weights`` looks through)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    from zoo.interfaces import recomputation
+
+    for i in blocks:
+        model.layers[i] = checkpoint_wrapper(model.layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                             context_fn=lambda: (nullcontext(), recomputation()))
+
+
+def _data_parallel_mesh(mesh):
+    """FSDP2's mesh: ``dp_shard``, or ``(dp_replicate, dp_shard)`` for HSDP. (With expert parallelism
+    the dense parameters will shard over ``dp_shard x ep``: with the expert plans.)"""
+    return mesh["dp_shard"] if mesh["dp_replicate"].size() == 1 else mesh["dp_replicate", "dp_shard"]
 
 
 def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides: Optional[dict[str, Any]] = None,
@@ -387,6 +516,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
         raise RuntimeError(f"{launched} processes were launched but Accelerate sees {acc.num_processes}; "
                            "check the launcher's environment (WORLD_SIZE, RANK, MASTER_ADDR)")
     accum = config.accumulation(acc.num_processes)
+    layout = config.parallel.sizes(acc.num_processes)  # before any compute: the sizes must fit the processes
     texts = read_texts(config.data) if config.data else [builtin_corpus()]
 
     # Every check before any compute: model, tokenizer, checkpoint.
@@ -415,11 +545,21 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
         )
     out_dir = Path(config.out_dir)
     resume_from = resume_point(config, out_dir, checkpoints(out_dir))
-    use_fsdp = config.fsdp if config.fsdp is not None else acc.distributed_type == DistributedType.FSDP
+    sharding = config.parallel.dp_replicate > 1 or config.parallel.dp_shard > 1  # asked for HSDP or FSDP
+    if config.fsdp is False and sharding:
+        raise ValueError(f"parallel: dp_replicate {config.parallel.dp_replicate} x dp_shard {config.parallel.dp_shard} "
+                         "shards with FSDP2, but fsdp is off; turn fsdp on or leave dp_replicate and dp_shard unset")
+    use_fsdp = config.fsdp if config.fsdp is not None else (acc.distributed_type == DistributedType.FSDP or sharding)
     _check_fsdp_launch(use_fsdp)
     ckpt_state = read_checkpoint_state(resume_from, spec, acc.num_processes) if resume_from else None
     if ckpt_state is not None:
         check_resumed_config(resume_from, ckpt_state, config, acc.print)
+    saved_layout = (ckpt_state or {}).get("config", {}).get("parallel")
+    if use_fsdp and saved_layout is not None and ckpt_state["sharded"]:
+        before = ParallelConfig(**saved_layout).sizes(ckpt_state["processes"])
+        if before != layout:
+            raise ValueError(f"checkpoint {resume_from} holds shards for the layout {before}, not {layout}; "
+                             "resume with the same parallel sizes")
     if ckpt_state is not None and ckpt_state["sharded"] != use_fsdp:
         raise ValueError(
             f"checkpoint {resume_from} was written {'with' if ckpt_state['sharded'] else 'without'} FSDP; "
@@ -429,7 +569,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
 
     # Model: meta first; FSDP2 shards before anything is allocated.
     torch.manual_seed(config.seed)
-    net = start_model(spec, acc, seed=config.seed, sharded=use_fsdp)
+    net = start_model(spec, acc, seed=config.seed, sharded=use_fsdp, parallel=config.parallel)
     fmt = getattr(pretrained, "checkpoint_format", None)  # export in the format the weights came in
     if pretrained is not None and ckpt_state is None:
         load_full_state_dict(net, pretrained.state_dict(), sharded=use_fsdp)
