@@ -19,7 +19,6 @@ part reads its attributes.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
 
@@ -82,24 +81,24 @@ class PositionState:
 Rotary = PositionState
 
 
-_RECOMPUTING = contextvars.ContextVar("zoo_recomputing", default=False)
+_RECOMPUTING = [False]  # a plain global (not a ContextVar): torch.compile traces a read of it without a break
 
 
 def recomputing() -> bool:
     """True while activation checkpointing recomputes a block's forward during backward. A part with a
     side effect in its forward (a counter of tokens per expert) skips it then, so that it happens once
     per forward; :class:`ForwardContext` ignores the losses and metrics added then."""
-    return _RECOMPUTING.get()
+    return _RECOMPUTING[0]
 
 
 @contextlib.contextmanager
 def recomputation():
     """The scope :func:`recomputing` reports (entered by zoo's activation checkpointing)."""
-    token = _RECOMPUTING.set(True)
+    before, _RECOMPUTING[0] = _RECOMPUTING[0], True
     try:
         yield
     finally:
-        _RECOMPUTING.reset(token)
+        _RECOMPUTING[0] = before
 
 
 class ForwardContext:
