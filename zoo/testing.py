@@ -549,6 +549,17 @@ def shrink(spec: ModelSpec, *, n_layers: int = 2, d_model: int = 32, vocab_size:
     return ModelSpec.from_dict(data)
 
 
+def one_of_each(spec: ModelSpec | str, **sizes: Any) -> ModelSpec:
+    """A tiny copy (:func:`shrink`, with ``sizes``) of a spec or preset name with one layer of each of
+    its layer kinds, in the order the spec names them (DeepSeek-V3: a dense layer, then an MoE one)."""
+    from zoo.model.recipes import get_spec
+
+    spec = get_spec(spec) if isinstance(spec, str) else spec
+    data = shrink(spec, **{"n_layers": len(spec.layers), **sizes}).to_dict()
+    data["layer_pattern"] = list(spec.layers)
+    return ModelSpec.from_dict(data)
+
+
 @contract("checkpoint_format")
 def _checkpoint_format(kind: str, name: str, config: dict[str, Any]) -> None:
     """The format's tiny config becomes a spec; a model of it saved in the format (weight map

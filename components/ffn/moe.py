@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.core.context import recomputing
 from zoo.core.kinds import Cost
 from zoo.core.spec import build_part
 from zoo.components.ffn.routers import Routing
@@ -182,11 +183,13 @@ class MoE(nn.Module):
         self.register_buffer("load", torch.zeros(E), persistent=False)
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, generator: Optional[torch.Generator] = None, std: float = 0.02) -> None:
+        """Each expert matrix Normal(0, ``std``) (the spec's ``init_std`` when the model initialises it);
+        the router and the shared expert initialise themselves."""
         with torch.no_grad():
             for w in (self.w_gate, self.w_up, self.w_down):
                 if w is not None and not w.is_meta:
-                    w.normal_(0.0, 0.02)
+                    w.normal_(0.0, std, generator=generator)
             if not self.load.is_meta:
                 self.load.zero_()
 
@@ -251,7 +254,9 @@ class MoE(nn.Module):
             ys = _experts_grouped(xs, counts, self.w_gate, self.w_up, self.w_down, self.act, self.gated)
         else:
             ys = _experts_loop(xs, counts, self.w_gate, self.w_up, self.w_down, self.act, self.gated)
-        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+        # Weighted and summed in the input's dtype: under autocast over float32 weights the expert
+        # matmuls return bfloat16 and the tokens (and the residual) are float32.
+        ys = ys.to(flat.dtype) * weights.reshape(-1)[order, None].to(flat.dtype)
         return torch.zeros_like(flat).index_add_(0, token, ys), dropped
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
@@ -264,7 +269,7 @@ class MoE(nn.Module):
             if self.shared_gate is not None:
                 s = torch.sigmoid(self.shared_gate(flat)) * s
             out = out + s
-        if self.training and self.cfg.bias_update != "none":
+        if self.training and self.cfg.bias_update != "none" and not recomputing():  # once per forward
             with torch.no_grad():
                 self.load += torch.bincount(r.indices.reshape(-1), minlength=self.cfg.n_experts).to(self.load.dtype)
         if ctx is not None:

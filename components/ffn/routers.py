@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,10 +49,11 @@ class Router(nn.Module):
             self.bias = None
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, generator: Optional[torch.Generator] = None, std: float = 0.02) -> None:
+        """The gate Normal(0, ``std``) (the spec's ``init_std`` when the model initialises it), the bias 0."""
         with torch.no_grad():
             if not self.weight.is_meta:
-                self.weight.normal_(0.0, 0.02)
+                self.weight.normal_(0.0, std, generator=generator)
             if self.bias is not None and not self.bias.is_meta:
                 self.bias.zero_()
 
@@ -63,7 +66,11 @@ class Router(nn.Module):
         return {}
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        """``x W^T`` in float32, under autocast too (which would run the matmul in bfloat16 and
+        change the choice of experts)."""
+        kind = x.device.type
+        with torch.autocast(kind, enabled=False) if torch.is_autocast_enabled(kind) else contextlib.nullcontext():
+            return F.linear(x.float(), self.weight.float())
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         """Top-k of ``scores`` (plus the selection bias, when there is one)."""

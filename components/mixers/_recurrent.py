@@ -21,6 +21,7 @@ is carried in float32 whatever the input dtype; the outputs come back in ``v``'s
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -129,6 +130,15 @@ class ShortConv(nn.Conv1d):
             raise ValueError(f"ShortConv: state_width must be kernel - 1 or kernel ({kernel - 1} or {kernel}), "
                              f"got {state_width}")
         self.state_width = state_width
+
+    def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
+        """``nn.Conv1d``'s initialisation (Kaiming-uniform weight, uniform bias in +-1/sqrt(fan_in)),
+        drawn from ``generator``."""
+        with torch.no_grad():
+            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5), generator=generator)
+            if self.bias is not None:
+                bound = 1 / math.sqrt(self.weight[0].numel())
+                nn.init.uniform_(self.bias, -bound, bound, generator=generator)
 
     def forward(self, x: torch.Tensor, state: Optional[torch.Tensor] = None) -> torch.Tensor:
         K, T = self.kernel_size[0], x.shape[1]

@@ -195,11 +195,11 @@ class GatedDeltaNet(Mixer):
         self.out_proj = nn.Linear(Hv * Dv, d_model, bias=False)
         self.reset_parameters()
 
-    def reset_parameters(self):
-        """dt_bias 1 and A = exp(A_log) uniform in [1, 16] (elementwise: works on sharded parameters too)."""
+    def reset_parameters(self, generator: Optional[torch.Generator] = None):
+        """dt_bias 1 and A = exp(A_log) uniform in [1, 16]."""
         with torch.no_grad():
             nn.init.ones_(self.dt_bias)
-            self.A_log.uniform_(1.0, 16.0).log_()
+            self.A_log.uniform_(1.0, 16.0, generator=generator).log_()
 
     # -- what this part states about itself ---------------------------------------------------------
     def new_state(self, batch, max_len, *, dtype, device) -> FixedState:

@@ -116,14 +116,15 @@ class Mamba2(nn.Module):
         self.reset_parameters()
 
     @torch.no_grad()
-    def reset_parameters(self):
+    def reset_parameters(self, generator: Optional[torch.Generator] = None):
+        """A = -(1..n_heads), D = 1, and softplus(dt_bias) log-uniform in [dt_min, dt_max]."""
         if self.A_log.is_meta:
             return
         cfg = self.cfg
         self.A_log.copy_(torch.log(torch.arange(1, cfg.n_heads + 1, dtype=torch.float32)))
         self.D.fill_(1.0)
         lo, hi = math.log(cfg.dt_min), math.log(cfg.dt_max)
-        dt = torch.exp(torch.rand(cfg.n_heads) * (hi - lo) + lo).clamp(min=cfg.dt_floor)
+        dt = torch.exp(torch.rand(cfg.n_heads, generator=generator, device=self.A_log.device) * (hi - lo) + lo).clamp(min=cfg.dt_floor)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
 
     # -- what this part states about itself -------------------------------------------------------

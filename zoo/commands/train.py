@@ -3,7 +3,9 @@
 One process: ``zoo train llama3-8b --set n_layers=2 --set d_model=64 --set vocab_size=256 ...``.
 Several: ``accelerate launch [--config_file examples/accelerate/fsdp2-8gpu.yaml] -m zoo.cli train ...``
 or ``torchrun --nproc_per_node N -m zoo.cli train ...``. Every :class:`~zoo.train.config.TrainConfig`
-field is an option (``--global-batch 64``, ``--fsdp``, ``--data a.txt b.txt``).
+field is an option (``--global-batch 64``, ``--fsdp``, ``--data a.txt b.txt``), and so is every
+:class:`~zoo.train.config.ParallelConfig` field (``--dp-replicate 2 --dp-shard 4 --ac block``);
+``--config train.toml`` reads the fields (and a ``[parallel]`` table) from a file.
 """
 
 import dataclasses
@@ -20,37 +22,60 @@ def _option_type(tp):
     return _option_type(args[0]) if args else tp
 
 
+def _add_fields(p, cls, prefix=""):
+    """One option per field of the dataclass ``cls``; an option not given leaves the attribute unset."""
+    import argparse
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            continue  # a section of its own (parallel)
+        flag = "--" + f.name.replace("_", "-")
+        tp = _option_type(hints[f.name])
+        doc = f"{cls.__name__}.{f.name} (default: {f.default!r})"
+        kw = dict(default=argparse.SUPPRESS, dest=prefix + f.name, help=doc)
+        if tp is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif typing.get_origin(tp) is tuple:
+            p.add_argument(flag, nargs="+", metavar="FILE", **kw)
+        else:
+            p.add_argument(flag, type=tp, metavar=f.name.upper(), **kw)
+
+
 def add_parser(sub):
-    from zoo.train.config import TrainConfig
+    from zoo.train.config import ParallelConfig, TrainConfig
 
     p = sub.add_parser("train", help="train a preset or recipe with Accelerate (one process, DDP or FSDP2)",
                        description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", help="preset name or recipe file (.toml/.json); may be omitted with --init-from")
     p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                    help="override a spec field, e.g. --set n_layers=2 --set layers.*.mixer.n_heads=4")
-    hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        tp = _option_type(hints[f.name])
-        doc = f"TrainConfig.{f.name} (default: {f.default!r})"
-        if tp is bool:
-            p.add_argument(flag, action=__import__("argparse").BooleanOptionalAction, default=f.default, help=doc)
-        elif typing.get_origin(tp) is tuple:
-            p.add_argument(flag, nargs="+", default=f.default, metavar="FILE", help=doc)
-        else:
-            p.add_argument(flag, type=tp, default=f.default, help=doc)
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="a TOML file of TrainConfig fields with a [parallel] table; options given here override it")
+    _add_fields(p, TrainConfig)
+    _add_fields(p, ParallelConfig, prefix="parallel.")
     return p
 
 
-def run(args):
+def config_of(args):
+    """The TrainConfig the parsed options describe: the defaults, then ``--config``'s file, then each option given."""
     from zoo.train.config import TrainConfig
+
+    given = {k: v for k, v in vars(args).items() if k not in ("model", "set", "config", "command", "_run")}
+    base = TrainConfig.from_toml(args.config) if args.config else TrainConfig()
+    parallel = {k.split(".", 1)[1]: given.pop(k) for k in list(given) if k.startswith("parallel.")}
+    fields = {k: v for k, v in given.items() if k in {f.name for f in dataclasses.fields(TrainConfig)}}
+    if "data" in fields:
+        fields["data"] = tuple(fields["data"])
+    if fields.get("resume") in ("none", "None", ""):
+        fields["resume"] = None
+    return dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, **parallel), **fields)
+
+
+def run(args):
     from zoo.train.loop import train
 
-    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    fields["data"] = tuple(fields["data"])
-    if fields["resume"] in ("none", "None", ""):
-        fields["resume"] = None
-    result = train(args.model, TrainConfig(**fields), overrides=parse_sets(args.set))
+    result = train(args.model, config_of(args), overrides=parse_sets(args.set))
     if result.losses and result.main_process:
         print(f"step {result.step}: loss {result.losses[-1]:.4f}, z {result.z[-1]:.3g}, "
               f"{result.tokens_per_s:,.0f} tokens/s; checkpoint {result.checkpoint}")

@@ -3,10 +3,31 @@ auxiliary losses and metrics)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 import torch
 
 from zoo.core import deprecations as _deprecations
+
+
+_RECOMPUTING = [False]  # a plain global (not a ContextVar): torch.compile traces a read of it without a break
+
+
+def recomputing() -> bool:
+    """True while activation checkpointing recomputes a block's forward during backward. A part with a
+    side effect in its forward (a counter of tokens per expert) skips it then, so that it happens once
+    per forward; :class:`ForwardContext` ignores the losses and metrics added then."""
+    return _RECOMPUTING[0]
+
+
+@contextlib.contextmanager
+def recomputation():
+    """The scope :func:`recomputing` reports (entered by zoo's activation checkpointing)."""
+    before, _RECOMPUTING[0] = _RECOMPUTING[0], True
+    try:
+        yield
+    finally:
+        _RECOMPUTING[0] = before
 
 
 class ForwardContext:
@@ -50,6 +71,8 @@ class ForwardContext:
     def add_loss(self, name: str, value: torch.Tensor, weight: float = 1.0) -> None:
         """Add an auxiliary loss term: the total loss gains ``weight * value``. Terms of one name
         (one per MoE layer, say) add up; their weights must agree."""
+        if recomputing():  # added once already, in the forward
+            return
         if name in self.aux:
             if self.aux_weights[name] != weight:
                 raise ValueError(f"auxiliary loss {name!r} added with weights {self.aux_weights[name]} and {weight}")
@@ -59,6 +82,8 @@ class ForwardContext:
 
     def add_metric(self, name: str, value: torch.Tensor) -> None:
         """Record a metric (no gradient); values of one name from several layers are averaged."""
+        if recomputing():
+            return
         value = value.detach()
         n = self._metric_counts.get(name, 0)
         self.metrics[name] = value if n == 0 else self.metrics[name] + (value - self.metrics[name]) / (n + 1)

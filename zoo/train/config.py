@@ -9,6 +9,69 @@ from pathlib import Path
 from typing import Any, Optional
 
 
+MESH_DIMS = ("dp_replicate", "dp_shard", "ep", "tp")
+
+
+@dataclass
+class ParallelConfig:
+    """How the processes split the work (the ``[parallel]`` table of a training config; ``--dp-replicate``,
+    ``--dp-shard``, ``--tp``, ``--ep``, ``--ac`` on the command line). The product of the sizes is the
+    number of processes. ``dp_replicate`` > 1 with ``dp_shard`` > 1 is HSDP (FSDP2 within each replica,
+    gradients averaged across replicas); ``ac`` checkpoints activations: ``none``, ``block`` (every
+    block) or ``N`` (every N-th block, counting from the first)."""
+
+    dp_replicate: int = 1  # replicas (HSDP's outer dimension)
+    dp_shard: int = -1  # FSDP2 shards within a replica; -1: the processes left by the other sizes
+    tp: int = 1  # tensor (and sequence) parallel degree
+    ep: int = 1  # expert parallel degree
+    ac: str = "none"  # activation checkpointing: none, block, or every N-th block
+
+    def sizes(self, processes: int) -> dict[str, int]:
+        """Each mesh dimension's size for ``processes`` processes (``dp_shard = -1`` resolved); raises,
+        naming the sizes to change, when they do not multiply to ``processes``."""
+        for name in MESH_DIMS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and not (name == "dp_shard" and value == -1)):
+                raise ValueError(f"parallel.{name} must be a positive integer{' or -1 (the rest)' if name == 'dp_shard' else ''}, "
+                                 f"got {value!r}")
+        fixed = {n: getattr(self, n) for n in MESH_DIMS if not (n == "dp_shard" and self.dp_shard == -1)}
+        product = math.prod(fixed.values())
+        given = " x ".join(f"{n} {v}" for n, v in fixed.items() if v != 1) or "1"
+        if self.dp_shard == -1:
+            if processes % product:
+                raise ValueError(
+                    f"parallel: {given} = {product} does not divide the {processes} processes, so dp_shard = -1 "
+                    f"has no size; change {', '.join(n for n, v in fixed.items() if v != 1)} to divide {processes}, "
+                    "or launch a multiple of their product")
+            return {**fixed, "dp_shard": processes // product}
+        if product != processes:
+            raise ValueError(
+                f"parallel: {given} = {product}, but {processes} processes are running; the sizes must multiply "
+                f"to {processes}: change {', '.join(n for n, v in fixed.items() if v != 1) or 'dp_shard'}, or set "
+                "dp_shard = -1 to take the rest")
+        return fixed
+
+    def checkpointed(self, n_layers: int) -> list[int]:
+        """The blocks whose activations are recomputed in backward."""
+        ac = str(self.ac).strip().lower()
+        if ac == "none":
+            return []
+        if ac == "block":
+            return list(range(n_layers))
+        if ac.isdigit() and int(ac) >= 1:
+            return list(range(0, n_layers, int(ac)))
+        raise ValueError(f"parallel.ac must be none, block or a positive integer N (every N-th block), got {self.ac!r}")
+
+    def check(self) -> None:
+        self.checkpointed(1)
+        if self.tp != 1 or self.ep != 1:
+            which = " and ".join(f"{n} = {getattr(self, n)}" for n in ("tp", "ep") if getattr(self, n) != 1)
+            raise NotImplementedError(
+                f"parallel: {which} is not supported yet: tensor/sequence parallel plans of the parts and the "
+                "experts' dispatch over an expert-parallel dimension are still to come (docs/training.md); "
+                "use dp_replicate and dp_shard")
+
+
 @dataclass
 class TrainConfig:
     """What to train on and how. Batch sizes count sequences of ``seq_len`` tokens."""
@@ -50,8 +113,35 @@ class TrainConfig:
     plot: bool = True
     export: bool = True  # write the trained weights with zoo.save_pretrained to out_dir/final
     export_format: Optional[str] = None  # HF model_type to export as; None: the first that fits the spec
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # a dict is read as its fields
+
+    def __post_init__(self):
+        if isinstance(self.parallel, dict):
+            known = {f.name for f in dataclasses.fields(ParallelConfig)}
+            unknown = sorted(set(self.parallel) - known)
+            if unknown:
+                raise ValueError(f"parallel.{unknown[0]}: not a parallel setting; they are {sorted(known)}")
+            self.parallel = ParallelConfig(**self.parallel)
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **fields: Any) -> "TrainConfig":
+        """A config from a TOML file of TrainConfig fields, with a ``[parallel]`` table; ``fields`` override it."""
+        import tomllib
+
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path}: not valid TOML ({exc})") from None
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in known:
+                raise ValueError(f"{path}: {key!r} is not a TrainConfig field; they are {sorted(known)}")
+        if "data" in data:
+            data["data"] = tuple(data["data"])
+        return cls(**{**data, **fields})
 
     def check(self) -> None:
+        self.parallel.check()
         for f in dataclasses.fields(self):  # NaN passes every comparison below: refuse it first
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):

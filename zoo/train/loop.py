@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from zoo.train.checkpointer import Checkpointer, checkpoints, full_state_dict, load_full_state_dict, read_checkpoint_state
-from zoo.train.config import TrainConfig, TrainResult
+from zoo.train.config import MESH_DIMS, ParallelConfig, TrainConfig, TrainResult
 from zoo.train.data import TokenData, builtin_corpus, get_tokenizer, read_texts, tokenize
 from zoo.model.decoder import build_model
 from zoo.model.recipes import get_spec
@@ -93,8 +93,10 @@ def _check_fsdp_launch(use_fsdp: bool) -> None:
                          "`torchrun`, or leave fsdp off for one process")
 
 
-def _shard(model: nn.Module, accelerator) -> None:
-    """FSDP2, one unit per block and one for the root (embeddings, final norm, head)."""
+def _shard(model: nn.Module, accelerator, mesh=None) -> None:
+    """FSDP2, one unit per block and one for the root (embeddings, final norm, head), over the mesh's
+    data-parallel dimensions: sharded over ``dp_shard`` (and ``ep``) and, with ``dp_replicate`` > 1,
+    replicated across it (HSDP)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -110,7 +112,8 @@ def _shard(model: nn.Module, accelerator) -> None:
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     mp = MixedPrecisionPolicy(param_dtype=dtypes.get(accelerator.mixed_precision), reduce_dtype=torch.float32)
     kwargs: dict[str, Any] = {
-        "mesh": init_device_mesh(accelerator.device.type, (accelerator.num_processes,)),
+        "mesh": _data_parallel_mesh(mesh) if mesh is not None else init_device_mesh(accelerator.device.type,
+                                                                                     (accelerator.num_processes,)),
         "mp_policy": mp,
         "reshard_after_forward": getattr(plugin, "reshard_after_forward", True) if plugin is not None else True,
     }
@@ -119,6 +122,55 @@ def _shard(model: nn.Module, accelerator) -> None:
     for layer in model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+
+
+def start_model(spec: ModelSpec, accelerator, *, seed: int, sharded: bool,
+                parallel: Optional[ParallelConfig] = None) -> nn.Module:
+    """The model to train, on the accelerator's device, with the weights ``build_model(spec, seed=seed)``
+    gives on one process, its blocks checkpointed as ``parallel.ac`` says. Sharded: built on the meta
+    device, checkpointed, wrapped with FSDP2 per block over the mesh of ``parallel`` (torchtitan's
+    order: activation checkpointing, then FSDP), then each process allocates and initialises only its
+    shard (one module's whole parameters at a time)."""
+    parallel = parallel or ParallelConfig()
+    if not sharded:
+        net = build_model(spec, device=accelerator.device, seed=seed)
+        checkpoint_blocks(net, parallel.checkpointed(len(net.layers)))
+        return net
+    net = build_model(spec, device="meta")
+    checkpoint_blocks(net, parallel.checkpointed(len(net.layers)))
+    _shard(net, accelerator, device_mesh(parallel, accelerator))
+    net.to_empty(device=accelerator.device)
+    net.init_weights(seed=seed)
+    return net
+
+
+def device_mesh(parallel: ParallelConfig, accelerator):
+    """The DeviceMesh of ``parallel`` over the launched processes, dimensions named as in :data:`MESH_DIMS`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sizes = parallel.sizes(accelerator.num_processes)
+    return init_device_mesh(accelerator.device.type, tuple(sizes[n] for n in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+
+
+def checkpoint_blocks(model: nn.Module, blocks: list[int]) -> None:
+    """Recompute the activations of ``model.layers[i]`` for each ``i`` in ``blocks`` during backward
+    (``torch.utils.checkpoint``, non-reentrant, as torchtitan wraps its blocks): a block then keeps
+    only its inputs. Losses, metrics and counters the block's parts add are not added again when it is
+    recomputed (:func:`zoo.core.context.recomputing`). State-dict keys do not change (``named_parameters``
+    shows the wrapper's ``_checkpoint_wrapped_module``, which ``init_weights`` looks through)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    from zoo.core.context import recomputation
+
+    for i in blocks:
+        model.layers[i] = checkpoint_wrapper(model.layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                             context_fn=lambda: (nullcontext(), recomputation()))
+
+
+def _data_parallel_mesh(mesh):
+    """FSDP2's mesh: ``dp_shard``, or ``(dp_replicate, dp_shard)`` for HSDP. (With expert parallelism
+    the dense parameters will shard over ``dp_shard x ep``: with the expert plans.)"""
+    return mesh["dp_shard"] if mesh["dp_replicate"].size() == 1 else mesh["dp_replicate", "dp_shard"]
 
 
 def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides: Optional[dict[str, Any]] = None,
@@ -143,6 +195,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
         raise RuntimeError(f"{launched} processes were launched but Accelerate sees {acc.num_processes}; "
                            "check the launcher's environment (WORLD_SIZE, RANK, MASTER_ADDR)")
     accum = config.accumulation(acc.num_processes)
+    layout = config.parallel.sizes(acc.num_processes)  # before any compute: the sizes must fit the processes
     texts = read_texts(config.data) if config.data else [builtin_corpus()]
 
     # Every check before any compute: model, tokenizer, checkpoint.
@@ -171,11 +224,21 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
         )
     out_dir = Path(config.out_dir)
     resume_from = resume_point(config, out_dir, checkpoints(out_dir))
-    use_fsdp = config.fsdp if config.fsdp is not None else acc.distributed_type == DistributedType.FSDP
+    sharding = config.parallel.dp_replicate > 1 or config.parallel.dp_shard > 1  # asked for HSDP or FSDP
+    if config.fsdp is False and sharding:
+        raise ValueError(f"parallel: dp_replicate {config.parallel.dp_replicate} x dp_shard {config.parallel.dp_shard} "
+                         "shards with FSDP2, but fsdp is off; turn fsdp on or leave dp_replicate and dp_shard unset")
+    use_fsdp = config.fsdp if config.fsdp is not None else (acc.distributed_type == DistributedType.FSDP or sharding)
     _check_fsdp_launch(use_fsdp)
     ckpt_state = read_checkpoint_state(resume_from, spec, acc.num_processes) if resume_from else None
     if ckpt_state is not None:
         check_resumed_config(resume_from, ckpt_state, config, acc.print)
+    saved_layout = (ckpt_state or {}).get("config", {}).get("parallel")
+    if use_fsdp and saved_layout is not None and ckpt_state["sharded"]:
+        before = ParallelConfig(**saved_layout).sizes(ckpt_state["processes"])
+        if before != layout:
+            raise ValueError(f"checkpoint {resume_from} holds shards for the layout {before}, not {layout}; "
+                             "resume with the same parallel sizes")
     if ckpt_state is not None and ckpt_state["sharded"] != use_fsdp:
         raise ValueError(
             f"checkpoint {resume_from} was written {'with' if ckpt_state['sharded'] else 'without'} FSDP; "
@@ -185,13 +248,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
 
     # Model: meta first; FSDP2 shards before anything is allocated.
     torch.manual_seed(config.seed)
-    if use_fsdp:
-        net = build_model(spec, device="meta")
-        _shard(net, acc)
-        net.to_empty(device=acc.device)
-        net.init_weights()
-    else:
-        net = build_model(spec, device=acc.device, seed=config.seed)
+    net = start_model(spec, acc, seed=config.seed, sharded=use_fsdp, parallel=config.parallel)
     fmt = getattr(pretrained, "checkpoint_format", None)  # export in the format the weights came in
     if pretrained is not None and ckpt_state is None:
         load_full_state_dict(net, pretrained.state_dict(), sharded=use_fsdp)
