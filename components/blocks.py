@@ -24,6 +24,7 @@ from typing import Literal
 from torch import nn
 
 from zoo.components.mixers.none import NoMixer
+from zoo.core.deprecations import warn
 from zoo.core.kinds import takes_ctx
 from zoo.core.registry import register
 
@@ -38,6 +39,12 @@ class _Block(nn.Module):
         self.drop = nn.Dropout(spec.dropout)
         self._norm_part, self._d = layer.norm, d
 
+
+    @property
+    def attention(self) -> nn.Module:
+        """The mixer's name before mixers (deprecated): :attr:`mixer`."""
+        warn("a block's .attention")
+        return self.mixer
 
     def _norm(self):
         return self._norm_part.build(dim=self._d)
@@ -101,6 +108,8 @@ class FFNOnly(nn.Module):
     """``y = x + FFN(N(x))``: one norm, the layer's FFN, the residual. The layer's ``mixer`` setting is
     not built."""
 
+    attention = _Block.attention  # deprecated: .mixer
+
     @dataclass(frozen=True)
     class Config:
         pass
@@ -123,6 +132,8 @@ class FFNOnly(nn.Module):
 class MixerOnly(nn.Module):
     """``y = x + mixer(N(x))``: a layer with a token mixer and no FFN (Mamba-2's block, one norm). The
     layer's ``ffn`` setting is not built and computes nothing."""
+
+    attention = _Block.attention  # deprecated: .mixer
 
     @dataclass(frozen=True)
     class Config:

@@ -191,6 +191,11 @@ def _layer_spec_attention():
     assert spec.layer(0).attention is spec.layer(0).mixer
 
 
+def _block_attention():
+    for layer in _model().layers:
+        assert layer.attention is layer.mixer
+
+
 def _head_dim_for():
     _add_attention()
     spec = zoo.get_spec({**zt.TINY, "layers": {"default": {"mixer": {"name": "old_mixer", "n_heads": 2}}}})
@@ -236,6 +241,7 @@ EXERCISES = {
     "kind 'attention'": _kind_attention,
     "spec key 'attention'": _spec_key_attention,
     "LayerSpec.attention": _layer_spec_attention,
+    "a block's .attention": _block_attention,
     "Mixer.head_dim_for(cfg, d_model)": _head_dim_for,
     "an FFN whose forward takes no ctx": _ctxless_ffn,
     "accounting key 'kv_cache'": _kv_cache_key,

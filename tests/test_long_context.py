@@ -109,11 +109,11 @@ def test_masks_are_not_rebuilt_when_the_shape_repeats_and_once_per_forward_with_
 
 
 def test_dense_masks_of_the_reference_paths_are_built_once_per_forward(monkeypatch):
-    from zoo.components.mixers import attention
+    from zoo.components.mixers import _masks
 
     built = []
-    real = attention.causal_mask
-    monkeypatch.setattr(attention, "causal_mask", lambda *a: built.append(a[2]) or real(*a))  # the window; not the tensors
+    real = _masks.causal_mask
+    monkeypatch.setattr(_masks, "causal_mask", lambda *a: built.append(a[2]) or real(*a))  # the window; not the tensors
     model = zoo.build("mistral-7b", n_layers=4, d_model=32, vocab_size=150, seed=0,
                       overrides={"layers.*.mixer.window": 3, "layers.*.mixer.head_dim": 8,
                                  "layers.*.ffn.d_ff": 48})

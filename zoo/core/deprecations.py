@@ -38,6 +38,7 @@ ALIASES: dict[str, str] = {
     "kind 'attention'": "kind 'mixer'",
     "spec key 'attention'": "spec key 'mixer' (layers.*.mixer.*)",
     "LayerSpec.attention": "LayerSpec.mixer",
+    "a block's .attention": "the block's .mixer (layers.{i}.mixer)",
     "Mixer.head_dim_for(cfg, d_model)": "Mixer.rotary_dim(cfg, d_model)",
     "an FFN whose forward takes no ctx": "forward(self, x, ctx) (ctx may be None)",
     "accounting key 'kv_cache'": "accounting key 'decode_state'",
