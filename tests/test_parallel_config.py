@@ -144,8 +144,8 @@ def test_checkpointed_blocks_save_only_their_inputs():
 
 # -- on two processes ------------------------------------------------------------------------------
 
-SETS = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.attention.n_heads": 4,
-        "layers.*.attention.n_kv_heads": 2, "layers.*.ffn.d_ff": 64}
+SETS = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.mixer.n_heads": 4,
+        "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.d_ff": 64}
 SCRIPT = """
 import json, sys
 import zoo
