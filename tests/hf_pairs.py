@@ -1,11 +1,21 @@
 """Helpers the parity tests of several formats share: tiny transformers checkpoints made once per
-case and loaded by zoo, the logits check with a left-padded row, and several tokens fed onto a
-decode state."""
+case and loaded by zoo, the logits check with a left-padded row, several tokens fed onto a
+decode state, and float32 tolerances stated against a float64 run of the reference."""
+
+import copy
 
 import torch
 
 import zoo
-from zoo.checkpoints.tiny import make_tiny
+from zoo.checkpoints.tiny import make_tiny, tiny_formats
+
+
+def own_tiny_formats() -> list[str]:
+    """The model_types with a tiny config that zoo itself ships (registered by one of its built-in
+    plugins). zoo's sweeps over formats take these: an installed plugin's formats are tested by
+    that plugin's own tests, so zoo's suite does not change with what else is installed."""
+    manager = zoo.manager()
+    return [m for m in tiny_formats() if manager.provider_of("checkpoint_format", m) in manager.builtin_plugins]
 
 
 def tiny_pairs(tmp_path_factory, cases: dict, *, std: float):
@@ -22,6 +32,31 @@ def tiny_pairs(tmp_path_factory, cases: dict, *, std: float):
         return made[case]
 
     return get
+
+
+def float64_twin(hf):
+    """A float64 copy of the transformers model ``hf`` (its experts on the per-expert loop: the
+    grouped matmul takes no float64). Where transformers itself computes a step in float32 whatever
+    the model's dtype (its norms upcast to float32 and back), the twin keeps that rounding, which
+    only makes the bound of :func:`assert_within_reference_error` tighter."""
+    twin = copy.deepcopy(hf).to(torch.float64).eval()
+    twin.set_experts_implementation("eager")
+    return twin
+
+
+def assert_within_reference_error(got, ref, exact, *, factor: float = 2.0, floor: float = 1e-5,
+                                  what: str = "logits") -> None:
+    """zoo's float32 ``got`` is no further from ``exact`` (the reference run in float64) than
+    ``factor`` times the reference's own float32 result ``ref`` is, plus ``floor``. Both float32
+    errors come from the same rounding of the same sums, so their ratio does not move with the
+    thread count or the machine the way one fixed absolute tolerance at one CPU's floor does; a
+    wrong zoo is as far from ``exact`` as it is wrong."""
+    exact = exact.double()
+    own = (ref.double() - exact).abs().max().item()
+    err = (got.double() - exact).abs().max().item()
+    assert err <= factor * own + floor, (
+        f"{what}: zoo's float32 is {err:.3g} from the reference's float64 run, the reference's own float32 "
+        f"{own:.3g} (allowed {factor:g} x that + {floor:g})")
 
 
 @torch.no_grad()
