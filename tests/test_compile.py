@@ -10,6 +10,8 @@ import zoo
 from zoo import kernels, registry
 from zoo.testing import shrink
 
+pytestmark = pytest.mark.slow  # torch.compile traces
+
 FAMILIES = sorted(zoo.list_components("family"))
 
 
