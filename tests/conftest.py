@@ -6,8 +6,12 @@ import os
 # kernels on CPU tensors does not depend on it (Triton is chosen automatically on CUDA only).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import json  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from hf_pairs import make_pair  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # ZOO_TEST_THREADS=N runs every test on N threads (the one_thread fixture included), so that the
@@ -37,3 +41,20 @@ def one_thread():
     torch.set_num_threads(FORCED_THREADS or 1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def hf_pair(tmp_path_factory):
+    """``hf_pair(model_type, std=0.25, **overrides) -> HfPair(hf, zoo, path)``: a tiny transformers
+    checkpoint of ``model_type`` (its format's tiny config with ``overrides``, weights moved by
+    N(0, ``std``)), saved by transformers and loaded by zoo (tests/hf_pairs.py ``make_pair``); made
+    the first time a module asks for it and shared by that module's tests."""
+    made = {}
+
+    def get(model_type: str, *, std: float = 0.25, **overrides):
+        key = (model_type, std, json.dumps(overrides, sort_keys=True))
+        if key not in made:
+            made[key] = make_pair(tmp_path_factory.mktemp(model_type), model_type, std=std, **overrides)
+        return made[key]
+
+    return get

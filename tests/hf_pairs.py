@@ -3,6 +3,8 @@ case and loaded by zoo, the logits check with a left-padded row, several tokens 
 decode state, and float32 tolerances stated against a float64 run of the reference."""
 
 import copy
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
@@ -18,20 +20,20 @@ def own_tiny_formats() -> list[str]:
     return [m for m in tiny_formats() if manager.provider_of("checkpoint_format", m) in manager.builtin_plugins]
 
 
-def tiny_pairs(tmp_path_factory, cases: dict, *, std: float):
-    """``get(case) -> (transformers model, zoo model)`` for ``cases`` (name -> (model_type, overrides of
-    the format's tiny config)), each made, saved by transformers and loaded by zoo the first time it is asked
-    for. Every parameter and every buffer the format randomises is moved by N(0, ``std``)."""
-    made = {}
+class HfPair(NamedTuple):
+    """A tiny transformers model, zoo's load of the checkpoint transformers saved, and its folder."""
 
-    def get(case):
-        if case not in made:
-            d = tmp_path_factory.mktemp(case)
-            model_type, overrides = cases[case]
-            made[case] = (make_tiny(model_type, d, std=std, overrides=overrides), zoo.from_pretrained(d))
-        return made[case]
+    hf: Any
+    zoo: Any
+    path: Path
 
-    return get
+
+def make_pair(directory: Path, model_type: str, *, std: float = 0.25, **overrides: Any) -> HfPair:
+    """The format's tiny config with ``overrides``, made and saved into ``directory`` by transformers
+    (every parameter and every buffer the format randomises moved by N(0, ``std``)) and loaded by zoo.
+    Tests reach it through the ``hf_pair`` fixture (tests/conftest.py), which makes each once."""
+    hf = make_tiny(model_type, directory, std=std, overrides=overrides)
+    return HfPair(hf, zoo.from_pretrained(directory), Path(directory))
 
 
 def float64_twin(hf):

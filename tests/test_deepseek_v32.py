@@ -16,7 +16,7 @@ from zoo.checkpoints import ConfigError, _architecture, config_to_spec
 from zoo.components.dsa import LightningIndexer
 from zoo.spec import SpecError
 
-from hf_pairs import assert_logits_equal_with_a_left_padded_row, tiny_pairs
+from hf_pairs import assert_logits_equal_with_a_left_padded_row
 
 transformers = pytest.importorskip("transformers")
 tiny = pytest.importorskip("zoo.checkpoints.tiny")
@@ -27,9 +27,9 @@ CASES = {"dense": {}, "sparse": {"index_topk": 5, "index_n_heads": 8}}
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def pair(hf_pair):
     # every parameter and saved buffer (the routers' selection bias) moved by N(0, 0.15)
-    return tiny_pairs(tmp_path_factory, {case: ("deepseek_v32", o) for case, o in CASES.items()}, std=0.15)
+    return lambda case: hf_pair("deepseek_v32", std=0.15, **CASES[case])[:2]
 
 
 @torch.no_grad()

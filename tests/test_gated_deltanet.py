@@ -118,10 +118,8 @@ T_LONG = 70  # past transformers' 64-token chunk: its chunked form carries a sta
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3_next")
-    hf = make_tiny("qwen3_next", path)
-    return hf, zoo.from_pretrained(path).eval(), path
+def tiny(hf_pair):
+    return hf_pair("qwen3_next")
 
 
 def test_the_tiny_config_reaches_every_kind_of_layer(tiny):

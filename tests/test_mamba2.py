@@ -121,12 +121,10 @@ def test_decode_memory_is_flat_on_a_hybrid_and_grows_with_attention_alone():
 # ------------------------------------------------------------------------------ checkpoints
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def pair(hf_pair):
     """A tiny random transformers Mamba2ForCausalLM (biases, and a dt limit that prefill reaches),
     saved and loaded by zoo."""
-    d = tmp_path_factory.mktemp("mamba2")
-    hf = tiny.make_tiny("mamba2", d, overrides={"use_bias": True, "time_step_limit": [0.0, 0.5]})
-    return hf, zoo.from_pretrained(d), d
+    return hf_pair("mamba2", use_bias=True, time_step_limit=[0.0, 0.5])
 
 
 def ids_of(B, T, seed=0):

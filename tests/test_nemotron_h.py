@@ -27,11 +27,8 @@ PATTERN = "M-*M-M*"  # every kind, attention after Mamba state and after an MLP
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("nemotron_h")
-    overrides = {"layers_block_type": None, "hybrid_override_pattern": PATTERN}
-    hf = tiny.make_tiny("nemotron_h", d, std=0.1, overrides=overrides)
-    return hf, zoo.from_pretrained(d), d
+def pair(hf_pair):
+    return hf_pair("nemotron_h", std=0.1, layers_block_type=None, hybrid_override_pattern=PATTERN)
 
 
 def ids_of(B, T, seed=0):
