@@ -16,7 +16,7 @@ from zoo.checkpoints import ConfigError, _architecture, config_to_spec
 from zoo.components.dsa import LightningIndexer
 from zoo.spec import SpecError
 
-from hf_pairs import assert_logits_equal_with_a_left_padded_row
+from hf_pairs import assert_logits_equal_with_a_left_padded_row, assert_within_reference_error, float64_twin
 
 transformers = pytest.importorskip("transformers")
 tiny = pytest.importorskip("zoo.checkpoints.tiny")
@@ -90,12 +90,14 @@ def gaps_at_the_cut(monkeypatch):
 
 @torch.no_grad()
 def test_sparse_logits_equal_transformers_where_no_score_ties_at_the_cut(pair, gaps_at_the_cut):
-    """index_topk 5 of up to 20 keys: each query attends to its 5 best keys in every layer."""
+    """index_topk 5 of up to 20 keys: each query attends to its 5 best keys in every layer. zoo's
+    float32 logits are no further from transformers' float64 run than twice transformers' float32
+    are (a fixed 1e-5 sat 1.7x above the error one machine measured)."""
     hf, ours = pair("sparse")
     ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3))
     got = ours(ids)
     assert len(gaps_at_the_cut) == len(ours.layers) and min(gaps_at_the_cut) > 2e-6, "a tie at the cut: another seed"
-    torch.testing.assert_close(got, hf(ids).logits, atol=1e-5, rtol=0)
+    assert_within_reference_error(got, hf(ids).logits, float64_twin(hf)(ids).logits)
 
 
 # ------------------------------------------------------------------------------ released config
