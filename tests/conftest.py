@@ -16,7 +16,7 @@ from hf_pairs import make_pair  # noqa: E402
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # ZOO_TEST_THREADS=N runs every test on N threads (the one_thread fixture included), so that the
 # float tolerances are seen to hold at more than one thread count: the README's test command runs
-# the suite under pytest-xdist at one thread per worker, then the fast tests again at 2 threads.
+# the suite under pytest-xdist at one thread per worker, then the parity tests again at 2 threads.
 # Without it, under pytest-xdist each worker gets one thread: more oversubscribes the 2-core CI
 # machine (tiny-model tests run ~10x slower with 2 threads per worker on 2 cores).
 FORCED_THREADS = int(os.environ["ZOO_TEST_THREADS"]) if os.environ.get("ZOO_TEST_THREADS") else None

@@ -18,6 +18,8 @@ from zoo.checkpoints import ConfigError, config_to_spec, ignored_fields
 from hf_pairs import assert_logits_equal_with_a_left_padded_row
 from test_released_configs import load
 
+pytestmark = pytest.mark.parity  # compared with transformers in float32: the README's test command runs these at 1 and 2 threads
+
 transformers = pytest.importorskip("transformers")
 tiny = pytest.importorskip("zoo.checkpoints.tiny")
 

@@ -18,6 +18,8 @@ from zoo.spec import SpecError
 
 from hf_pairs import assert_logits_equal_with_a_left_padded_row, assert_within_reference_error, float64_twin
 
+pytestmark = pytest.mark.parity  # compared with transformers in float32: the README's test command runs these at 1 and 2 threads
+
 transformers = pytest.importorskip("transformers")
 tiny = pytest.importorskip("zoo.checkpoints.tiny")
 

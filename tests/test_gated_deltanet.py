@@ -17,7 +17,7 @@ from zoo.spec import SpecError
 
 from hf_pairs import assert_within_reference_error, float64_twin
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.parity, pytest.mark.usefixtures("one_thread")]  # compared with transformers in float32: the README's test command runs these at 1 and 2 threads
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next  # noqa: E402
 

@@ -18,6 +18,8 @@ from zoo.state import DecodeState
 
 from hf_pairs import assert_several_tokens_continue_the_full_forward
 
+pytestmark = pytest.mark.parity  # compared with transformers in float32: the README's test command runs these at 1 and 2 threads
+
 transformers = pytest.importorskip("transformers")
 tiny = pytest.importorskip("zoo.checkpoints.tiny")
 

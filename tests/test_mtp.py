@@ -17,7 +17,7 @@ from zoo.mtp import DEEPSEEK, QWEN3_NEXT, SpeculationStats, mtp_rules, read_mtp
 from zoo.spec import SpecError
 from zoo.state import KVState, step_layout
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.parity, pytest.mark.usefixtures("one_thread")]  # compared with transformers in float32: the README's test command runs these at 1 and 2 threads
 
 SMALL = {"n_layers": 2, "d_model": 32, "vocab_size": 64, "layers.*.attention.n_heads": 4,
          "layers.*.attention.n_kv_heads": 2, "layers.*.ffn.d_ff": 64, "max_seq_len": 256}

@@ -19,6 +19,8 @@ from zoo.checkpoints.tiny import make_tiny, tiny_formats
 
 from hf_pairs import assert_within_reference_error, float64_twin, own_tiny_formats
 
+pytestmark = pytest.mark.parity  # compared with transformers in float32: the README's test command runs these at 1 and 2 threads
+
 transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-4  # transformers against itself, on the same weights read back from zoo's files
