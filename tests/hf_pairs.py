@@ -1,27 +1,64 @@
 """Helpers the parity tests of several formats share: tiny transformers checkpoints made once per
-case and loaded by zoo, the logits check with a left-padded row, and several tokens fed onto a
-decode state."""
+case and loaded by zoo, the logits check with a left-padded row, several tokens fed onto a
+decode state, and float32 tolerances stated against a float64 run of the reference."""
+
+import copy
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
 import zoo
-from zoo.checkpoints.tiny import make_tiny
+from zoo.checkpoints.tiny import make_tiny, tiny_formats
 
 
-def tiny_pairs(tmp_path_factory, cases: dict, *, std: float):
-    """``get(case) -> (transformers model, zoo model)`` for ``cases`` (name -> (model_type, overrides of
-    the format's tiny config)), each made, saved by transformers and loaded by zoo the first time it is asked
-    for. Every parameter and every buffer the format randomises is moved by N(0, ``std``)."""
-    made = {}
+def own_tiny_formats() -> list[str]:
+    """The model_types with a tiny config that zoo itself ships (registered by one of its built-in
+    plugins). zoo's sweeps over formats take these: an installed plugin's formats are tested by
+    that plugin's own tests, so zoo's suite does not change with what else is installed."""
+    manager = zoo.manager()
+    return [m for m in tiny_formats() if manager.provider_of("checkpoint_format", m) in manager.builtin_plugins]
 
-    def get(case):
-        if case not in made:
-            d = tmp_path_factory.mktemp(case)
-            model_type, overrides = cases[case]
-            made[case] = (make_tiny(model_type, d, std=std, overrides=overrides), zoo.from_pretrained(d))
-        return made[case]
 
-    return get
+class HfPair(NamedTuple):
+    """A tiny transformers model, zoo's load of the checkpoint transformers saved, and its folder."""
+
+    hf: Any
+    zoo: Any
+    path: Path
+
+
+def make_pair(directory: Path, model_type: str, *, std: float = 0.25, **overrides: Any) -> HfPair:
+    """The format's tiny config with ``overrides``, made and saved into ``directory`` by transformers
+    (every parameter and every buffer the format randomises moved by N(0, ``std``)) and loaded by zoo.
+    Tests reach it through the ``hf_pair`` fixture (tests/conftest.py), which makes each once."""
+    hf = make_tiny(model_type, directory, std=std, overrides=overrides)
+    return HfPair(hf, zoo.from_pretrained(directory), Path(directory))
+
+
+def float64_twin(hf):
+    """A float64 copy of the transformers model ``hf`` (its experts on the per-expert loop: the
+    grouped matmul takes no float64). Where transformers itself computes a step in float32 whatever
+    the model's dtype (its norms upcast to float32 and back), the twin keeps that rounding, which
+    only makes the bound of :func:`assert_within_reference_error` tighter."""
+    twin = copy.deepcopy(hf).to(torch.float64).eval()
+    twin.set_experts_implementation("eager")
+    return twin
+
+
+def assert_within_reference_error(got, ref, exact, *, factor: float = 2.0, floor: float = 1e-5,
+                                  what: str = "logits") -> None:
+    """zoo's float32 ``got`` is no further from ``exact`` (the reference run in float64) than
+    ``factor`` times the reference's own float32 result ``ref`` is, plus ``floor``. Both float32
+    errors come from the same rounding of the same sums, so their ratio does not move with the
+    thread count or the machine the way one fixed absolute tolerance at one CPU's floor does; a
+    wrong zoo is as far from ``exact`` as it is wrong."""
+    exact = exact.double()
+    own = (ref.double() - exact).abs().max().item()
+    err = (got.double() - exact).abs().max().item()
+    assert err <= factor * own + floor, (
+        f"{what}: zoo's float32 is {err:.3g} from the reference's float64 run, the reference's own float32 "
+        f"{own:.3g} (allowed {factor:g} x that + {floor:g})")
 
 
 @torch.no_grad()

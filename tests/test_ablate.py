@@ -399,6 +399,7 @@ def test_tensorboard_gets_the_scalars_of_every_step(tmp_path):
     assert got == pytest.approx([h["loss"] for h in gqa["history"]])
 
 
+@pytest.mark.slow  # several processes
 def test_under_torchrun_each_run_is_ddp_over_the_processes_and_matches_one_process(tmp_path):
     # 2 processes x micro_batch 2 read the same 4 sequences per step as one process does
     path = tiny(tmp_path, TINY_FILE.replace("lrs = [1e-3, 1e-2]", "lrs = [1e-2]").replace(

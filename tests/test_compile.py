@@ -11,6 +11,8 @@ from zoo.core import kernels
 from zoo.core import registry
 from zoo.testing import shrink
 
+pytestmark = pytest.mark.slow  # torch.compile traces
+
 FAMILIES = sorted(zoo.list_components("family"))
 
 

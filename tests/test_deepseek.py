@@ -15,8 +15,10 @@ import zoo
 from zoo.tools.accounting import account
 from zoo.checkpoints import ConfigError, config_to_spec, ignored_fields
 
-from hf_pairs import assert_logits_equal_with_a_left_padded_row, tiny_pairs
+from hf_pairs import assert_logits_equal_with_a_left_padded_row
 from test_released_configs import load
+
+pytestmark = pytest.mark.parity  # compared with transformers in float32: the README's test command runs these at 1 and 2 threads
 
 transformers = pytest.importorskip("transformers")
 tiny = pytest.importorskip("zoo.checkpoints.tiny")
@@ -35,10 +37,10 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def pair(hf_pair):
     # Weights at std 0.1 (as tests/test_moe.py: fp32 summation order alone moves larger logits by
     # 1e-5); the routers' e_score_correction_bias buffers are drawn at random too.
-    return tiny_pairs(tmp_path_factory, CASES, std=0.1)
+    return lambda case: hf_pair(CASES[case][0], std=0.1, **CASES[case][1])[:2]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -16,7 +16,9 @@ from zoo.checkpoints import ConfigError, _architecture, config_to_spec
 from zoo.components.mixers.dsa import LightningIndexer
 from zoo.core.spec import SpecError
 
-from hf_pairs import assert_logits_equal_with_a_left_padded_row, tiny_pairs
+from hf_pairs import assert_logits_equal_with_a_left_padded_row, assert_within_reference_error, float64_twin
+
+pytestmark = pytest.mark.parity  # compared with transformers in float32: the README's test command runs these at 1 and 2 threads
 
 transformers = pytest.importorskip("transformers")
 tiny = pytest.importorskip("zoo.checkpoints.tiny")
@@ -27,9 +29,9 @@ CASES = {"dense": {}, "sparse": {"index_topk": 5, "index_n_heads": 8}}
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def pair(hf_pair):
     # every parameter and saved buffer (the routers' selection bias) moved by N(0, 0.15)
-    return tiny_pairs(tmp_path_factory, {case: ("deepseek_v32", o) for case, o in CASES.items()}, std=0.15)
+    return lambda case: hf_pair("deepseek_v32", std=0.15, **CASES[case])[:2]
 
 
 @torch.no_grad()
@@ -90,12 +92,14 @@ def gaps_at_the_cut(monkeypatch):
 
 @torch.no_grad()
 def test_sparse_logits_equal_transformers_where_no_score_ties_at_the_cut(pair, gaps_at_the_cut):
-    """index_topk 5 of up to 20 keys: each query attends to its 5 best keys in every layer."""
+    """index_topk 5 of up to 20 keys: each query attends to its 5 best keys in every layer. zoo's
+    float32 logits are no further from transformers' float64 run than twice transformers' float32
+    are (a fixed 1e-5 sat 1.7x above the error one machine measured)."""
     hf, ours = pair("sparse")
     ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3))
     got = ours(ids)
     assert len(gaps_at_the_cut) == len(ours.layers) and min(gaps_at_the_cut) > 2e-6, "a tie at the cut: another seed"
-    torch.testing.assert_close(got, hf(ids).logits, atol=1e-5, rtol=0)
+    assert_within_reference_error(got, hf(ids).logits, float64_twin(hf)(ids).logits)
 
 
 # ------------------------------------------------------------------------------ released config

@@ -156,6 +156,8 @@ from zoo.core.context import ForwardContext  # noqa: E402
 from zoo.core.kinds import PositionState
 from zoo.core.state import DecodeState  # noqa: E402
 
+pytestmark = pytest.mark.parity  # compared with transformers in float32: the README's test command runs these at 1 and 2 threads
+
 MIXER = {"name": "dsa", "n_heads": 2, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": ROPE,
          "v_head_dim": 4, "q_lora_rank": Q_RANK, "index_n_heads": 6, "index_head_dim": HD}
 YARN = ({"name": "rope", "theta": 10000.0, "layout": "pairs_to_half",

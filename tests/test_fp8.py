@@ -19,6 +19,8 @@ from zoo.checkpoints import CheckpointError, ConfigError, config_to_spec, ignore
 from zoo.checkpoints.quantized import dequantize_blocks
 from zoo.checkpoints.tiny import make_tiny
 
+pytestmark = pytest.mark.parity  # compared with transformers in float32: the README's test command runs these at 1 and 2 threads
+
 transformers = pytest.importorskip("transformers")
 
 B = 128

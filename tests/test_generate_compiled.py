@@ -7,6 +7,8 @@ import torch
 
 import zoo
 
+pytestmark = pytest.mark.slow  # compiled decoding
+
 TINY = {
     "n_layers": 2, "d_model": 64, "vocab_size": 128, "layers.*.ffn.d_ff": 96,
     "layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 2, "layers.*.mixer.head_dim": 16,

@@ -18,6 +18,8 @@ from zoo.core.state import DecodeState
 
 from hf_pairs import assert_several_tokens_continue_the_full_forward
 
+pytestmark = pytest.mark.parity  # compared with transformers in float32: the README's test command runs these at 1 and 2 threads
+
 transformers = pytest.importorskip("transformers")
 tiny = pytest.importorskip("zoo.checkpoints.tiny")
 
@@ -121,12 +123,10 @@ def test_decode_memory_is_flat_on_a_hybrid_and_grows_with_attention_alone():
 # ------------------------------------------------------------------------------ checkpoints
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def pair(hf_pair):
     """A tiny random transformers Mamba2ForCausalLM (biases, and a dt limit that prefill reaches),
     saved and loaded by zoo."""
-    d = tmp_path_factory.mktemp("mamba2")
-    hf = tiny.make_tiny("mamba2", d, overrides={"use_bias": True, "time_step_limit": [0.0, 0.5]})
-    return hf, zoo.from_pretrained(d), d
+    return hf_pair("mamba2", use_bias=True, time_step_limit=[0.0, 0.5])
 
 
 def ids_of(B, T, seed=0):

@@ -11,7 +11,7 @@ from zoo.checkpoints import ConfigError, config_to_spec
 from zoo.checkpoints.tiny import make_tiny, tiny_config
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.parity, pytest.mark.usefixtures("one_thread")]  # compared with transformers in float32: the README's test command runs these at 1 and 2 threads
 
 
 @pytest.fixture(scope="module")

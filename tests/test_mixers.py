@@ -85,6 +85,7 @@ def test_the_loss_carries_each_auxiliary_term_with_its_weight(toy):
     assert set(out.terms()) == {"loss", "ce", "z", "moe_balance", "router_entropy"}
 
 
+@pytest.mark.slow  # compiled decoding
 @torch.no_grad()
 def test_generate_eager_and_compiled_equal_the_full_forward(toy):
     model = hybrid(toy)

@@ -10,6 +10,8 @@ import zoo.testing as zt
 from zoo.tools.accounting import account
 from zoo.core.spec import SpecError
 
+pytestmark = pytest.mark.parity  # compared with transformers in float32: the README's test command runs these at 1 and 2 threads
+
 MLA = {"name": "mla", "n_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
        "v_head_dim": 12}
 YARN = {"name": "rope", "theta": 10000.0, "layout": "pairs_to_half",

@@ -24,6 +24,8 @@ from zoo.core.spec import SpecError
 from test_conformance import D_MOE as D, E, moe, router  # the shared MoE helpers
 from test_released_configs import load
 
+pytestmark = pytest.mark.parity  # compared with transformers in float32: the README's test command runs these at 1 and 2 threads
+
 transformers = pytest.importorskip("transformers")
 tiny = pytest.importorskip("zoo.checkpoints.tiny")
 

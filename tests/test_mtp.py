@@ -18,7 +18,7 @@ from zoo.inference.speculative import SpeculationStats
 from zoo.core.spec import SpecError
 from zoo.core.state import KVState, step_layout
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.parity, pytest.mark.usefixtures("one_thread")]  # compared with transformers in float32: the README's test command runs these at 1 and 2 threads
 
 SMALL = {"n_layers": 2, "d_model": 32, "vocab_size": 64, "layers.*.mixer.n_heads": 4,
          "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.d_ff": 64, "max_seq_len": 256}

@@ -15,6 +15,8 @@ from zoo.checkpoints import CheckpointError, ConfigError, config_to_spec, ignore
 
 from hf_pairs import assert_several_tokens_continue_the_full_forward
 
+pytestmark = pytest.mark.parity  # compared with transformers in float32: the README's test command runs these at 1 and 2 threads
+
 transformers = pytest.importorskip("transformers")
 tiny = pytest.importorskip("zoo.checkpoints.tiny")
 
@@ -27,11 +29,8 @@ PATTERN = "M-*M-M*"  # every kind, attention after Mamba state and after an MLP
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("nemotron_h")
-    overrides = {"layers_block_type": None, "hybrid_override_pattern": PATTERN}
-    hf = tiny.make_tiny("nemotron_h", d, std=0.1, overrides=overrides)
-    return hf, zoo.from_pretrained(d), d
+def pair(hf_pair):
+    return hf_pair("nemotron_h", std=0.1, layers_block_type=None, hybrid_override_pattern=PATTERN)
 
 
 def ids_of(B, T, seed=0):

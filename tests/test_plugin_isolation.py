@@ -153,6 +153,7 @@ def test_a_missing_family_file_says_what_to_add(tmp_path):
         m.add_family(tmp_path / "gone.toml")
 
 
+@pytest.mark.slow  # runs zoo in subprocesses
 def test_the_command_line_survives_exiting_slow_and_unmarked_plugins(plugins_dir):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZOO_")}
     env.update(PYTHONPATH=str(plugins_dir), ZOO_PLUGINS="zt_exiting,zt_slow,zt_unmarked,zt_healthy",

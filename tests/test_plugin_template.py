@@ -74,6 +74,7 @@ def run(site: Path, code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.slow  # builds and installs a wheel
 def test_a_wheel_built_from_the_template_ships_its_family(tmp_path):
     site = install(tmp_path, template())
     assert (site / "zoo_mynorm" / "mynorm.toml").is_file()
@@ -83,6 +84,7 @@ def test_a_wheel_built_from_the_template_ships_its_family(tmp_path):
     assert proc.stdout.split() == ["mynorm", "2"]
 
 
+@pytest.mark.slow  # builds and installs a wheel
 def test_without_package_data_the_error_says_what_to_add(tmp_path):
     pyproject = template()
     assert "[tool.setuptools.package-data]" in pyproject

@@ -123,6 +123,7 @@ def autoloaded(site):
     return {p["name"]: p for p in json.loads(plugins)}, proc.stderr, json.loads(listing)
 
 
+@pytest.mark.slow  # pip-installs plugin distributions, runs zoo in subprocesses
 def test_discovery_and_provenance(autoloaded):
     plugins, _, _ = autoloaded
     good = plugins["good"]
@@ -134,6 +135,7 @@ def test_discovery_and_provenance(autoloaded):
     assert {"kind": "norm", "name": "rmsnorm"} in builtin["registered"]
 
 
+@pytest.mark.slow  # pip-installs plugin distributions, runs zoo in subprocesses
 def test_broken_plugin_is_reported_and_skipped(autoloaded):
     plugins, stderr, _ = autoloaded
     broken = plugins["broken"]
@@ -142,6 +144,7 @@ def test_broken_plugin_is_reported_and_skipped(autoloaded):
     assert "zoo plugin 'broken' (zoo-test-broken) failed to load" in stderr  # the warning names it
 
 
+@pytest.mark.slow  # pip-installs plugin distributions, runs zoo in subprocesses
 def test_duplicate_name_is_an_error_naming_both_providers(autoloaded):
     plugins, stderr, _ = autoloaded
     error = plugins["dup"]["error"]
@@ -153,11 +156,13 @@ def test_duplicate_name_is_an_error_naming_both_providers(autoloaded):
     assert "zoo plugin 'dup'" in stderr
 
 
+@pytest.mark.slow  # pip-installs plugin distributions, runs zoo in subprocesses
 def test_interface_is_checked_at_registration(autoloaded):
     error = autoloaded[0]["noconfig"]["error"]
     assert error.startswith("InterfaceError") and "norm 'noconfig'" in error and "a `Config` dataclass" in error
 
 
+@pytest.mark.slow  # pip-installs plugin distributions, runs zoo in subprocesses
 def test_zoo_list_names_the_provider(autoloaded):
     rows = {(r["kind"], r["name"]): r for r in autoloaded[2]}
     assert rows[("norm", "halfnorm")]["provider"] == "good"
@@ -169,12 +174,14 @@ def test_zoo_list_names_the_provider(autoloaded):
     assert rows[("family", "llama3")]["presets"][0].startswith("llama3")
 
 
+@pytest.mark.slow  # pip-installs plugin distributions, runs zoo in subprocesses
 def test_strict_mode_makes_a_failing_plugin_fatal(site):
     proc = python(site, "import sys, zoo.cli; sys.exit(zoo.cli.main(['plugins']))", ZOO_STRICT_PLUGINS="1")
     assert proc.returncode != 0
     assert "zoo plugins: error: zoo plugin" in proc.stderr and "failed to load" in proc.stderr
 
 
+@pytest.mark.slow  # pip-installs plugin distributions, runs zoo in subprocesses
 def test_autoload_switch_and_explicit_loading(site):
     """Autoloading off: the built-ins, the plugins named in ZOO_PLUGINS (by entry-point name, with
     their provenance), and those loaded through the Python API; none of the broken ones."""
@@ -312,6 +319,7 @@ def test_cli_text_output(capsys):
     assert "unknown registry kind 'nrom'. Did you mean 'norm'?" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_importing_a_builtin_part_module_first_loads_every_plugin():
     """`from zoo.components.mixers.attention import ...` as a script's first line registers the part to its
     plugin without running the plugins half-way through that import (a plugin family naming the

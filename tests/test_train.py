@@ -3,6 +3,7 @@
 import importlib
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -24,6 +25,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def metrics(out_dir):
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_without_accelerate_zoo_train_names_the_extra_to_install(monkeypatch, tmp_path):
+    """The README's main install (zoo-lm[reference]) has no accelerate: ``zoo train`` says which
+    extra brings it, before any work is done, and stays a ModuleNotFoundError for callers."""
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # import accelerate now fails as if absent
+    args = ["train", "llama3-8b", "--set", "n_layers=1", "--steps", "1", "--out-dir", str(tmp_path / "run")]
+    with pytest.raises(ModuleNotFoundError, match=r"training needs accelerate.*pip install 'zoo-lm\[train\]'") as err:
+        cli(args)
+    assert err.value.name == "accelerate" and not (tmp_path / "run").exists()
 
 
 def test_weight_decay_only_on_matrices_not_norms_biases_or_embeddings():

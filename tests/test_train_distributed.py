@@ -27,7 +27,7 @@ def metrics(out_dir):
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # slow: several processes
 
 
 def test_ddp_on_two_processes_matches_one_process_over_the_same_global_batch(tmp_path):
