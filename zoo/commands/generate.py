@@ -10,7 +10,7 @@ def add_parser(sub):
         description="Load a Hugging Face checkpoint directory (or hub repo id) into zoo, tokenize the prompt with "
                     "its tokenizer.json, and print the continuation as it is generated. Greedy unless --temperature > 0.",
     )
-    p.add_argument("checkpoint", help="checkpoint directory (config.json, *.safetensors, tokenizer.json) or hub repo id")
+    p.add_argument("checkpoint", help="checkpoint directory (config.json, *.safetensors, tokenizer.json), GGUF file or hub repo id")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", "-n", type=int, default=64, help="most tokens to generate (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy; > 0 samples")
@@ -31,9 +31,10 @@ def run(args):
     from zoo.generation import generate
     from zoo.tokenizer import TextStream, Tokenizer
 
-    from zoo.checkpoints import resolve
+    from zoo.checkpoints import gguf, resolve
 
-    directory = resolve(args.checkpoint)  # a local directory, or the hub repo's cached snapshot
+    # a GGUF file, a local directory, or the hub repo's cached snapshot
+    directory = args.checkpoint if gguf.is_gguf(args.checkpoint) else resolve(args.checkpoint)
     tokenizer = Tokenizer(directory)
     model = from_pretrained(directory, dtype=args.dtype)
     ids = torch.tensor([tokenizer.encode(args.prompt)])
