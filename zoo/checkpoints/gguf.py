@@ -264,12 +264,19 @@ def plugin_architectures() -> list[GGUFArch]:
     return out
 
 
+# Formats llama.cpp reads as another architecture: Mistral is llama (without a sliding window).
+WRITTEN_AS = {"mistral": "llama"}
+
+
 def architecture_of(model_type: str) -> Optional[GGUFArch]:
     """The GGUF architecture a zoo checkpoint format is written as (None: llama.cpp has none for it)."""
     declared = getattr(get_format(model_type), "gguf", None)
     if isinstance(declared, GGUFArch):
         return declared
-    return next((a for a in ARCHITECTURES.values() if a.model_type == get_format(model_type).model_type), None)
+    model_type = get_format(model_type).model_type
+    if model_type in WRITTEN_AS:
+        return ARCHITECTURES[WRITTEN_AS[model_type]]
+    return next((a for a in ARCHITECTURES.values() if a.model_type == model_type), None)
 
 
 class GGUFFile:
