@@ -46,6 +46,13 @@ def save_pretrained(model, directory, **kw):
     return _save(model, directory, **kw)
 
 
+def chat(model, messages, tokenizer, **kw):
+    """The model's reply to a conversation, through the tokenizer's chat template; see :func:`zoo.chat.chat`."""
+    from zoo.chat import chat as _chat
+
+    return _chat(model, messages, tokenizer, **kw)
+
+
 def save_gguf(model, path, **kw):
     """Write ``model`` as a GGUF file for llama.cpp; see :func:`zoo.checkpoints.gguf_out.save_gguf`."""
     from zoo.checkpoints.gguf_out import save_gguf as _save
@@ -55,7 +62,7 @@ def save_gguf(model, path, **kw):
 
 __all__ = [
     "Decoder", "DuplicateNameError", "Family", "LossOutput", "ModelSpec", "Part", "PluginError",
-    "RegistryError", "SpecError", "UnknownNameError", "build", "build_model", "from_pretrained", "generate", "get", "get_spec",
+    "RegistryError", "SpecError", "UnknownNameError", "build", "build_model", "chat", "from_pretrained", "generate", "get", "get_spec",
     "hookimpl", "list_components", "list_models", "load_plugin", "lm_loss", "manager", "published_params", "register",
     "save_gguf", "save_pretrained", "TrainConfig", "TrainResult", "train", "upcycle", "verify",
 ]

@@ -202,12 +202,10 @@ def _gemma3(meta, c):
 
 
 def _falcon(meta, c):
-    new = f"blk.0.attn_norm_2.weight" in meta["_tensors"]  # two norms per layer: the new decoder architecture
-    kv = c.pop("num_key_value_heads", 1)
-    out = {"new_decoder_architecture": new, "num_kv_heads": kv, "multi_query": kv == 1, "parallel_attn": True,
-           "bias": "blk.0.attn_qkv.bias" in meta["_tensors"], "alibi": False, "tie_word_embeddings": True,
-           "ffn_hidden_size": c.pop("intermediate_size", None) or 4 * c["hidden_size"]}
-    return out
+    new = "blk.0.attn_norm_2.weight" in meta["_tensors"]  # two norms per layer: the new decoder architecture
+    kv = c.setdefault("num_kv_heads", 1)
+    return {"new_decoder_architecture": new, "multi_query": kv == 1, "parallel_attn": True,
+            "bias": "blk.0.attn_qkv.bias" in meta["_tensors"], "alibi": False, "tie_word_embeddings": True}
 
 
 def _gpt2(meta, c):
@@ -226,12 +224,14 @@ ARCHITECTURES: dict[str, GGUFArch] = {a.name: a for a in (
     GGUFArch("qwen2", "qwen2"),
     GGUFArch("qwen3", "qwen3", extra=_biases(("attention_bias",))),
     GGUFArch("qwen2moe", "qwen2_moe", fixes=SHARED_GATE),
-    GGUFArch("qwen3moe", "qwen3_moe", extra=lambda meta, c: {"norm_topk_prob": True}),
+    GGUFArch("qwen3moe", "qwen3_moe", extra=lambda meta, c: {"norm_topk_prob": True, **_biases(("attention_bias",))(meta, c)}),
     GGUFArch("gemma", "gemma", fixes=NORM_OFFSET, extra=lambda meta, c: {"hidden_activation": "gelu_pytorch_tanh"}),
     GGUFArch("gemma2", "gemma2", fixes=NORM_OFFSET, extra=_gemma_scalar(46)),
     GGUFArch("gemma3", "gemma3_text", fixes=NORM_OFFSET, extra=_gemma3),
     GGUFArch("olmo2", "olmo2", extra=_biases(("attention_bias",))),
-    GGUFArch("falcon", "falcon", keys={"attention.layer_norm_epsilon": "layer_norm_epsilon"}, extra=_falcon,
+    GGUFArch("falcon", "falcon", keys={"attention.layer_norm_epsilon": "layer_norm_epsilon",
+                                       "feed_forward_length": "ffn_hidden_size", "attention.head_count_kv": "num_kv_heads"},
+             extra=_falcon,
              fixes=FALCON_QKV),
     GGUFArch("gpt2", "gpt2", keys={"context_length": "n_positions", "embedding_length": "n_embd",
                                    "block_count": "n_layer", "feed_forward_length": "n_inner",
@@ -312,6 +312,10 @@ class GGUFFile:
         if f is None:
             return default
         v = f.contents()
+        if f.types and f.types[0].name == "FLOAT32":  # 1e-5, not 9.999999747378752e-06
+            import numpy as np
+
+            v = float(np.format_float_positional(np.float32(v), unique=True))
         return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
 
     def architecture(self) -> GGUFArch:

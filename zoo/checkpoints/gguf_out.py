@@ -179,9 +179,10 @@ def save_gguf(model, path: str | Path, *, dtype: str = "f16", tokenizer: Optiona
         writer.close()
         # Read the file back: its metadata must describe exactly this model.
         back = get_format(arch.model_type).config_to_spec(GGUFFile(tmp).config())
-        if _architecture(back) != _architecture(spec):
-            diff = [f"{p}: {json.dumps(x)} in the model, {json.dumps(y)} as GGUF reads back"
-                    for p, x, y in differences(_architecture(spec), _architecture(back))]
+        diff = [f"{p}: {json.dumps(x)} in the model, {json.dumps(y)} as GGUF reads back"
+                for p, x, y in differences(_architecture(spec), _architecture(back))
+                if not p.rsplit(".", 1)[-1].endswith("loss")]  # loss weights are training settings
+        if diff:
             raise CheckpointError(f"this model cannot be written as GGUF ({arch.name}): llama.cpp's metadata would "
                                   f"describe a different model ({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''})")
         os.replace(tmp, path)

