@@ -91,9 +91,9 @@ def test_fp32_logits_match_transformers_within_its_own_float32_error(ours, hf, i
     assert float((zoo64 - ref64).abs().max()) <= own
 
 
-def test_greedy_tokens_equal_transformers_generate(ours, hf, tokenizer):
+@pytest.mark.parametrize("n", [24, pytest.param(128, marks=pytest.mark.slow)])
+def test_greedy_tokens_equal_transformers_generate(ours, hf, tokenizer, n):
     prompt = torch.tensor([tokenizer.encode("The json module exposes an API familiar to users of")])
-    n = 128
     with torch.no_grad():
         theirs = hf.generate(prompt, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
                              attention_mask=torch.ones_like(prompt))
@@ -154,3 +154,37 @@ def test_gguf_written_and_read_back_is_the_dtype_rounding(ours, tokenizer, tmp_p
 
     embedded = Tokenizer(out)
     assert embedded.encode(TEXT) == tokenizer.encode(TEXT) and embedded.chat_template == tokenizer.chat_template
+
+
+def test_the_chat_template_renders_as_transformers_renders_it(path, tokenizer):
+    from zoo.conversation import render
+
+    ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for messages in ([{"role": "user", "content": "Hi"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name a module."}]):
+        assert render(tokenizer.chat_template, messages) == ref.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_chat_replies_as_transformers_generates_and_keeps_the_conversation(path, ours, hf, tokenizer, monkeypatch,
+                                                                             capsys):
+    import io
+
+    from zoo.conversation import render
+    from zoo.cli import main
+
+    first = [{"role": "system", "content": "Answer in one short sentence."},
+             {"role": "user", "content": "What is the capital of France?"}]
+    ids = torch.tensor([tokenizer.encode(render(tokenizer.chat_template, first), add_special_tokens=False)])
+    with torch.no_grad():
+        theirs = hf.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=tokenizer.eos_token_ids,
+                             pad_token_id=0, attention_mask=torch.ones_like(ids))[0, ids.shape[1]:].tolist()
+    want = tokenizer.decode([t for t in theirs if t not in tokenizer.eos_token_ids])
+    assert zoo.chat(ours, first, tokenizer, max_new_tokens=20) == want
+    second = [*first, {"role": "assistant", "content": want}, {"role": "user", "content": "And of Italy?"}]
+    want2 = zoo.chat(ours, second, tokenizer, max_new_tokens=20)
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\nAnd of Italy?\n"))
+    assert main(["chat", str(path), "--system", "Answer in one short sentence.", "--max-new-tokens", "20"]) == 0
+    assert capsys.readouterr().out == f"{want}\n{want2}\n"

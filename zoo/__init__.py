@@ -22,8 +22,8 @@ from zoo.registry import (
     register,
 )
 from zoo.spec import ModelSpec, Part, SpecError
-# zoo.train, zoo.generate and zoo.verify are functions; their modules are zoo.training,
-# zoo.generation and zoo.verification (so `zoo.training.TrainConfig` and `zoo.train(...)` both work).
+# zoo.train, zoo.generate, zoo.verify and zoo.chat are functions; their modules are zoo.training,
+# zoo.generation, zoo.verification and zoo.conversation (so `zoo.training.TrainConfig` and `zoo.train(...)` both work).
 from zoo.training import TrainConfig, TrainResult, train
 from zoo.verification import verify
 from zoo.generation import generate
@@ -47,8 +47,8 @@ def save_pretrained(model, directory, **kw):
 
 
 def chat(model, messages, tokenizer, **kw):
-    """The model's reply to a conversation, through the tokenizer's chat template; see :func:`zoo.chat.chat`."""
-    from zoo.chat import chat as _chat
+    """The model's reply to a conversation, through the tokenizer's chat template; see :func:`zoo.conversation.chat`."""
+    from zoo.conversation import chat as _chat
 
     return _chat(model, messages, tokenizer, **kw)
 

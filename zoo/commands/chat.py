@@ -37,7 +37,7 @@ def load(checkpoint, dtype):
 
 
 def reply(model, tokenizer, messages, args, out=sys.stdout):
-    from zoo.chat import chat
+    from zoo.conversation import chat
 
     def show(piece):
         out.write(piece)
