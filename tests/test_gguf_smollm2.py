@@ -188,3 +188,21 @@ def test_chat_replies_as_transformers_generates_and_keeps_the_conversation(path,
     monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\nAnd of Italy?\n"))
     assert main(["chat", str(path), "--system", "Answer in one short sentence.", "--max-new-tokens", "20"]) == 0
     assert capsys.readouterr().out == f"{want}\n{want2}\n"
+
+
+def test_zoo_generate_runs_on_the_file_alone(path, ours, tokenizer, capsys):
+    from zoo.cli import main
+
+    prompt = "The capital of France is"
+    assert main(["generate", str(path), "--prompt", prompt, "-n", "8"]) == 0
+    ids = zoo.generate(ours, torch.tensor([tokenizer.encode(prompt)]), 8, stop=tokenizer.eos_token_ids)
+    assert capsys.readouterr().out == prompt + tokenizer.decode(ids[0, len(tokenizer.encode(prompt)):]) + "\n"
+
+
+@pytest.mark.slow
+def test_zoo_verify_passes_on_the_real_model_and_reports_relative_deltas(path, capsys):
+    from zoo.cli import main
+
+    assert main(["verify", str(path), "--seq-len", "16", "--batch-size", "1"]) == 0
+    report = capsys.readouterr().out
+    assert "PASS" in report and "relative to the reference's max |h|" in report and "pass rule" in report
