@@ -28,6 +28,7 @@ CASES = {
     "olmo2": DEFAULT_ROPE,
     "falcon": {},
     "gpt2": {},
+    "phi": {"qk_layernorm": False},  # the zoo-phi plugin's format declares its GGUF architecture (phi2)
 }
 # Where transformers' GGUF loader reads every field these tiny configs set (it reads no head_dim for
 # qwen3, no expert widths, no GPT-2 vocabulary size, ...), its weights are compared too.
