@@ -206,3 +206,74 @@ def test_zoo_verify_passes_on_the_real_model_and_reports_relative_deltas(path, c
     assert main(["verify", str(path), "--seq-len", "16", "--batch-size", "1"]) == 0
     report = capsys.readouterr().out
     assert "PASS" in report and "relative to the reference's max |h|" in report and "pass rule" in report
+
+
+def hf_strided_nll(hf, ids, window, stride):
+    """Hugging Face's strided-perplexity recipe on transformers' model: each window's labels mask
+    all but the tokens it adds, and transformers' loss (mean over the shifted labels) is weighted
+    back into a sum by the number of labels it scored."""
+    nll, n, prev_end, seq = 0.0, 0, 0, ids.shape[1]
+    for begin in range(0, seq, stride):
+        end = min(begin + window, seq)
+        trg = end - prev_end
+        chunk = ids[:, begin:end]
+        labels = chunk.clone()
+        labels[:, :-trg] = -100
+        with torch.no_grad():
+            loss = hf(chunk, labels=labels).loss.double()
+        scored = int((labels[:, 1:] != -100).sum())
+        nll, n, prev_end = nll + float(loss) * scored, n + scored, end
+        if end == seq:
+            break
+    return nll, n
+
+
+def hf_token_nll(hf, ids, window, stride):
+    """-log p of each token the recipe scores, from transformers' logits in the recipe's windows."""
+    out, prev_end, seq = [], 0, ids.shape[1]
+    for begin in range(0, seq, stride):
+        end = min(begin + window, seq)
+        chunk = ids[:, begin:end]
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(chunk).logits[0, :-1].double(), -1)
+        nll = -logp.gather(-1, chunk[0, 1:, None])[:, 0]
+        out.append(nll[-min(end - prev_end, nll.numel()):])
+        prev_end = end
+        if end == seq:
+            break
+    return torch.cat(out)
+
+
+def test_perplexity_equals_transformers_strided_recipe(ours, hf, tokenizer, capsys, path, tmp_path):
+    import math
+
+    from zoo.evaluation import perplexity
+
+    ids = torch.tensor([tokenizer.encode(TEXT)[:120]])
+    window, stride = 48, 24
+    mine = perplexity(ours, ids[0], window=window, stride=stride)
+    hf64 = copy.deepcopy(hf).double()
+    recipe64, n = hf_strided_nll(hf64, ids, window, stride)
+    ref64, ref32 = hf_token_nll(hf64, ids, window, stride), hf_token_nll(hf, ids, window, stride)
+    del hf64
+    # The same tokens as the recipe scores, with the same total.
+    assert mine.tokens == n == ids.shape[1] - 1 == ref64.numel()
+    # (transformers' loss takes its log-softmax in float32 even for a float64 model: float32's 1e-5 relative)
+    assert float(ref64.sum()) == pytest.approx(recipe64, rel=1e-5)
+    own = float((ref32 - ref64).abs().max())  # transformers' own float32 error, per token
+    assert float((mine.nll - ref64).abs().max()) <= 4 * own
+    assert abs(mine.mean_nll - float(ref64.mean())) <= 4 * own
+    assert 1 < mine.perplexity < 100  # real text, a real model
+
+    from zoo.cli import main
+
+    (tmp_path / "a.txt").write_text(tokenizer.decode(ids[0].tolist()))
+    assert main(["eval", str(path), "--text", str(tmp_path / "*.txt"), "--window", "48", "--stride", "24",
+                 "--json"]) == 0
+    import json
+
+    report = json.loads(capsys.readouterr().out)["total"]
+    text = (tmp_path / "a.txt").read_text()
+    assert tokenizer.encode(text) == ids[0].tolist()  # the decoded text tokenizes back to the same ids
+    assert report["tokens"] == n and report["perplexity"] == pytest.approx(mine.perplexity, rel=1e-12)
+    assert report["bits_per_byte"] == pytest.approx(float(mine.nll.sum()) / math.log(2) / len(text.encode()), rel=1e-12)
