@@ -46,9 +46,9 @@ def require_gguf():
 def is_gguf(path: str | Path) -> bool:
     """Whether ``path`` is a GGUF file, or a directory holding exactly one (and no config.json)."""
     path = Path(path).expanduser()
+    if path.suffix == SUFFIX:  # a missing one too: GGUFFile says so by name
+        return True
     if path.is_file():
-        if path.suffix == SUFFIX:
-            return True
         with open(path, "rb") as f:
             return f.read(4) == b"GGUF"
     return path.is_dir() and not (path / "config.json").exists() and any(path.glob(f"*{SUFFIX}"))

@@ -156,7 +156,8 @@ def save_gguf(model, path: str | Path, *, dtype: str = "f16", tokenizer: Optiona
     tmp = Path(tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")[1])
     try:
         writer = gguf.GGUFWriter(tmp, arch.name)
-        writer.add_name(name or getattr(model, "gguf_name", None) or fmt.model_type)
+        # (not "mistral": transformers reads a llama file so named as Mistral, with a 4096 window)
+        writer.add_name(name or arch.name)
         writer.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[dtype])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         for key, value in meta.items():

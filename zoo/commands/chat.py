@@ -36,9 +36,10 @@ def load(checkpoint, dtype):
     return from_pretrained(source, dtype=dtype), tokenizer
 
 
-def reply(model, tokenizer, messages, args, out=sys.stdout):
+def reply(model, tokenizer, messages, args, out=None):
     from zoo.conversation import chat
 
+    out = out or sys.stdout  # looked up now: the stream may have been replaced since import
     def show(piece):
         out.write(piece)
         out.flush()
