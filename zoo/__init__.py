@@ -65,9 +65,23 @@ def save_pretrained(model, directory, **kw):
     return _save(model, directory, **kw)
 
 
+def chat(model, messages, tokenizer, **kw):
+    """The model's reply to a conversation, through the tokenizer's chat template; see :func:`zoo.inference.conversation.chat`."""
+    from zoo.inference.conversation import chat as _chat
+
+    return _chat(model, messages, tokenizer, **kw)
+
+
+def save_gguf(model, path, **kw):
+    """Write ``model`` as a GGUF file for llama.cpp; see :func:`zoo.checkpoints.gguf_out.save_gguf`."""
+    from zoo.checkpoints.gguf_out import save_gguf as _save
+
+    return _save(model, path, **kw)
+
+
 __all__ = [
     "Decoder", "DuplicateNameError", "Family", "LossOutput", "ModelSpec", "Part", "PluginError",
-    "RegistryError", "SpecError", "UnknownNameError", "build", "build_model", "from_pretrained", "generate", "get", "get_spec",
+    "RegistryError", "SpecError", "UnknownNameError", "build", "build_model", "chat", "from_pretrained", "generate", "get", "get_spec",
     "hookimpl", "list_components", "list_models", "load_plugin", "lm_loss", "manager", "published_params", "register",
-    "save_pretrained", "TrainConfig", "TrainResult", "train", "upcycle", "verify",
+    "save_gguf", "save_pretrained", "TrainConfig", "TrainResult", "train", "upcycle", "verify",
 ]

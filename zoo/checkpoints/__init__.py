@@ -272,8 +272,14 @@ def from_pretrained(
     ``model.hf_config``, written back on saving); ``strict=True`` refuses them. ``progress=False``
     hides the progress bar that long loads show. Block-scaled FP8 checkpoints (``quantization_config``
     with ``quant_method: "fp8"``, as DeepSeek-V3 ships) are dequantised tensor by tensor as they are
-    read (:mod:`zoo.checkpoints.quantized`); other quantization methods are refused by name.
+    read (:mod:`zoo.checkpoints.quantized`); other quantization methods are refused by name. A GGUF
+    file (or a directory holding one) is read by :mod:`zoo.checkpoints.gguf`, dequantised to ``dtype``
+    (default float32).
     """
+    from zoo.checkpoints import gguf
+
+    if gguf.is_gguf(path_or_repo_id):  # a llama.cpp file: metadata, tokenizer and (quantised) tensors in one
+        return gguf.load(path_or_repo_id, dtype=_float_dtype(dtype), device=device, strict=strict, progress=progress)
     directory = resolve(path_or_repo_id, revision=revision, token=token, cache_dir=cache_dir)
     dtype = _float_dtype(dtype)
     with reading(directory):  # no save replaces the files while they are read

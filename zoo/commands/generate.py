@@ -10,8 +10,12 @@ def add_parser(sub):
         description="Load a Hugging Face checkpoint directory (or hub repo id) into zoo, tokenize the prompt with "
                     "its tokenizer.json, and print the continuation as it is generated. Greedy unless --temperature > 0.",
     )
-    p.add_argument("checkpoint", help="checkpoint directory (config.json, *.safetensors, tokenizer.json) or hub repo id")
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("checkpoint", help="checkpoint directory (config.json, *.safetensors, tokenizer.json), GGUF file or hub repo id")
+    p.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the tokenizer's chat template and print the reply "
+                        "(stops at the end of the turn; --system gives a system message)")
+    p.add_argument("--system", default=None, help="with --chat: a system message before the prompt")
     p.add_argument("--max-new-tokens", "-n", type=int, default=64, help="most tokens to generate (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy; > 0 samples")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
@@ -27,13 +31,22 @@ def add_parser(sub):
 def run(args):
     import torch
 
+    if args.chat:
+        from zoo.commands.chat import load, reply
+
+        model, tokenizer = load(args.checkpoint, args.dtype)
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}]
+        reply(model, tokenizer, messages, args)
+        return 0
     from zoo.checkpoints import from_pretrained
     from zoo.inference.generate import generate
     from zoo.inference.tokenizer import TextStream, Tokenizer
 
-    from zoo.checkpoints import resolve
+    from zoo.checkpoints import gguf, resolve
 
-    directory = resolve(args.checkpoint)  # a local directory, or the hub repo's cached snapshot
+    # a GGUF file, a local directory, or the hub repo's cached snapshot
+    directory = args.checkpoint if gguf.is_gguf(args.checkpoint) else resolve(args.checkpoint)
     tokenizer = Tokenizer(directory)
     model = from_pretrained(directory, dtype=args.dtype)
     ids = torch.tensor([tokenizer.encode(args.prompt)])

@@ -2,7 +2,10 @@
 
 ``Tokenizer(directory)`` reads ``tokenizer.json`` and, when present, the special tokens of
 ``tokenizer_config.json`` (whether to prepend BOS) and the end-of-sequence ids of
-``generation_config.json`` / ``config.json``. :class:`TextStream` turns ids into text pieces that
+``generation_config.json`` / ``config.json``, and the chat template (``tokenizer_config.json``'s
+``chat_template`` or ``chat_template.jinja``). A GGUF file holds all of these in its metadata:
+``Tokenizer("model.gguf")`` reads them there (:func:`zoo.checkpoints.gguf.tokenizer_parts`).
+:class:`TextStream` turns ids into text pieces that
 are safe to print as they come (no half-decoded UTF-8 sequences).
 """
 
@@ -35,7 +38,17 @@ class Tokenizer:
     the one tokenizer wrapper, for generation and for training data alike."""
 
     def __init__(self, directory: str | Path):
+        from zoo.checkpoints.gguf import is_gguf, tokenizer_parts
+
         directory = Path(directory)
+        if is_gguf(directory):
+            parts = tokenizer_parts(directory)
+            self.path, self.tok = parts["path"], parts["tokenizer"]
+            self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+            self.bos_token, self.add_bos = parts["bos_token"], parts["add_bos"]
+            self.eos_token_ids, self.pad_token_id = parts["eos_token_ids"], parts["pad_token_id"]
+            self.chat_template = parts["chat_template"]
+            return
         path = directory / "tokenizer.json" if directory.is_dir() else directory
         if not path.is_file():
             raise FileNotFoundError(
@@ -55,6 +68,9 @@ class Tokenizer:
             eos = self.tok.token_to_id(self._token(config.get("eos_token")))
         self.eos_token_ids: list[int] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self.pad_token_id: Optional[int] = gen.get("pad_token_id")
+        template = folder / "chat_template.jinja"
+        self.chat_template: Optional[str] = (template.read_text(encoding="utf-8") if template.is_file()
+                                             else config.get("chat_template"))
 
     @staticmethod
     def _token(entry) -> Optional[str]:

@@ -2,6 +2,7 @@
 
 from zoo.checkpoints.common import activation, activation_name, rope_parameters, rope_part, rope_to_hf
 from zoo.checkpoints.format import CheckpointFormat, Fields
+from zoo.checkpoints.gguf import GGUFArch
 from zoo.checkpoints.maps import rule
 from zoo.checkpoints.sizes import ffn_size
 from zoo.spec import ModelSpec
@@ -16,6 +17,8 @@ def linear(hf, zoo):
 class Phi(CheckpointFormat):
     model_type, architecture = "phi", "PhiForCausalLM"
     ignore = ("model.rotary_emb.*",)
+    # llama.cpp's phi2: its keys where they differ from the common ones; RoPE on part of each head.
+    gguf = GGUFArch("phi2", "phi", keys={"attention.layer_norm_epsilon": "layer_norm_eps"}, partial_rotary=True)
     # Small enough to test, and reaching every path: QK LayerNorm, partial rotary, head bias.
     tiny = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
             "num_attention_heads": 4, "max_position_embeddings": 64, "qk_layernorm": True,
