@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from zoo.checkpoints.common import activation, pattern
+from zoo.checkpoints.common import pattern
+from zoo.checkpoints.fields import merged
 from zoo.checkpoints.format import Fields
-from zoo.checkpoints.formats.llama import TINY, LAYER, FULL, LlamaStyle, Mistral, Qwen3
-from zoo.checkpoints.maps import STACK, ZOO_LAYER, rule
+from zoo.checkpoints.formats.llama import TINY, LAYER, FULL, LlamaStyle, Mistral, NoWindows, Qwen3
+from zoo.checkpoints.maps import EXPERT_PROJECTIONS, ZOO_LAYER, gated_mlp, rule, stacked_experts
 from zoo.core.spec import ModelSpec
 
 MOE_TINY = {**TINY, "num_hidden_layers": 3, "output_router_logits": True, "router_aux_loss_coef": 0.02}
@@ -29,7 +30,7 @@ class MoEStyle(LlamaStyle):
     mlp = "mlp"  # the HF module holding router and experts
     experts_key = "num_experts"
     width_key = "moe_intermediate_size"  # None: the experts' width is intermediate_size
-    projections = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+    projections = EXPERT_PROJECTIONS
     router = "softmax_topk"
     norm_topk_default: Any = False  # None: the format always renormalises (its router does)
     shared = False  # a gated shared expert in every sparse layer (Qwen2-MoE)
@@ -44,11 +45,8 @@ class MoEStyle(LlamaStyle):
             return rules
         m = f"{LAYER}{self.mlp}."
         rules.append(rule(f"{m}gate.weight", f"{ZOO_LAYER}ffn.router.weight"))
-        for zoo_name, hf in self.projections.items():
-            names = [f"{m}experts.{j}.{hf}.weight" for j in range(moe.n_experts)]
-            rules.append(rule(names, f"{ZOO_LAYER}ffn.{zoo_name}", STACK))
-        for hf, z in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
-            rules.append(rule(f"{m}shared_expert.{hf}.weight", f"{ZOO_LAYER}ffn.shared.{z}.weight"))
+        rules += stacked_experts(f"{m}experts.", moe.n_experts, self.projections)
+        rules += gated_mlp(f"{m}shared_expert.", f"{ZOO_LAYER}ffn.shared.", weights=("weight",))
         rules.append(rule(f"{m}shared_expert_gate.weight", f"{ZOO_LAYER}ffn.shared_gate.weight"))
         return rules
 
@@ -79,7 +77,7 @@ class MoEStyle(LlamaStyle):
         return n
 
     def moe_ffn(self, f: Fields) -> dict[str, Any]:
-        expert = {"name": "glu", "activation": activation(f, self.act_key, self.act_default)}
+        expert = {"name": "glu", "activation": self.read_activation(f)}
         width = f.require(self.width_key) if self.width_key else f.require("intermediate_size")
         ffn: dict[str, Any] = {
             "name": "moe", "n_experts": self.n_experts(f), "top_k": f.require("num_experts_per_tok"),
@@ -173,6 +171,7 @@ class MoEStyle(LlamaStyle):
 
 class Mixtral(MoEStyle, Mistral):
     model_type, architecture = "mixtral", "MixtralForCausalLM"
+    fields = Mistral.fields
     mlp = "block_sparse_moe"
     experts_key = "num_local_experts"
     width_key = None
@@ -190,18 +189,24 @@ class Mixtral(MoEStyle, Mistral):
         return super().config_to_spec(config, strict=strict)
 
 
-class QwenMoE(MoEStyle):
-    """Qwen's sparse layers: no sliding windows (``use_sliding_window`` must be false)."""
+class NoSliding(NoWindows):
+    """Qwen's MoE checkpoints: ``use_sliding_window`` must be false, every ``layer_types`` entry full."""
 
-    sparse_layers = True
-    moe_fields = MoEStyle.moe_fields + ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
-
-    def layer_types(self, f, n_layers):
+    def types(self, f, n_layers):
         f.expect("use_sliding_window", (False,), "zoo reads Qwen-MoE checkpoints without sliding windows")
         types = f.get("layer_types") or [FULL] * n_layers
         if any(t != FULL for t in types) or len(types) != n_layers:
             raise f.error("layer_types", f"expected {n_layers} full_attention layers, got {types}")
         return [FULL] * n_layers
+
+
+class QwenMoE(MoEStyle):
+    """Qwen's sparse layers: no sliding windows (``use_sliding_window`` must be false)."""
+
+    sparse_layers = True
+    moe_fields = MoEStyle.moe_fields + ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+    windows = NoSliding()
+    fields = LlamaStyle.fields - "mlp_bias"
 
     def spec_to_config(self, spec):
         return {**super().spec_to_config(spec), "use_sliding_window": False}
@@ -209,7 +214,6 @@ class QwenMoE(MoEStyle):
 
 class Qwen2MoE(QwenMoE):
     model_type, architecture = "qwen2_moe", "Qwen2MoeForCausalLM"
-    mlp_bias_key = None
     shared = True
     moe_fields = QwenMoE.moe_fields + ("qkv_bias",)
     defaults = {"num_key_value_heads": 16, "max_position_embeddings": 32768, "num_experts": 60, "num_experts_per_tok": 4,
@@ -233,8 +237,7 @@ class Qwen2MoE(QwenMoE):
 
 class Qwen3MoE(QwenMoE):
     model_type, architecture = "qwen3_moe", "Qwen3MoeForCausalLM"
-    mlp_bias_key = None
-    qk_norm = Qwen3.qk_norm
+    template = merged(QwenMoE.template, {"layer": {"mixer": {"qk_norm": Qwen3.template["layer"]["mixer"]["qk_norm"]}}})
     defaults = {"num_key_value_heads": 4, "max_position_embeddings": 32768, "num_local_experts": 128, "num_experts_per_tok": 8,
                 "moe_intermediate_size": 768, "rms_norm_eps": 1e-6}
     tiny = {**MOE_TINY, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -243,9 +246,9 @@ class Qwen3MoE(QwenMoE):
 
 class Olmoe(MoEStyle):
     model_type, architecture = "olmoe", "OlmoeForCausalLM"
-    mlp_bias_key = None
+    fields = LlamaStyle.fields - "mlp_bias"
+    template = merged(LlamaStyle.template, {"layer": {"mixer": {"qk_norm": "proj"}}})
     width_key = None
-    qk_norm = "proj"
     moe_fields = MoEStyle.moe_fields + ("clip_qkv",)
     defaults = {"num_key_value_heads": 16, "max_position_embeddings": 4096, "num_experts": 64, "num_experts_per_tok": 8,
                 "rms_norm_eps": 1e-5}
