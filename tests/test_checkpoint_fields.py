@@ -109,3 +109,21 @@ def test_not_stored_covers_only_what_it_names(no_context, tmp_path):
     with pytest.raises(CheckpointError) as err:
         zoo.save_pretrained(model, tmp_path / "out", model_type="no_context")
     assert "head.softcap" in str(err.value) and "max_seq_len" not in str(err.value)
+
+
+def test_the_field_table_example_of_docs_checkpoints_runs(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md").read_text()
+    section = text[text.index("### A format as a field table"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    try:
+        exec(compile(code, "docs/checkpoints.md (A format as a field table)", "exec"), namespace)
+    finally:
+        if "nocontext_llama" in _registry.registry("checkpoint_format").names():
+            _registry.registry("checkpoint_format").remove("nocontext_llama", "docs")
+    assert (tmp_path / "out" / "nocontext" / "config.json").exists()
+    assert namespace["fmt"].not_stored == ("max_seq_len",)
