@@ -170,3 +170,52 @@ def known(*keys: str) -> list[Field]:
     """Fields read (so not listed as ignored) that change nothing zoo builds, or that a format's own
     reader interprets."""
     return [Field(k, None, None) for k in keys]
+
+
+#: The spec's top-level sizes a table may store or leave out (see :attr:`TableFormat.not_stored`).
+STORED_AT_TOP = ("vocab_size", "d_model", "n_layers", "max_seq_len")
+
+
+def _format_base():
+    from zoo.checkpoints.format import CheckpointFormat
+
+    return CheckpointFormat
+
+
+class TableFormat(_format_base()):
+    """A checkpoint format declared as a field table over a template.
+
+    ``config_to_spec`` reads :attr:`fields` over a copy of :attr:`template`, lets :meth:`complete`
+    turn the ``layer`` table into layer kinds (one ``default`` kind unless a subclass reads more:
+    windows, layer types, RoPE), and parses; ``spec_to_config`` writes the same table back, and a
+    subclass adds what its readers wrote.
+    """
+
+    fields: FieldTable = FieldTable()
+    template: dict[str, Any] = {}
+
+    @property
+    def not_stored(self) -> tuple[str, ...]:
+        """The spec's top-level sizes the table has no field for: a format without
+        ``max_position_embeddings`` does not store ``max_seq_len``."""
+        return tuple(p for p in STORED_AT_TOP if p not in FieldTable(self.fields).paths)
+
+    def read_table(self) -> FieldTable:
+        """The fields ``config_to_spec`` reads (:attr:`fields`, and any read only)."""
+        return FieldTable(self.fields)
+
+    def complete(self, f, data: dict[str, Any]) -> None:
+        """Turn the spec data read from the table into the whole spec (in place)."""
+        data["layers"] = {"default": data.pop("layer")}
+
+    def config_to_spec(self, config, *, strict=False):
+        from zoo.checkpoints.format import Fields
+
+        f = Fields(config, self.model_type, self.defaults)
+        data = read_fields(f, self.read_table(), copy.deepcopy(self.template))
+        self.complete(f, data)
+        f.finish(strict)
+        return ModelSpec.from_dict(data)
+
+    def spec_to_config(self, spec):
+        return write_fields(spec, self.fields)

@@ -13,12 +13,11 @@ Each format is its parent plus a difference, in four declarations:
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Callable, Optional
 
 from zoo.checkpoints.common import activation_name, hf_activation, layer_types_of, pattern, rope_parameters, rope_part, rope_to_hf
-from zoo.checkpoints.fields import Field, FieldTable, expect, known, merged, read_fields, write_fields
-from zoo.checkpoints.format import CheckpointFormat, ConfigError, Fields
+from zoo.checkpoints.fields import Field, FieldTable, TableFormat, expect, known, merged, read_fields
+from zoo.checkpoints.format import ConfigError, Fields
 from zoo.checkpoints.maps import embed_and_head, gated_mlp, layer_norms, llama_attention
 from zoo.checkpoints.sizes import ffn_size
 from zoo.core.spec import ModelSpec
@@ -65,9 +64,6 @@ LLAMA_FIELDS = FieldTable([
     Field("tie_word_embeddings", "head.tied", False),
     Field("vocab_size", "vocab_size"),
 ])
-
-#: The spec's top-level fields a Llama-style table may store or leave out.
-STORED_AT_TOP = ("vocab_size", "d_model", "n_layers", "max_seq_len")
 
 #: Gemma 2's soft-caps and query scale (Gemma 3 keeps the scale; its soft-caps are null by default).
 SOFTCAPS = [
@@ -224,7 +220,7 @@ _FLAGS = ("norm_extra", "norm_position", "qk_norm", "act_key", "act_default", "t
           "qkv_bias", "mlp_bias_key", "softcaps", "query_scalar", "window_rule")
 
 
-class LlamaStyle(CheckpointFormat):
+class LlamaStyle(TableFormat):
     model_type = "llama"
     architecture = "LlamaForCausalLM"
     ignore = ("model.layers.*.self_attn.rotary_emb.inv_freq", "model.rotary_emb.*", "lm_head.weight")
@@ -248,12 +244,6 @@ class LlamaStyle(CheckpointFormat):
             _apply_flags(cls, {k: vars(cls)[k] for k in flags})
 
     @property
-    def not_stored(self) -> tuple[str, ...]:
-        """The spec's top-level sizes the table has no field for (a format without
-        ``max_position_embeddings`` does not store ``max_seq_len``)."""
-        return tuple(p for p in STORED_AT_TOP if p not in self.fields.paths)
-
-    @property
     def act_field(self) -> Field:
         """The table's field of the FFN's activation (an HF name <-> a zoo activation part)."""
         return next(x for x in self.fields if "layer.ffn.activation" in x.paths)
@@ -271,14 +261,11 @@ class LlamaStyle(CheckpointFormat):
         return llama_rules(NORMS[self.norm_position])
 
     # -- config -> spec -------------------------------------------------------------------------
-    def read(self, f: Fields) -> dict[str, Any]:
-        """The spec data of the config's one-to-one fields, over the template; ``layer`` is the one
-        layer the readers then turn into layer kinds."""
-        return read_fields(f, self.fields + known(*self.extra_fields), copy.deepcopy(self.template))
+    def read_table(self) -> FieldTable:
+        return self.fields + known(*self.extra_fields)  # extra_fields: zoo 0.2's spelling of known(...)
 
-    def config_to_spec(self, config, *, strict=False):
-        f = Fields(config, self.model_type, self.defaults)
-        data = self.read(f)
+    def complete(self, f, data):
+        """The layer kinds: which layers slide (:attr:`windows`) and the RoPE of each (:attr:`ropes`)."""
         layer, L = data.pop("layer"), data["n_layers"]
         types = self.windows.types(f, L)
         window = self.windows.window(f) if SLIDING in types else None
@@ -295,12 +282,10 @@ class LlamaStyle(CheckpointFormat):
                 kind["position"] = ropes[t]
             data["layers"][kinds[t]] = kind
         data["layer_pattern"] = list(pattern([kinds[t] for t in types]))
-        f.finish(strict)
-        return ModelSpec.from_dict(data)
 
     # -- spec -> config -------------------------------------------------------------------------
     def spec_to_config(self, spec):
-        cfg = write_fields(spec, self.fields)
+        cfg = super().spec_to_config(spec)
         types = layer_types_of(spec, {"sliding": SLIDING, "full": FULL})
         windows = {spec.layer(i).mixer.window for i in range(spec.n_layers)} - {None}
         self.windows.write(self.model_type, cfg, types, windows.pop() if windows else None)
