@@ -92,29 +92,25 @@ class MoEStyle(LlamaStyle):
             ffn["switch_pooled_loss"] = float(f.get("router_aux_loss_coef", 0.001))
         return ffn
 
-    def config_to_spec(self, config, *, strict=False):
-        spec = super().config_to_spec(config, strict=strict)  # the dense model (MoE fields marked read)
-        f = Fields(config, self.model_type, self.defaults)
+    def complete(self, f, data):
+        """Llama's layer kinds, then the sparse layers' FFN (``is_sparse``), in the same reading."""
+        super().complete(f, data)
         moe = self.moe_ffn(f)
-        data = spec.to_dict()
-        kinds = [spec.layer_kind(i) for i in range(spec.n_layers)]
-        sparse = [self.is_sparse(f, i) for i in range(spec.n_layers)]
+        L, period = data["n_layers"], data["layer_pattern"]
+        kinds = [period[i % len(period)] for i in range(L)]
+        sparse = [self.is_sparse(f, i) for i in range(L)]
         mixed = len(set(sparse)) > 1
         layers, names = {}, []
         for base, is_moe in zip(kinds, sparse):
             suffix = "moe" if is_moe else "dense"
             name = base if not mixed else (suffix if base == "default" else f"{base}_{suffix}")
             if name not in layers:
-                layer = dict(data["layers"][base])
-                if is_moe:
-                    layer["ffn"] = moe
-                layers[name] = layer
+                layers[name] = {**data["layers"][base], **({"ffn": moe} if is_moe else {})}
             names.append(name)
         data["layers"], data["layer_pattern"] = layers, list(pattern(names))
-        return ModelSpec.from_dict(data)
 
     @property
-    def extra_fields(self) -> tuple[str, ...]:  # read by the dense pass, interpreted above
+    def extra_fields(self) -> tuple[str, ...]:  # interpreted by complete() (or a subclass's own reader)
         keys = [self.experts_key, "num_local_experts", "norm_topk_prob", *self.moe_fields]
         keys += [self.width_key] if self.width_key else []
         keys += ["shared_expert_intermediate_size"] if self.shared else []
