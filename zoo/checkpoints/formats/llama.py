@@ -2,13 +2,13 @@
 model inside a gemma3 checkpoint), olmo2. They share tensor names and differ in fields of the spec:
 norm placement and flavour, QK-norm, biases, sliding windows, soft-caps, embedding scale.
 
-Each format is its parent plus a difference, in four declarations:
+Each format is its parent plus a difference, in three declarations:
 
 - ``fields``: the one-to-one config fields (:mod:`zoo.checkpoints.fields`), read and written from one table;
-- ``template``: the spec values the format always builds (a norm's flavour, the block's norm placement);
+- ``template``: the spec values the format always builds (a norm's flavour, the block's norm placement,
+  which also picks the norms' HF names in the weight map, :func:`llama_rules`);
 - ``windows`` and ``ropes``: the named readers of what is not one-to-one (which layers slide, the RoPE
-  of each layer type);
-- ``norms``: the HF names of the block's norms, for the weight map (:func:`llama_rules`).
+  of each layer type).
 """
 
 from __future__ import annotations
