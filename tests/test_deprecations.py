@@ -230,7 +230,28 @@ def _old_parameter_names():
     assert rule("mtp.0", "mtp.layers.0.block.attention.o_proj.weight").zoo == ("mtp.layers.0.block.mixer.o_proj.weight",)
 
 
+def _llama_style_flags():
+    from zoo.checkpoints.formats.llama import TINY, LlamaStyle
+
+    class OldStyle(LlamaStyle):  # a format written against zoo 0.2's class flags
+        model_type = "old_style"
+        qk_norm = "head"
+        norm_extra = {"unit_offset": True}
+        mlp_bias_key = None
+        softcaps = True
+
+    fmt = OldStyle()
+    spec = fmt.config_to_spec({**TINY, "attn_logit_softcapping": 7.0})
+    layer = spec.layer(0)
+    assert (layer.mixer.qk_norm, layer.norm.unit_offset, spec.final_norm.unit_offset) == ("head", True, True)
+    assert layer.mixer.softcap == 7.0
+    cfg = fmt.spec_to_config(spec)
+    assert "mlp_bias" not in cfg and cfg["attn_logit_softcapping"] == 7.0
+    assert fmt.config_to_spec(cfg) == spec
+
+
 EXERCISES = {
+    "LlamaStyle class flags": _llama_style_flags,
     "zoo.cache.KVCache.for_model(model, max_len)": _kv_cache_for_model,
     "zoo.core.kinds.Rotary": _rotary,
     "ForwardContext.q_idx": _q_idx,

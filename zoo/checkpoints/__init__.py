@@ -308,6 +308,8 @@ def _architecture(spec: ModelSpec) -> dict[str, Any]:
     from zoo.core.spec import to_dict
 
     def resolved(part):
+        if part is None:
+            return None
         fn = getattr(part.cls, "resolved", None)
         return {"name": part.name, **fn(part.config, spec.d_model)} if callable(fn) else to_dict(part)
 
@@ -318,12 +320,19 @@ def _architecture(spec: ModelSpec) -> dict[str, Any]:
         layer = spec.layer(i)
         ffn = resolved(layer.ffn)
         ffn["name"] = "glu" if getattr(layer.ffn.cls, "gated", False) else ffn["name"]
-        per_layer.append({"mixer": resolved(layer.mixer), "ffn": ffn, "norm": to_dict(layer.norm),
-                          "block": to_dict(layer.block), "position": to_dict(spec.position_for(i))})
+        per_layer.append({"mixer": resolved(layer.mixer), "ffn": ffn, "norm": resolved(layer.norm),
+                          "block": resolved(layer.block), "position": resolved(spec.position_for(i))})
     data["per_layer"] = per_layer
     if "mtp" in data:  # its loss weight is a training setting
         data["mtp"] = {k: v for k, v in data["mtp"].items() if k != "weight"}
     return data
+
+
+def _unstored(path: str, fmt: CheckpointFormat) -> bool:
+    """Whether a path of :func:`_architecture` is one the format says its config does not store
+    (``fmt.not_stored``: spec paths such as ``max_seq_len`` or ``layers.*.mixer.width``)."""
+    spec_path = re.sub(r"^per_layer\[\d+\]\.", "layers.*.", path)
+    return any(fnmatch.fnmatchcase(spec_path, p) or spec_path.startswith(p + ".") for p in fmt.not_stored)
 
 
 def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Optional[str] = None,
@@ -352,9 +361,9 @@ def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Option
     config = {**carried, **spec_to_config(spec, fmt.model_type)}
     # Before any tensor is converted or written: the config must describe exactly this model.
     back = fmt.config_to_spec(config)
-    if _architecture(back) != _architecture(spec):
-        diff = [f"{p}: {json.dumps(x)} in the model, {json.dumps(y)} as the config reads back"
-                for p, x, y in differences(_architecture(spec), _architecture(back))]
+    differ = [d for d in differences(_architecture(spec), _architecture(back)) if not _unstored(d[0], fmt)]
+    if differ:
+        diff = [f"{p}: {json.dumps(x)} in the model, {json.dumps(y)} as the config reads back" for p, x, y in differ]
         raise CheckpointError(
             f"this model cannot be written as {fmt.model_type}: its config would describe a different model "
             f"({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''})"

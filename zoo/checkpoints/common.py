@@ -36,10 +36,17 @@ def hf_activations(extra: Optional[dict[str, dict[str, Any]]] = None) -> dict[st
 def activation(f: Fields, key: str, default: str, extra: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
     """Read the HF activation name in field ``key`` (``default`` when absent) as a zoo activation
     part; a name no table knows is an error naming the field. ``extra`` adds a format's own names."""
-    name = f.get(key, default)
+    try:
+        return hf_activation(f.get(key, default), extra)
+    except ValueError as exc:
+        raise f.error(key, str(exc)) from None
+
+
+def hf_activation(name: str, extra: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
+    """The zoo activation part an HF activation name stands for; ValueError for a name no table knows."""
     table = hf_activations(extra)
     if name not in table:
-        raise f.error(key, f"activation {name!r} is not supported; supported: {', '.join(table)}")
+        raise ValueError(f"activation {name!r} is not supported; supported: {', '.join(table)}")
     return dict(table[name])
 
 

@@ -104,6 +104,7 @@ class Fields:
         self.defaults = dict(defaults or {})  # transformers' defaults for absent fields (not for null ones)
         self.used: set[str] = set()
         self.ignored: list[str] = []
+        self.values: dict[str, Any] = {}  # what read_fields read, by HF key (for defaults that depend on it)
 
     def _value(self, key: str) -> Any:
         return self.config[key] if key in self.config else self.defaults.get(key)
@@ -181,6 +182,10 @@ class CheckpointFormat:
     # transformers' defaults for fields a config may leave out, where they differ from the reader's
     # own fallbacks (a text_config inside a multimodal config gives only what differs).
     defaults: dict[str, Any] = {}
+    #: Spec paths this model_type's config has no field for (``max_seq_len``, ``layers.*.mixer.width``):
+    #: the spec read back from a saved config takes the format's default there, and save_pretrained's
+    #: check that the config describes the model compares everything else.
+    not_stored: tuple[str, ...] = ()
 
     def config_to_spec(self, config: dict[str, Any], *, strict: bool = False) -> ModelSpec:
         """The spec ``config`` (an HF config.json as a dict) describes. Read every field through

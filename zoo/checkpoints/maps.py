@@ -203,3 +203,45 @@ def bind(rules: Sequence[Rule], model) -> Iterator[Bound]:
                                      f"but its mixer {type(mixer).__name__} has no heads() method")
                 heads = Heads(*mixer.heads())
             yield Bound(tuple(fmt(n) for n in r.hf), zoo_names, r.transform, heads)
+
+
+# -- rule builders shared by the formats --------------------------------------------------------
+
+def linear(hf: str, zoo: str, transform: Transform = IDENTITY, weights: Sequence[str] = ("weight", "bias")) -> list[Rule]:
+    """``hf.weight`` -> ``zoo.weight`` and ``hf.bias`` -> ``zoo.bias`` (a bias rule applies only where
+    the model has one)."""
+    return [rule(f"{hf}.{w}", f"{zoo}.{w}", transform) for w in weights]
+
+
+def llama_attention(prefix: str, zoo: str = ZOO_MIXER) -> list[Rule]:
+    """Llama's ``self_attn``: q, k, v and o projections (weights and biases) and the QK-norm weights."""
+    return ([r for p in "qkvo" for r in linear(f"{prefix}{p}_proj", f"{zoo}{p}_proj")]
+            + [rule(f"{prefix}{p}_norm.weight", f"{zoo}{p}_norm.weight") for p in "qk"])
+
+
+def gated_mlp(prefix: str, zoo: str = ZOO_LAYER + "ffn.", weights: Sequence[str] = ("weight", "bias")) -> list[Rule]:
+    """A gated MLP stored as ``gate_proj``, ``up_proj``, ``down_proj`` (Llama's ``mlp``, a shared expert)."""
+    return [r for hf, z in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down"))
+            for r in linear(f"{prefix}{hf}", f"{zoo}{z}", weights=weights)]
+
+
+#: zoo's stacked expert tensors -> the HF name of each expert's projection (Llama-layout MoEs).
+EXPERT_PROJECTIONS = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+
+
+def stacked_experts(prefix: str, n: int, projections: dict[str, str] = EXPERT_PROJECTIONS,
+                    zoo: str = ZOO_LAYER + "ffn.") -> list[Rule]:
+    """``n`` experts stored one tensor per expert (``{prefix}{j}.gate_proj.weight``) <-> zoo's stacked
+    ``(n, ...)`` tensors, through :data:`STACK`."""
+    return [rule([f"{prefix}{j}.{hf}.weight" for j in range(n)], f"{zoo}{z}", STACK) for z, hf in projections.items()]
+
+
+def layer_norms(prefix: str, names: dict[str, str], weights: Sequence[str] = ("weight",)) -> list[Rule]:
+    """A layer's norms: HF module name -> zoo norm name (``input_layernorm`` -> ``attn_norm``)."""
+    return [r for hf, z in names.items() for r in linear(f"{prefix}{hf}", f"{ZOO_LAYER}{z}", weights=weights)]
+
+
+def embed_and_head(embed: str = "model.embed_tokens.weight", final_norm: str = "model.norm.weight",
+                   head: str = "lm_head.weight") -> list[Rule]:
+    """The token embedding, the final norm and the (untied) output head."""
+    return [rule(embed, "embed.weight"), rule(final_norm, "final_norm.weight"), rule(head, "lm_head.weight")]

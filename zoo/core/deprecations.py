@@ -43,6 +43,7 @@ ALIASES: dict[str, str] = {
     "an FFN whose forward takes no ctx": "forward(self, x, ctx) (ctx may be None)",
     "accounting key 'kv_cache'": "accounting key 'decode_state'",
     "zoo-side parameter names layers.{i}.attention.*": "layers.{i}.mixer.*",
+    "LlamaStyle class flags": "the format's fields, template, windows and ropes (docs/checkpoints.md)",
 }
 
 #: old module -> the modules its names moved to (looked up in this order)

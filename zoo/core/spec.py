@@ -522,6 +522,72 @@ def build_part(part: Part | str, kind: str, **context: Any) -> nn.Module:
 PRESET_KEYS = {"set", "hf", "params", "description", "notes"}
 
 
+def _extend(base: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``delta`` laid over it table by table; a part table naming another ``name``
+    replaces the base's part instead of merging into it."""
+    out = copy.deepcopy(base)
+    for key, value in delta.items():
+        old = out.get(key)
+        if isinstance(value, dict) and isinstance(old, dict) and value.get("name", old.get("name")) == old.get("name"):
+            out[key] = _extend(old, value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def resolve_extends(data: dict[str, Any], where: str = "") -> dict[str, Any]:
+    """Recipe data with every layer kind's ``extends = "other"`` replaced by the kind it extends plus
+    its own delta (a part table of the same name merges field by field, one of another name replaces
+    it); ``drop = ["mixer.window"]`` takes inherited settings off first. The spec itself never sees
+    ``extends``. An unknown base, a cycle, or a kind whose block
+    differs from its base's (extend the kind with the same block instead) is a SpecError naming the
+    path."""
+    layers = data.get("layers")
+    if not isinstance(layers, dict) or not any(isinstance(v, dict) and "extends" in v for v in layers.values()):
+        return data
+    done: dict[str, dict[str, Any]] = {}
+
+    def resolve(kind: str, chain: tuple[str, ...]) -> dict[str, Any]:
+        if kind in done:
+            return done[kind]
+        table = layers[kind]
+        if not isinstance(table, dict) or "extends" not in table:
+            done[kind] = table
+            return table
+        path = _join(where, f"layers.{kind}.extends")
+        parent = table["extends"]
+        if not isinstance(parent, str):
+            raise SpecError(path, f"must name a layer kind, got {parent!r}")
+        if parent not in layers:
+            raise SpecError(path, f"unknown layer kind {parent!r}; kinds: {', '.join(layers)}")
+        if parent in chain:
+            raise SpecError(path, f"layer kinds extend each other in a cycle: {' -> '.join((*chain, kind, parent))}")
+        base = copy.deepcopy(resolve(parent, (*chain, kind)))
+        delta = {k: v for k, v in table.items() if k not in ("extends", "drop")}
+        drop = table.get("drop", [])
+        if not isinstance(drop, list) or not all(isinstance(d, str) for d in drop):
+            raise SpecError(_join(where, f"layers.{kind}.drop"), f"must be a list of dotted paths, got {drop!r}")
+        for i, dotted in enumerate(drop):
+            *parents, last = dotted.split(".")
+            node = base
+            for key in parents:
+                node = node.get(key) if isinstance(node, dict) else None
+            if not isinstance(node, dict) or last not in node:
+                raise SpecError(_join(where, f"layers.{kind}.drop[{i}]"),
+                                f"{dotted!r} is not set in layer kind {parent!r} that it extends")
+            del node[last]
+        block, base_block = delta.get("block"), base.get("block")
+        name_of = lambda b: b.get("name") if isinstance(b, dict) else b  # noqa: E731
+        if block is not None and name_of(block) != name_of(base_block):
+            raise SpecError(_join(where, f"layers.{kind}.block"),
+                            f"block {name_of(block)!r} differs from {name_of(base_block)!r} of layer kind {parent!r} "
+                            "that it extends: extend a kind with the same block, or write the kind out in full")
+        done[kind] = _extend(base, delta)
+        return done[kind]
+
+    return {**data, "layers": {kind: resolve(kind, ()) for kind in layers}}
+
+
 @dataclass
 class Family:
     name: str
@@ -541,7 +607,7 @@ class Family:
 
     def recipe(self, preset: str) -> dict[str, Any]:
         """The spec data of one preset: the base with the preset's overrides applied."""
-        data = apply_overrides(self.base, self.presets[preset].get("set", {}))
+        data = apply_overrides(resolve_extends(self.base), self.presets[preset].get("set", {}))
         data.setdefault("label", preset)
         return data
 

@@ -21,7 +21,13 @@ def layernorm(f: Fields, key: str, bias: bool = True) -> dict[str, Any]:
     return {"name": "layernorm", "eps": float(f.get(key, 1e-5)), "bias": bias}
 
 
-def linear_rules(hf: str, zoo: str, transform=None):
-    from zoo.checkpoints.maps import IDENTITY, rule
+def layernorm_eps(key: str):
+    """The LayerNorms' eps (every layer's and the final one) under ``key``."""
+    from zoo.checkpoints.fields import Field
 
-    return [rule(f"{hf}.{w}", f"{zoo}.{w}", transform or IDENTITY) for w in ("weight", "bias")]
+    return Field(key, ("layer.norm.eps", "final_norm.eps"), 1e-5, to_spec=float)
+
+
+#: The LayerNorm-era template: LayerNorms with biases in every layer and at the end.
+LAYERNORM_TEMPLATE = {"layer": {"norm": {"name": "layernorm", "bias": True}},
+                      "final_norm": {"name": "layernorm", "bias": True}}

@@ -25,7 +25,7 @@ from typing import Any
 
 from zoo.checkpoints.common import activation, activation_name, pattern, rope_parameters, rope_part, rope_to_hf
 from zoo.checkpoints.format import CheckpointFormat, Fields
-from zoo.checkpoints.maps import STACK, ZOO_LAYER, ZOO_MIXER, rule
+from zoo.checkpoints.maps import ZOO_LAYER, ZOO_MIXER, embed_and_head, gated_mlp, layer_norms, linear, rule, stacked_experts
 from zoo.model.mtp import mtp_layer_kind
 from zoo.checkpoints.mtp import mtp_rules, read_mtp
 from zoo.core.spec import ModelSpec
@@ -35,8 +35,6 @@ ATTENTION = {  # HF self_attn.* -> zoo mixer.*
     "q_proj": "q_proj", "q_a_proj": "q_a_proj", "q_a_layernorm": "q_a_norm", "q_b_proj": "q_b_proj",
     "kv_a_proj_with_mqa": "kv_a_proj", "kv_a_layernorm": "kv_a_norm", "kv_b_proj": "kv_b_proj", "o_proj": "o_proj",
 }
-PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-EXPERTS = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
 
 TINY = {
     "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 24,
@@ -57,24 +55,15 @@ class DeepSeek(CheckpointFormat):
 
     # -- the weight-name map ------------------------------------------------------------------
     def rules(self, spec):
-        rules = [rule("model.embed_tokens.weight", "embed.weight"), rule("model.norm.weight", "final_norm.weight"),
-                 rule("lm_head.weight", "lm_head.weight"),
-                 rule(f"{LAYER}input_layernorm.weight", f"{ZOO_LAYER}attn_norm.weight"),
-                 rule(f"{LAYER}post_attention_layernorm.weight", f"{ZOO_LAYER}ffn_norm.weight")]
+        rules = [*embed_and_head(), *layer_norms(LAYER, {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"})]
         for hf, z in ATTENTION.items():
-            for w in ("weight", "bias"):
-                rules.append(rule(f"{LAYER}self_attn.{hf}.{w}", f"{ZOO_MIXER}{z}.{w}"))
-        for hf, z in PROJ.items():
-            for w in ("weight", "bias"):
-                rules.append(rule(f"{LAYER}mlp.{hf}.{w}", f"{ZOO_LAYER}ffn.{z}.{w}"))
-            rules.append(rule(f"{LAYER}mlp.shared_experts.{hf}.weight", f"{ZOO_LAYER}ffn.shared.{z}.weight"))
+            rules += linear(f"{LAYER}self_attn.{hf}", f"{ZOO_MIXER}{z}")
+        rules += gated_mlp(f"{LAYER}mlp.") + gated_mlp(f"{LAYER}mlp.shared_experts.", f"{ZOO_LAYER}ffn.shared.", ("weight",))
         moe = moe_part(spec)
         if moe is not None:
             rules.append(rule(f"{LAYER}mlp.gate.weight", f"{ZOO_LAYER}ffn.router.weight"))
             rules.append(rule(f"{LAYER}mlp.gate.e_score_correction_bias", f"{ZOO_LAYER}ffn.router.bias"))
-            for z, hf in EXPERTS.items():
-                names = [f"{LAYER}mlp.experts.{j}.{hf}.weight" for j in range(moe.n_experts)]
-                rules.append(rule(names, f"{ZOO_LAYER}ffn.{z}", STACK))
+            rules += stacked_experts(f"{LAYER}mlp.experts.", moe.n_experts)
         # The multi-token prediction modules (V3) as layers n_layers, n_layers + 1, ...
         return mtp_rules(rules, spec) + rules
 

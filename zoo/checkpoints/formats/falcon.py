@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from zoo.checkpoints.common import activation, activation_name, rope_parameters, rope_part, rope_to_hf
 from zoo.checkpoints.format import CheckpointFormat, Fields
-from zoo.checkpoints.formats._classic import aliases, layernorm, linear_rules
-from zoo.checkpoints.maps import FUSED_QKV, FUSED_QKV_GROUPED, FUSED_QKV_PER_HEAD, ZOO_LAYER, ZOO_MIXER, rule
+from zoo.checkpoints.formats._classic import aliases, layernorm
+from zoo.checkpoints.maps import FUSED_QKV, FUSED_QKV_GROUPED, FUSED_QKV_PER_HEAD, ZOO_LAYER, ZOO_MIXER, linear, rule
 from zoo.checkpoints.sizes import ffn_size
 from zoo.core.spec import ModelSpec
 
@@ -43,12 +43,12 @@ class Falcon(CheckpointFormat):
         rules = [rule("transformer.word_embeddings.weight", "embed.weight")]
         rules += [rule(f"{H}self_attention.query_key_value.{w}", [f"{ZOO_MIXER}{p}_proj.{w}" for p in "qkv"], qkv)
                   for w in ("weight", "bias")]
-        rules += linear_rules(f"{H}self_attention.dense", f"{ZOO_MIXER}o_proj")
-        rules += linear_rules(f"{H}mlp.dense_h_to_4h", f"{ZOO_LAYER}ffn.up")
-        rules += linear_rules(f"{H}mlp.dense_4h_to_h", f"{ZOO_LAYER}ffn.down")
+        rules += linear(f"{H}self_attention.dense", f"{ZOO_MIXER}o_proj")
+        rules += linear(f"{H}mlp.dense_h_to_4h", f"{ZOO_LAYER}ffn.up")
+        rules += linear(f"{H}mlp.dense_4h_to_h", f"{ZOO_LAYER}ffn.down")
         for hf, zoo in norms.items():
-            rules += linear_rules(f"{H}{hf}", f"{ZOO_LAYER}{zoo}")
-        rules += linear_rules("transformer.ln_f", "final_norm")
+            rules += linear(f"{H}{hf}", f"{ZOO_LAYER}{zoo}")
+        rules += linear("transformer.ln_f", "final_norm")
         return rules + [rule("lm_head.weight", "lm_head.weight")]
 
     def config_to_spec(self, config, *, strict=False):

@@ -3,21 +3,43 @@ projections are Conv1D, stored (in, out): the map transposes them, and splits th
 
 from __future__ import annotations
 
-from zoo.checkpoints.common import activation, activation_name
-from zoo.checkpoints.format import CheckpointFormat, Fields
-from zoo.checkpoints.formats._classic import layernorm, linear_rules
-from zoo.checkpoints.maps import FUSED_QKV, TRANSPOSE, ZOO_LAYER, ZOO_MIXER, compose, rule
+from zoo.checkpoints.fields import Field, FieldTable, TableFormat, expect
+from zoo.checkpoints.formats._classic import LAYERNORM_TEMPLATE, layernorm_eps
+from zoo.checkpoints.formats.llama import activation_field
+from zoo.checkpoints.maps import FUSED_QKV, TRANSPOSE, ZOO_LAYER, ZOO_MIXER, compose, linear, rule
 from zoo.checkpoints.sizes import ffn_size
-from zoo.core.spec import ModelSpec
 
 H = "transformer.h.{i}."
 
+FIELDS = FieldTable([
+    Field("n_embd", "d_model"),
+    Field("n_head", "layer.mixer.n_heads"),
+    expect("add_cross_attention", False, "zoo builds decoder-only models"),
+    expect("scale_attn_by_inverse_layer_idx", False, "zoo's attention has no per-layer score scale"),
+    Field("reorder_and_upcast_attn", None, None, bool),  # numerics only: zoo computes softmax in fp32 anyway
+    Field("n_ctx", None, None, int),  # an old name of n_positions
+    # unscaled scores are a scale_dim of 1; scaled ones the default (head_dim)
+    Field("scale_attn_weights", "layer.mixer.scale_dim", True, to_spec=lambda scaled: None if scaled else 1.0,
+          to_hf=lambda scale_dim: scale_dim is None),
+    layernorm_eps("layer_norm_epsilon"),
+    Field("vocab_size", "vocab_size"),
+    Field("n_layer", "n_layers"),
+    Field("n_positions", "max_seq_len", 1024),
+    Field("n_inner", "layer.ffn.d_ff", lambda v: 4 * v["n_embd"], source=ffn_size),
+    activation_field("activation_function", "gelu_new"),
+    Field("tie_word_embeddings", "head.tied", True),
+])
 
-class GPT2(CheckpointFormat):
+
+class GPT2(TableFormat):
     model_type, architecture = "gpt2", "GPT2LMHeadModel"
     base_prefix = "transformer."
     ignore = ("transformer.h.*.attn.bias", "transformer.h.*.attn.masked_bias", "lm_head.weight")
     tiny = {"vocab_size": 128, "n_embd": 64, "n_layer": 3, "n_head": 4, "n_positions": 64, "n_inner": 96}
+    fields = FIELDS
+    template = {**LAYERNORM_TEMPLATE, "position": {"name": "learned"},
+                "layer": {**LAYERNORM_TEMPLATE["layer"], "mixer": {"name": "attention", "bias": True, "out_bias": True},
+                          "ffn": {"name": "mlp", "bias": True}, "block": {"name": "serial", "norm_position": "pre"}}}
 
     def rules(self, spec):
         return [
@@ -31,49 +53,17 @@ class GPT2(CheckpointFormat):
             rule(f"{H}mlp.c_fc.bias", f"{ZOO_LAYER}ffn.up.bias"),
             rule(f"{H}mlp.c_proj.weight", f"{ZOO_LAYER}ffn.down.weight", TRANSPOSE),
             rule(f"{H}mlp.c_proj.bias", f"{ZOO_LAYER}ffn.down.bias"),
-            *linear_rules(f"{H}ln_1", f"{ZOO_LAYER}attn_norm"),
-            *linear_rules(f"{H}ln_2", f"{ZOO_LAYER}ffn_norm"),
-            *linear_rules("transformer.ln_f", "final_norm"),
+            *linear(f"{H}ln_1", f"{ZOO_LAYER}attn_norm"),
+            *linear(f"{H}ln_2", f"{ZOO_LAYER}ffn_norm"),
+            *linear("transformer.ln_f", "final_norm"),
             rule("lm_head.weight", "lm_head.weight"),
         ]
 
-    def config_to_spec(self, config, *, strict=False):
-        f = Fields(config, self.model_type)
-        d, n_heads = f.require("n_embd"), f.require("n_head")
-        f.expect("add_cross_attention", False, "zoo builds decoder-only models")
-        f.expect("scale_attn_by_inverse_layer_idx", False, "zoo's attention has no per-layer score scale")
-        f.get("reorder_and_upcast_attn", kind=bool)  # numerics only: zoo computes softmax in fp32 anyway
-        f.get("n_ctx", kind=int)  # an old name of n_positions
-        scaled = f.get("scale_attn_weights", True)
-        norm = layernorm(f, "layer_norm_epsilon")
-        attention = {"name": "attention", "n_heads": n_heads, "bias": True, "out_bias": True}
-        if not scaled:
-            attention["scale_dim"] = 1.0
-        spec = {
-            "vocab_size": f.require("vocab_size"), "d_model": d, "n_layers": f.require("n_layer"),
-            "max_seq_len": f.get("n_positions", 1024), "position": {"name": "learned"},
-            "layers": {"default": {
-                "attention": attention,
-                "ffn": {"name": "mlp", "d_ff": f.get("n_inner", 4 * d), "bias": True,
-                        "activation": activation(f, "activation_function", "gelu_new")},
-                "norm": norm, "block": {"name": "serial", "norm_position": "pre"},
-            }},
-            "final_norm": norm, "head": {"tied": f.get("tie_word_embeddings", True)},
-        }
-        f.finish(strict)
-        return ModelSpec.from_dict(spec)
-
     def spec_to_config(self, spec):
-        layer = spec.layer(0)
-        att = layer.mixer
+        att = spec.layer(0).mixer
         if att.scale_dim not in (None, 1.0) or att.head_dim not in (None, spec.d_model // att.n_heads):
             raise ValueError("gpt2's heads are d_model / n_heads wide and scaled by their width (or not at all)")
-        return {
-            "vocab_size": spec.vocab_size, "n_embd": spec.d_model, "n_layer": spec.n_layers, "n_head": att.n_heads,
-            "n_positions": spec.max_seq_len, "n_inner": ffn_size(spec), "layer_norm_epsilon": layer.norm.eps,
-            "activation_function": activation_name(layer.ffn.activation), "scale_attn_weights": att.scale_dim is None,
-            "tie_word_embeddings": spec.head.tied,
-        }
+        return super().spec_to_config(spec)
 
 
 FORMATS = [GPT2()]

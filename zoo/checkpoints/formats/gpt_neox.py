@@ -3,17 +3,34 @@ rotary, and a fused QKV interleaved head by head."""
 
 from __future__ import annotations
 
-from zoo.checkpoints.common import activation, activation_name, rope_parameters, rope_part, rope_to_hf
-from zoo.checkpoints.format import CheckpointFormat, Fields
-from zoo.checkpoints.formats._classic import aliases, layernorm, linear_rules
-from zoo.checkpoints.maps import FUSED_QKV_PER_HEAD, ZOO_LAYER, ZOO_MIXER, rule
+from zoo.checkpoints.common import rope_to_hf
+from zoo.checkpoints.fields import Field, FieldTable, TableFormat
+from zoo.checkpoints.formats._classic import LAYERNORM_TEMPLATE, aliases, layernorm_eps
+from zoo.checkpoints.formats.llama import Ropes, activation_field
+from zoo.checkpoints.maps import FUSED_QKV_PER_HEAD, ZOO_LAYER, ZOO_MIXER, linear, rule
 from zoo.checkpoints.sizes import ffn_size
-from zoo.core.spec import ModelSpec
 
 H = "gpt_neox.layers.{i}."
+PARALLEL, SERIAL = {"name": "parallel", "shared_norm": False}, {"name": "serial", "norm_position": "pre"}
+
+FIELDS = FieldTable([
+    Field("hidden_size", "d_model"),
+    Field("num_attention_heads", "layer.mixer.n_heads"),
+    Field("is_decoder", None, None, bool),
+    layernorm_eps("layer_norm_eps"),
+    Field("attention_bias", ("layer.mixer.bias", "layer.mixer.out_bias"), True),
+    Field("max_position_embeddings", "max_seq_len", 2048),
+    Field("use_parallel_residual", "layer.block", True, to_spec=lambda p: dict(PARALLEL if p else SERIAL),
+          to_hf=lambda block: block.name == "parallel"),
+    Field("vocab_size", "vocab_size"),
+    Field("num_hidden_layers", "n_layers"),
+    Field("intermediate_size", "layer.ffn.d_ff", source=ffn_size),
+    activation_field("hidden_act", "gelu"),
+    Field("tie_word_embeddings", "head.tied", False),
+])
 
 
-class GPTNeoX(CheckpointFormat):
+class GPTNeoX(TableFormat):
     model_type, architecture = "gpt_neox", "GPTNeoXForCausalLM"
     base_prefix = "gpt_neox."
     ignore = ("gpt_neox.layers.*.attention.bias", "gpt_neox.layers.*.attention.masked_bias",
@@ -21,58 +38,37 @@ class GPTNeoX(CheckpointFormat):
     tiny = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
             "intermediate_size": 96, "max_position_embeddings": 64,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
+    fields = FIELDS
+    template = {**LAYERNORM_TEMPLATE, "layer": {**LAYERNORM_TEMPLATE["layer"], "mixer": {"name": "attention"},
+                                                "ffn": {"name": "mlp", "bias": True}}}
+    ropes = Ropes(partial_rotary_factor=0.25)  # GPT-NeoX's default
 
     def rules(self, spec):
         return [
             rule("gpt_neox.embed_in.weight", "embed.weight"),
             *[rule(f"{H}attention.query_key_value.{w}", [f"{ZOO_MIXER}{p}_proj.{w}" for p in "qkv"],
                    FUSED_QKV_PER_HEAD) for w in ("weight", "bias")],
-            *linear_rules(f"{H}attention.dense", f"{ZOO_MIXER}o_proj"),
-            *linear_rules(f"{H}mlp.dense_h_to_4h", f"{ZOO_LAYER}ffn.up"),
-            *linear_rules(f"{H}mlp.dense_4h_to_h", f"{ZOO_LAYER}ffn.down"),
-            *linear_rules(f"{H}input_layernorm", f"{ZOO_LAYER}attn_norm"),
-            *linear_rules(f"{H}post_attention_layernorm", f"{ZOO_LAYER}ffn_norm"),
-            *linear_rules("gpt_neox.final_layer_norm", "final_norm"),
+            *linear(f"{H}attention.dense", f"{ZOO_MIXER}o_proj"),
+            *linear(f"{H}mlp.dense_h_to_4h", f"{ZOO_LAYER}ffn.up"),
+            *linear(f"{H}mlp.dense_4h_to_h", f"{ZOO_LAYER}ffn.down"),
+            *linear(f"{H}input_layernorm", f"{ZOO_LAYER}attn_norm"),
+            *linear(f"{H}post_attention_layernorm", f"{ZOO_LAYER}ffn_norm"),
+            *linear("gpt_neox.final_layer_norm", "final_norm"),
             rule("embed_out.weight", "lm_head.weight"),
         ]
 
     def config_to_spec(self, config, *, strict=False):
-        f = Fields(aliases(config, {"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"}),
-                   self.model_type)
-        d, n_heads = f.require("hidden_size"), f.require("num_attention_heads")
-        f.get("is_decoder", kind=bool)
-        norm = layernorm(f, "layer_norm_eps")
-        bias = f.get("attention_bias", True)
-        params = rope_parameters(f)
-        params.setdefault("partial_rotary_factor", 0.25)  # GPT-NeoX's default
-        max_pos = f.get("max_position_embeddings", 2048)
-        block = ({"name": "parallel", "shared_norm": False} if f.get("use_parallel_residual", True)
-                 else {"name": "serial", "norm_position": "pre"})
-        spec = {
-            "vocab_size": f.require("vocab_size"), "d_model": d, "n_layers": f.require("num_hidden_layers"),
-            "max_seq_len": max_pos, "position": rope_part(f, params, max_pos=max_pos),
-            "layers": {"default": {
-                "mixer": {"name": "attention", "n_heads": n_heads, "bias": bias, "out_bias": bias},
-                "ffn": {"name": "mlp", "d_ff": f.require("intermediate_size"), "bias": True,
-                        "activation": activation(f, "hidden_act", "gelu")},
-                "norm": norm, "block": block,
-            }},
-            "final_norm": norm, "head": {"tied": f.get("tie_word_embeddings", False)},
-        }
-        f.finish(strict)
-        return ModelSpec.from_dict(spec)
+        return super().config_to_spec(aliases(config, {"rotary_pct": "partial_rotary_factor",
+                                                       "rotary_emb_base": "rope_theta"}), strict=strict)
+
+    def complete(self, f, data):
+        super().complete(f, data)
+        data["position"] = self.ropes.read(f, None, data["max_seq_len"])
 
     def spec_to_config(self, spec):
-        layer = spec.layer(0)
-        att = layer.mixer
-        return {
-            "vocab_size": spec.vocab_size, "hidden_size": spec.d_model, "num_hidden_layers": spec.n_layers,
-            "num_attention_heads": att.n_heads, "intermediate_size": ffn_size(spec),
-            "max_position_embeddings": spec.max_seq_len, "layer_norm_eps": layer.norm.eps,
-            "hidden_act": activation_name(layer.ffn.activation), "attention_bias": att.bias,
-            "use_parallel_residual": layer.block.name == "parallel", "tie_word_embeddings": spec.head.tied,
-            "rope_parameters": rope_to_hf(spec.position, spec.d_model // att.n_heads),
-        }
+        cfg = super().spec_to_config(spec)
+        cfg["rope_parameters"] = rope_to_hf(spec.position, spec.d_model // spec.layer(0).mixer.n_heads)
+        return cfg
 
 
 FORMATS = [GPTNeoX()]

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from zoo.checkpoints.common import activation, activation_name, pattern
+from zoo.checkpoints.common import activation_name, pattern
 from zoo.checkpoints.format import Fields
 from zoo.checkpoints.formats.llama import LAYER, TINY
 from zoo.checkpoints.formats.moe import Mixtral
@@ -105,7 +105,7 @@ class MiniMax(Mixtral):
             layer = {**base, "block": block}
             if t == LINEAR:
                 layer["mixer"] = {"name": "lightning_attention", "n_heads": att["n_heads"], "head_dim": att["head_dim"],
-                                  "activation": activation(f, self.act_key, self.act_default),
+                                  "activation": self.read_activation(f),
                                   "norm_eps": LIGHTNING_NORM_EPS, "chunk": f.get("block_size", kind=int)}
             layers[KINDS[t]] = layer
         data["layers"], data["layer_pattern"] = layers, list(pattern([KINDS[t] for t in types]))
@@ -148,9 +148,9 @@ class MiniMax(Mixtral):
             if (m.n_heads, m.head_dim or spec.d_model // m.n_heads) != (out["num_attention_heads"], out["head_dim"]):
                 raise ValueError(f"minimax's lightning layers have the softmax layers' heads and head_dim "
                                  f"({out['num_attention_heads']} x {out['head_dim']}); layer {i} has {m.n_heads} x {m.head_dim}")
-            if activation_name(m.activation) != out[self.act_key]:
-                raise ValueError(f"minimax's lightning layers use the experts' activation {out[self.act_key]!r} "
-                                 f"({self.act_key}); layer {i} uses {activation_name(m.activation)!r}")
+            if activation_name(m.activation) != out[self.act_field.hf]:
+                raise ValueError(f"minimax's lightning layers use the experts' activation {out[self.act_field.hf]!r} "
+                                 f"({self.act_field.hf}); layer {i} uses {activation_name(m.activation)!r}")
             if m.norm_eps != LIGHTNING_NORM_EPS or m.chunk != out["block_size"]:
                 raise ValueError(f"minimax's lightning layers share one block_size and have output-norm eps "
                                  f"{LIGHTNING_NORM_EPS}; layer {i} has chunk {m.chunk}, norm_eps {m.norm_eps}")

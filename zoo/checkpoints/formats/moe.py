@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from zoo.checkpoints.common import activation, pattern
+from zoo.checkpoints.common import pattern
+from zoo.checkpoints.fields import merged
 from zoo.checkpoints.format import Fields
-from zoo.checkpoints.formats.llama import TINY, LAYER, FULL, LlamaStyle, Mistral, Qwen3
-from zoo.checkpoints.maps import STACK, ZOO_LAYER, rule
+from zoo.checkpoints.formats.llama import TINY, LAYER, FULL, LlamaStyle, Mistral, NoWindows, Qwen3
+from zoo.checkpoints.maps import EXPERT_PROJECTIONS, ZOO_LAYER, gated_mlp, rule, stacked_experts
 from zoo.core.spec import ModelSpec
 
 MOE_TINY = {**TINY, "num_hidden_layers": 3, "output_router_logits": True, "router_aux_loss_coef": 0.02}
@@ -29,7 +30,7 @@ class MoEStyle(LlamaStyle):
     mlp = "mlp"  # the HF module holding router and experts
     experts_key = "num_experts"
     width_key = "moe_intermediate_size"  # None: the experts' width is intermediate_size
-    projections = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+    projections = EXPERT_PROJECTIONS
     router = "softmax_topk"
     norm_topk_default: Any = False  # None: the format always renormalises (its router does)
     shared = False  # a gated shared expert in every sparse layer (Qwen2-MoE)
@@ -44,11 +45,8 @@ class MoEStyle(LlamaStyle):
             return rules
         m = f"{LAYER}{self.mlp}."
         rules.append(rule(f"{m}gate.weight", f"{ZOO_LAYER}ffn.router.weight"))
-        for zoo_name, hf in self.projections.items():
-            names = [f"{m}experts.{j}.{hf}.weight" for j in range(moe.n_experts)]
-            rules.append(rule(names, f"{ZOO_LAYER}ffn.{zoo_name}", STACK))
-        for hf, z in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
-            rules.append(rule(f"{m}shared_expert.{hf}.weight", f"{ZOO_LAYER}ffn.shared.{z}.weight"))
+        rules += stacked_experts(f"{m}experts.", moe.n_experts, self.projections)
+        rules += gated_mlp(f"{m}shared_expert.", f"{ZOO_LAYER}ffn.shared.", weights=("weight",))
         rules.append(rule(f"{m}shared_expert_gate.weight", f"{ZOO_LAYER}ffn.shared_gate.weight"))
         return rules
 
@@ -79,7 +77,7 @@ class MoEStyle(LlamaStyle):
         return n
 
     def moe_ffn(self, f: Fields) -> dict[str, Any]:
-        expert = {"name": "glu", "activation": activation(f, self.act_key, self.act_default)}
+        expert = {"name": "glu", "activation": self.read_activation(f)}
         width = f.require(self.width_key) if self.width_key else f.require("intermediate_size")
         ffn: dict[str, Any] = {
             "name": "moe", "n_experts": self.n_experts(f), "top_k": f.require("num_experts_per_tok"),
@@ -94,29 +92,25 @@ class MoEStyle(LlamaStyle):
             ffn["switch_pooled_loss"] = float(f.get("router_aux_loss_coef", 0.001))
         return ffn
 
-    def config_to_spec(self, config, *, strict=False):
-        spec = super().config_to_spec(config, strict=strict)  # the dense model (MoE fields marked read)
-        f = Fields(config, self.model_type, self.defaults)
+    def complete(self, f, data):
+        """Llama's layer kinds, then the sparse layers' FFN (``is_sparse``), in the same reading."""
+        super().complete(f, data)
         moe = self.moe_ffn(f)
-        data = spec.to_dict()
-        kinds = [spec.layer_kind(i) for i in range(spec.n_layers)]
-        sparse = [self.is_sparse(f, i) for i in range(spec.n_layers)]
+        L, period = data["n_layers"], data["layer_pattern"]
+        kinds = [period[i % len(period)] for i in range(L)]
+        sparse = [self.is_sparse(f, i) for i in range(L)]
         mixed = len(set(sparse)) > 1
         layers, names = {}, []
         for base, is_moe in zip(kinds, sparse):
             suffix = "moe" if is_moe else "dense"
             name = base if not mixed else (suffix if base == "default" else f"{base}_{suffix}")
             if name not in layers:
-                layer = dict(data["layers"][base])
-                if is_moe:
-                    layer["ffn"] = moe
-                layers[name] = layer
+                layers[name] = {**data["layers"][base], **({"ffn": moe} if is_moe else {})}
             names.append(name)
         data["layers"], data["layer_pattern"] = layers, list(pattern(names))
-        return ModelSpec.from_dict(data)
 
     @property
-    def extra_fields(self) -> tuple[str, ...]:  # read by the dense pass, interpreted above
+    def extra_fields(self) -> tuple[str, ...]:  # interpreted by complete() (or a subclass's own reader)
         keys = [self.experts_key, "num_local_experts", "norm_topk_prob", *self.moe_fields]
         keys += [self.width_key] if self.width_key else []
         keys += ["shared_expert_intermediate_size"] if self.shared else []
@@ -173,6 +167,7 @@ class MoEStyle(LlamaStyle):
 
 class Mixtral(MoEStyle, Mistral):
     model_type, architecture = "mixtral", "MixtralForCausalLM"
+    fields = Mistral.fields
     mlp = "block_sparse_moe"
     experts_key = "num_local_experts"
     width_key = None
@@ -190,18 +185,24 @@ class Mixtral(MoEStyle, Mistral):
         return super().config_to_spec(config, strict=strict)
 
 
-class QwenMoE(MoEStyle):
-    """Qwen's sparse layers: no sliding windows (``use_sliding_window`` must be false)."""
+class NoSliding(NoWindows):
+    """Qwen's MoE checkpoints: ``use_sliding_window`` must be false, every ``layer_types`` entry full."""
 
-    sparse_layers = True
-    moe_fields = MoEStyle.moe_fields + ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
-
-    def layer_types(self, f, n_layers):
+    def types(self, f, n_layers):
         f.expect("use_sliding_window", (False,), "zoo reads Qwen-MoE checkpoints without sliding windows")
         types = f.get("layer_types") or [FULL] * n_layers
         if any(t != FULL for t in types) or len(types) != n_layers:
             raise f.error("layer_types", f"expected {n_layers} full_attention layers, got {types}")
         return [FULL] * n_layers
+
+
+class QwenMoE(MoEStyle):
+    """Qwen's sparse layers: no sliding windows (``use_sliding_window`` must be false)."""
+
+    sparse_layers = True
+    moe_fields = MoEStyle.moe_fields + ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+    windows = NoSliding()
+    fields = LlamaStyle.fields - "mlp_bias"
 
     def spec_to_config(self, spec):
         return {**super().spec_to_config(spec), "use_sliding_window": False}
@@ -209,7 +210,6 @@ class QwenMoE(MoEStyle):
 
 class Qwen2MoE(QwenMoE):
     model_type, architecture = "qwen2_moe", "Qwen2MoeForCausalLM"
-    mlp_bias_key = None
     shared = True
     moe_fields = QwenMoE.moe_fields + ("qkv_bias",)
     defaults = {"num_key_value_heads": 16, "max_position_embeddings": 32768, "num_experts": 60, "num_experts_per_tok": 4,
@@ -233,8 +233,7 @@ class Qwen2MoE(QwenMoE):
 
 class Qwen3MoE(QwenMoE):
     model_type, architecture = "qwen3_moe", "Qwen3MoeForCausalLM"
-    mlp_bias_key = None
-    qk_norm = Qwen3.qk_norm
+    template = merged(QwenMoE.template, {"layer": {"mixer": {"qk_norm": Qwen3.template["layer"]["mixer"]["qk_norm"]}}})
     defaults = {"num_key_value_heads": 4, "max_position_embeddings": 32768, "num_local_experts": 128, "num_experts_per_tok": 8,
                 "moe_intermediate_size": 768, "rms_norm_eps": 1e-6}
     tiny = {**MOE_TINY, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -243,9 +242,9 @@ class Qwen3MoE(QwenMoE):
 
 class Olmoe(MoEStyle):
     model_type, architecture = "olmoe", "OlmoeForCausalLM"
-    mlp_bias_key = None
+    fields = LlamaStyle.fields - "mlp_bias"
+    template = merged(LlamaStyle.template, {"layer": {"mixer": {"qk_norm": "proj"}}})
     width_key = None
-    qk_norm = "proj"
     moe_fields = MoEStyle.moe_fields + ("clip_qkv",)
     defaults = {"num_key_value_heads": 16, "max_position_embeddings": 4096, "num_experts": 64, "num_experts_per_tok": 8,
                 "rms_norm_eps": 1e-5}

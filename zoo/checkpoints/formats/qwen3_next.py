@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
-from zoo.checkpoints.common import pattern, rope_parameters, rope_part
+from zoo.checkpoints.common import pattern
+from zoo.checkpoints.fields import merged
 from zoo.checkpoints.format import Fields
-from zoo.checkpoints.formats.llama import FULL, GEMMA_NORM, LAYER, TINY, LlamaStyle
+from zoo.checkpoints.formats.llama import FULL, GEMMA_NORM, LAYER, TINY, LlamaStyle, Ropes
 from zoo.checkpoints.formats.moe import MOE_TINY, MoEStyle
 from zoo.checkpoints.maps import Transform, ZOO_MIXER, rule
 from zoo.checkpoints.mtp import QWEN3_NEXT, mtp_rules, read_mtp
@@ -65,9 +66,10 @@ def grouped(name: str, groups: int, sizes: list[int]) -> Transform:
 class Qwen3Next(MoEStyle):
     model_type, architecture = "qwen3_next", "Qwen3NextForCausalLM"
     ignore = LlamaStyle.ignore
-    mlp_bias_key = None
-    qk_norm = "head"
-    norm_extra = GEMMA_NORM
+    fields = LlamaStyle.fields - "mlp_bias"
+    template = merged(LlamaStyle.template, {"layer": {"mixer": {"qk_norm": "head"}, "norm": GEMMA_NORM},
+                                            "final_norm": GEMMA_NORM})
+    ropes = Ropes(partial_rotary_factor=0.25)  # transformers' default for this model
     sparse_layers = True
     shared = True
     norm_topk_default = True
@@ -100,11 +102,6 @@ class Qwen3Next(MoEStyle):
         return mtp_rules(rules, spec, QWEN3_NEXT) + rules
 
     # -- config -> spec -------------------------------------------------------------------------
-    def rope_for(self, f, layer_type, max_pos):
-        params = rope_parameters(f, layer_type)
-        params.setdefault("partial_rotary_factor", 0.25)  # transformers' default for this model
-        return rope_part(f, params, max_pos=max_pos)
-
     def mixer_types(self, f: Fields, n_layers: int) -> list[str]:
         interval = f.get("full_attention_interval", kind=int)
         types = f.get("layer_types", kind=list)
