@@ -17,6 +17,7 @@ import zoo.testing as zt  # noqa: E402
 from zoo import kernels  # noqa: E402
 from zoo.components import gated_deltanet as gdn  # noqa: E402
 from zoo.components.kernels import gated_deltanet as fast  # noqa: E402
+from kernel_refs import bf16_error_bound, rel  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -158,8 +159,6 @@ def test_bf16_inputs_are_as_accurate_as_the_reference_in_bf16():
     are within twice the error of the chunked form's result stored in bf16, as the interpreter
     stores it (toward zero), both against the recurrent form in float64 on the same bf16-valued
     inputs; the fp32 state and its gradient within the fp32 tests' 1e-5."""
-    from test_kernels_recurrent import bf16_error_bound, rel
-
     made = [t.detach() for t in inputs(1, 2, 2, 50, 16, 16, True, 2.0)]
     q, k, v = (t.bfloat16().float() for t in made[:3])
     g_, beta, s0 = made[3:]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import inspect
 import json
 import re
 import subprocess
@@ -58,7 +59,8 @@ class Launch:
         return self.kernel.fn.__module__.rsplit(".", 1)[-1] + "." + self.kernel.fn.__name__
 
     def constexprs(self) -> dict:
-        return {p.name: self.args[p.name] for p in self.kernel.params if p.is_constexpr}
+        return {name: self.args[name] for name, p in inspect.signature(self.kernel.fn).parameters.items()
+                if "constexpr" in str(p.annotation)}
 
 
 def _grid(grid, args) -> tuple:
@@ -68,26 +70,27 @@ def _grid(grid, args) -> tuple:
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[Launch]]:
-    """Inside, Triton launches are recorded (in the yielded list) instead of run."""
+    """Inside, Triton launches are recorded (in the yielded list) instead of run (compiled kernels,
+    and under ``TRITON_INTERPRET=1`` interpreted ones)."""
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     launches: list[Launch] = []
 
     def run(self, *args, grid, warmup, **kwargs):
         options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-        bound = dict(zip([p.name for p in self.params], args))
+        params = inspect.signature(self.fn).parameters
+        bound = dict(zip(params, args))
         bound.update(kwargs)
-        for p in self.params:
-            if p.name not in bound and p.has_default:
-                bound[p.name] = p.default
+        bound.update({n: p.default for n, p in params.items() if n not in bound and p.default is not p.empty})
         launches.append(Launch(self, _grid(grid, bound), bound, **options))
 
-    saved = JITFunction.run
-    JITFunction.run = run
+    saved = JITFunction.run, InterpretedFunction.run
+    JITFunction.run = InterpretedFunction.run = run
     try:
         yield launches
     finally:
-        JITFunction.run = saved
+        JITFunction.run, InterpretedFunction.run = saved
 
 
 def _signature(launch: Launch):
