@@ -274,6 +274,18 @@ def test_gpu_benchmark_dry_run_exercises_the_script(tmp_path):
     assert any(line.startswith("Training step (llama3-8b x1 layers, 16 tokens)") for line in table)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the check would run for minutes")
+def test_gpu_check_script_stops_without_a_gpu(tmp_path):
+    """benchmarks/gpu_check.sh runs as written: without a GPU it stops before anything else, saying why."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+    done = subprocess.run(["sh", str(script), str(tmp_path / "out")], capture_output=True, text=True)
+    assert done.returncode != 0 and "no CUDA device" in done.stderr
+    assert (tmp_path / "out").is_dir() and not (tmp_path / "out" / "pytest.txt").exists()
+
+
 def test_gpu_benchmark_without_a_gpu_says_so(monkeypatch):
     bench = _gpu_benchmark()
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)

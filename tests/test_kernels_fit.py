@@ -75,11 +75,11 @@ def test_the_gated_delta_backward_fits_at_qwen3_next_heads_in_fp32(tmp_path):
 
 @needs_ptxas
 def test_the_scalar_decay_forward_fits_at_head_dim_256(tmp_path):
-    """With the whole 256 x 256 fp32 state per program it needed about 280 KB; blocks of 64 value
-    columns fit."""
-    rows = survey(tmp_path, "--presets", "minimax-text-01", "--widths", "256", "--dtypes", "fp32",
+    """With the whole 256 x 256 fp32 state per program it needed 360,576 bytes; blocks of 64 value
+    columns fit (bf16 inputs: TF32 products, which ptxas compiles several times faster than IEEE)."""
+    rows = survey(tmp_path, "--presets", "minimax-text-01", "--widths", "256", "--widened-only", "--dtypes", "bf16",
                   "--kernels", "recurrent._fwd", "--first-config")
-    assert {(r["constexprs"]["BK"], r["constexprs"]["BV"]) for r in rows} == {(128, 64), (256, 64)}
+    assert [(r["constexprs"]["BK"], r["constexprs"]["BV"]) for r in rows] == [(256, 64)]
     assert_fit(rows)
 
 

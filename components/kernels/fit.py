@@ -308,6 +308,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", default=None, help="comma-separated presets (default: all that have recurrent mixers)")
     p.add_argument("--widths", default="64,256", help="also each call at these head widths (default 64,256; '' for none)")
+    p.add_argument("--widened-only", action="store_true", help="only the calls at --widths, not the presets' own")
     p.add_argument("--dtypes", default="fp32,bf16", help="input dtypes (default fp32,bf16)")
     p.add_argument("--kernels", default=None, help="only these kernels, e.g. gated_deltanet._bwd,recurrent._fwd")
     p.add_argument("--first-config", action="store_true", help="only the configuration used off a GPU")
@@ -316,13 +317,14 @@ def main(argv=None):
     if cuobjdump() is None:
         sys.exit("Triton's ptxas/cuobjdump are missing: cannot compile for sm_90 here")
     problems = preset_problems(a.presets.split(",") if a.presets else None)
-    seen = {pr.shapes for pr in problems}
+    seen, extra = {pr.shapes for pr in problems}, []
     for width in (int(w) for w in a.widths.split(",") if w):
-        for pr in list(problems):
+        for pr in problems:
             w = widened(pr, width)
             if w.shapes not in seen:
                 seen.add(w.shapes)
-                problems.append(w)
+                extra.append(w)
+    problems = extra if a.widened_only else problems + extra
     dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in a.dtypes.split(",")]
     rows = survey(problems, dtypes, a.kernels and set(a.kernels.split(",")), not a.first_config)
     if a.json:
