@@ -26,17 +26,21 @@ What runs where:
   from the final state's gradient, giving ``du = dv'``, ``dw``, ``dq``, ``dk`` (within the chunk
   and through the state), ``dG`` (through ``D``, the decayed ``q`` and ``k`` and ``exp(G_C)``) and
   the initial state's gradient. The states before each chunk and ``v'`` are not kept from the
-  forward: the backward first reruns :func:`_fwd` to write them ((B, H, N, Dk, Dv) fp32, held only
-  during the backward). Keeping them would hold ``Dk * Dv / C`` floats per token and value head
-  (512 at Qwen3-Next's 128 x 128 heads and the 32-token chunk used there: more than q, k and v
-  together) from every layer's forward to its backward; the rerun is one more sweep of three small
-  products per chunk.
+  forward: keeping them would hold ``Dk * Dv / C`` floats per token and value head (512 at
+  Qwen3-Next's 128 x 128 heads and the 32-token chunk used there: more than q, k and v together)
+  from every layer's forward to its backward. Nor does the backward hold all N of them: it works
+  in segments of about sqrt(N) chunks (:func:`_segment`). One rerun of :func:`_fwd` writes ``v'``
+  and the state before each segment; then, from the last segment back, a rerun over the segment
+  writes the states before its chunks and :func:`_bwd` sweeps it, carrying ``dS`` to the segment
+  before. About 2 sqrt(N) states (B, H, Dk, Dv) are held, for one more forward sweep.
 
 The key head of value head ``h`` is ``h // (H / Hk)``: grouped q and k are read, never repeated.
 The value columns are split into blocks only when a block width divides ``Dv`` (so the scalar-decay
 kernel's tile helpers, imported from it, mask them right); otherwise one block holds them all.
 Products run in fp32: IEEE for fp32 inputs, TF32 tensor cores for 16-bit ones (which carry no more
-precision).
+precision). Every grid has B x H (for the UT transform, B x H x chunks) on its first axis, which may
+hold 2^31 - 1 programs (the others 65,535). The launch configurations are the scalar-decay
+kernel's (:func:`zoo.components.kernels.recurrent._configs`), autotuned among on a GPU.
 """
 import math
 
