@@ -28,18 +28,15 @@ import re
 import subprocess
 import sys
 import tempfile
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 #: Shared memory one block may use, by compute capability (sm_90: 227 KiB of the SM's 228).
 SHARED_LIMIT = {90: 232_448}
 MAX_REGISTERS = 255
-#: The components whose kernels are driven from the presets' mixers, and each one's entry.
-RECURRENT = {
-    "scalar_decay": "zoo.components.kernels.recurrent:chunked",
-    "gated_delta": "zoo.components.kernels.gated_deltanet:chunk_gated_delta_rule",
-}
+#: The components whose Triton kernels are driven from the presets' mixers.
+RECURRENT = ("scalar_decay", "gated_delta")
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
            torch.int32: "i32", torch.int8: "i8", torch.bool: "i1", torch.uint8: "u8"}
 
@@ -179,13 +176,6 @@ class Problem:
         return f"{self.component} Dk={q[-1]} Dv={v[-1]} " + " ".join(f"{k}={x}" for k, x in self.kwargs)
 
 
-def _load(target: str) -> Callable:
-    import importlib
-
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
 class _Captured(Exception):
     pass
 
@@ -261,7 +251,9 @@ def launches(problem: Problem, dtype: torch.dtype, T: Optional[int] = None, ever
         t = torch.randn(shape, generator=g)
         t = t if len(s) == 3 else t.to(dtype)  # per-step decays and gates stay fp32, as the mixers pass them
         tensors.append(t.requires_grad_())
-    fn = _load(RECURRENT[problem.component])
+    import zoo.kernels
+
+    fn = zoo.kernels.implementation(problem.component, "triton")
     kwargs = {k: v for k, v in problem.kwargs if not k.startswith("arg")}
     extra = [v for k, v in problem.kwargs if k.startswith("arg")]
     with recording() as recorded, (tuning.every_config() if every_config else contextlib.nullcontext()):
