@@ -43,6 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
     p.add_argument("--only", default=None, help="comma-separated subset: rmsnorm,layernorm,rope,swiglu,loss,attention,scalar_decay,gated_delta,train")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--markdown", default=None, metavar="FILE", help="also write the results as a markdown table (for the README)")
     args = p.parse_args(argv)
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is defined
@@ -404,7 +405,31 @@ def main(a):
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=2)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(markdown(result))
     return result
+
+
+def markdown(result):
+    """The results as markdown: one row per kernel (ratios to eager), the training step, the targets."""
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    lines = [f"{result['device']}, torch {result['torch']}, {result['date']}, {result['dtype']}", "",
+             "| kernel | shape | max error / max ref | speed-up vs eager (fwd+bwd) | fwd | vs compile | peak memory / eager |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in result["kernels"]:
+        lines.append(f"| {r['kernel']} | {r['shape']} | {r['max_rel_error']:.1e} | {num(r['speedup_vs_eager'], '.2f')} | "
+                     f"{num(r['fwd_speedup_vs_eager'], '.2f')} | {num(r.get('speedup_vs_compile'), '.2f')} | "
+                     f"{num(r.get('memory_vs_eager'), '.2f')} |")
+    if result["train"]:
+        t = result["train"]
+        lines += ["", f"Training step ({t['model']}, {t['tokens_per_step']} tokens): {t['speedup_vs_eager']:.2f}x eager's tokens/s"]
+    if result["targets"]:
+        lines += ["", "| target | value | goal |", "|---|---:|---|"]
+        lines += [f"| {t['target']} | {t['value']:.3f} | {t['goal']} |" for t in result["targets"]]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ near 0 an absolute 1e-6 of the tensor's largest magnitude (an fp32 ulp is 6e-8 o
 term (a missing ``1 +``, a dropped soft-cap derivative, a wrong pair) is off by orders of magnitude.
 """
 
+import json
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is defined: they then run on CPU tensors
@@ -245,8 +246,7 @@ def test_flex_attention_forward_matches_eager_with_softcap_window_gqa_and_paddin
             close(out[keep], ref[keep])
 
 
-def test_gpu_benchmark_dry_run_exercises_the_script():
-    """benchmarks/gpu_kernels.py needs a GPU to measure; its dry run checks it runs end to end."""
+def _gpu_benchmark():
     import importlib.util
     from pathlib import Path
 
@@ -254,10 +254,43 @@ def test_gpu_benchmark_dry_run_exercises_the_script():
     spec = importlib.util.spec_from_file_location("gpu_kernels", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    result = bench.main(bench.parse_args(["--dry-run", "--only", "rmsnorm,loss,train", "--layers", "1", "--repeats", "1"]))
+    return bench
+
+
+def test_gpu_benchmark_dry_run_exercises_the_script(tmp_path):
+    """benchmarks/gpu_kernels.py needs a GPU to measure; its dry run checks it runs end to end and
+    writes its JSON and markdown table."""
+    bench = _gpu_benchmark()
+    out = tmp_path / "gpu.json"
+    result = bench.main(bench.parse_args(["--dry-run", "--only", "rmsnorm,loss,train", "--layers", "1", "--repeats", "1",
+                                          "--json", str(out), "--markdown", str(tmp_path / "gpu.md")]))
     assert [r["kernel"] for r in result["kernels"]] == ["rmsnorm", "rmsnorm (Gemma 1+w)", "loss (linear + CE)"]
     assert all(r["max_rel_error"] < 2e-5 for r in result["kernels"]), result["kernels"]
     assert result["train"]["tokens_per_step"] == 16
+    assert json.loads(out.read_text())["kernels"][0]["kernel"] == "rmsnorm"
+    table = (tmp_path / "gpu.md").read_text().splitlines()
+    assert table[0].startswith("cpu (dry run") and table[2].startswith("| kernel |")
+    assert [line.split(" | ")[0] for line in table[4:7]] == ["| rmsnorm", "| rmsnorm (Gemma 1+w)", "| loss (linear + CE)"]
+    assert any(line.startswith("Training step (llama3-8b x1 layers, 16 tokens)") for line in table)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the check would run for minutes")
+def test_gpu_check_script_stops_without_a_gpu(tmp_path):
+    """benchmarks/gpu_check.sh runs as written: without a GPU it stops before anything else, saying why."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+    done = subprocess.run(["sh", str(script), str(tmp_path / "out")], capture_output=True, text=True)
+    assert done.returncode != 0 and "no CUDA device" in done.stderr
+    assert (tmp_path / "out").is_dir() and not (tmp_path / "out" / "pytest.txt").exists()
+
+
+def test_gpu_benchmark_without_a_gpu_says_so(monkeypatch):
+    bench = _gpu_benchmark()
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        bench.main(bench.parse_args(["--only", "rmsnorm"]))
 
 
 def test_fused_loss_and_rope_follow_autocast_like_the_reference():

@@ -17,6 +17,7 @@ import zoo.testing as zt  # noqa: E402
 from zoo.core import kernels  # noqa: E402
 from zoo.components.mixers import gated_deltanet as gdn  # noqa: E402
 from zoo.components.kernels import gated_deltanet as fast  # noqa: E402
+from kernel_refs import bf16_error_bound, rel  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -116,3 +117,64 @@ def test_the_kernel_in_the_mixer_with_left_padding_and_a_decode_state():
     torch.testing.assert_close(got_padded, want_padded, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_padded[:1, 3:], want[:1], rtol=1e-5, atol=1e-4)  # padding invisible
     torch.testing.assert_close(torch.cat(steps, 1), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+def test_the_backward_in_segments_of_chunks_matches(with_state):
+    """The backward keeps the states before each segment of chunks and rebuilds each segment's states
+    from them: 5 chunks in segments of 2 (the last one shorter) give the chunked form's gradients."""
+    made = inputs(1, 1, 2, 75, 8, 16, with_state, 2.0)
+    clone = lambda: [t.detach().clone().requires_grad_() if t is not None else None for t in made]  # noqa: E731
+    got = run(lambda *t: fast.chunk_gated_delta_rule(*t, chunk_size=16, segment=2), clone())
+    want = run(lambda *t: gdn.chunk_gated_delta_rule(*t, chunk_size=16), clone())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, float(b.detach().abs().max())))
+
+
+def test_segments_bound_the_states_the_backward_holds():
+    """At Qwen3-Next's 262,144 tokens in chunks of 32 the backward holds 91 + 91 states per value
+    head instead of 8,192 (17 GB per layer at 32 heads of 128 x 128 in fp32: now 0.4 GB)."""
+    N = 262_144 // 32
+    M = fast._segment(N)
+    assert (M, -(-N // M)) == (91, 91)
+    assert fast._segment(64) == 64  # short sequences: one segment, as before
+
+
+def test_batch_times_heads_is_on_the_grid_axis_without_the_65535_limit(monkeypatch):
+    """B * H (and the UT transform's B * H * chunks) go on the grid's first axis (up to 2^31 - 1);
+    the second axis holds only the value blocks. Launches are recorded, not run."""
+    grids = []
+    monkeypatch.setattr(fast, "launch", lambda kernel, grid, configs, *a, **kw: grids.append((kernel.__name__, grid)))
+    q, k, v, g, beta, s0 = inputs(70_000, 1, 1, 1, 1, 1, True, 1.0)
+    y, s = fast.chunk_gated_delta_rule(q, k, v, g, beta, s0)
+    torch.autograd.backward([y, s], [torch.ones_like(y), torch.ones_like(s)])
+    assert {name for name, _ in grids} == {"_fwd", "_bwd", "_ut_fwd", "_ut_bwd"}
+    for name, grid in grids:
+        assert grid[0] == 70_000 and all(n <= 65_535 for n in grid[1:]), (name, grid)
+
+
+def test_bf16_inputs_are_as_accurate_as_the_reference_in_bf16():
+    """bf16 inputs take the TF32 products, the triangular solve of the UT transform included (the
+    interpreter computes them as IEEE fp32: it ignores ``input_precision``). Outputs and gradients
+    are within twice the error of the chunked form's result stored in bf16, as the interpreter
+    stores it (toward zero), both against the recurrent form in float64 on the same bf16-valued
+    inputs; the fp32 state and its gradient within the fp32 tests' 1e-5."""
+    made = [t.detach() for t in inputs(1, 2, 2, 50, 16, 16, True, 2.0)]
+    q, k, v = (t.bfloat16().float() for t in made[:3])
+    g_, beta, s0 = made[3:]
+    gen = torch.Generator().manual_seed(3)
+    dy = torch.randn(1, 2, 50, 16, generator=gen).bfloat16().float()
+    ds = torch.randn(1, 2, 16, 16, generator=gen)
+
+    def outcome(fn, dtype, qkv_dtype=None):
+        xs = [t.to(qkv_dtype or dtype).requires_grad_() for t in (q, k, v)]
+        xs += [t.to(dtype).requires_grad_() for t in (g_, beta, s0)]
+        y, s = fn(*xs)
+        return [y, s, *torch.autograd.grad([y, s], xs, [dy.to(y.dtype), ds.to(s.dtype)])]
+
+    want = outcome(gdn.recurrent_gated_delta_rule, torch.float64)
+    got = outcome(lambda *t: fast.chunk_gated_delta_rule(*t, chunk_size=16), torch.float32, torch.bfloat16)
+    core = outcome(lambda *t: gdn.chunk_gated_delta_rule(*t, chunk_size=16), torch.float32)
+    assert got[0].dtype == got[2].dtype == torch.bfloat16
+    for name, x, c, w in zip(["y", "state", "dq", "dk", "dv", "dg", "dbeta", "dstate"], got, core, want):
+        assert rel(x, w) <= bf16_error_bound(c, w, x.dtype), (name, rel(x, w), bf16_error_bound(c, w, x.dtype))

@@ -64,15 +64,15 @@ from zoo.core.spec import Part, SpecError, part_field, positive
 # ----------------------------------------------------------------------------------- dispatch
 
 @functools.lru_cache(maxsize=None)
-def _grouped_mm_ok(device_type: str, dtype: torch.dtype) -> bool:
-    """``torch._grouped_mm`` runs here for this dtype (it needs rows aligned to 16 bytes: see
-    :meth:`MoE.experts`)."""
+def _grouped_mm_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """``torch._grouped_mm`` runs on this device (not only its type: two GPUs of one machine may
+    differ) for this dtype (it needs rows aligned to 16 bytes: see :meth:`MoE.experts`)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        x = torch.randn(8, 16, device=device_type).to(dtype)
-        w = torch.randn(2, 16, 16, device=device_type).to(dtype)
-        torch._grouped_mm(x, w, offs=torch.tensor([3, 8], device=device_type, dtype=torch.int32))
+        x = torch.randn(8, 16, device=device).to(dtype)
+        w = torch.randn(2, 16, 16, device=device).to(dtype)
+        torch._grouped_mm(x, w, offs=torch.tensor([3, 8], device=device, dtype=torch.int32))
         return True
     except (RuntimeError, TypeError, NotImplementedError):
         return False
@@ -226,12 +226,13 @@ class MoE(nn.Module):
             w = w * self.cfg.routed_scaling
         return Routing(r.logits, r.probs, r.indices, w)
 
-    def experts(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def experts(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | int]:
         """Sum over each token's chosen experts of weight x expert(token): the token copies sorted
         by expert, each expert run on its contiguous run, the results added back per token. With a
         capacity factor, each expert takes at most ``ceil(factor * N * k / E)`` copies (the earliest
         tokens first); the rest are dropped (they add nothing: the residual carries the token).
-        Returns the output and the number of dropped copies."""
+        Returns the output and the number of dropped copies (a tensor with a capacity factor: read
+        on the host only when logged, so the forward does not wait for the device)."""
         N, k = indices.shape
         E = self.cfg.n_experts
         order = indices.reshape(-1).argsort(stable=True)
@@ -242,14 +243,14 @@ class MoE(nn.Module):
             expert = indices.reshape(-1)[order]
             rank = torch.arange(N * k, device=flat.device) - (counts.cumsum(0) - counts)[expert]
             keep = rank < capacity
-            dropped = int((~keep).sum())
+            dropped = (~keep).sum()
             order, counts = order[keep], counts.clamp(max=capacity)
         token = order // k
         xs = flat.index_select(0, token)
         mode = self.cfg.dispatch
         aligned = all(n * flat.element_size() % 16 == 0 for n in (self.d_model, self.cfg.d_ff))
         # Under torch.compile the loop path (the grouped kernel's fake-tensor rule wants bf16).
-        grouped_ok = not torch.compiler.is_compiling() and aligned and _grouped_mm_ok(flat.device.type, flat.dtype)
+        grouped_ok = not torch.compiler.is_compiling() and aligned and _grouped_mm_ok(flat.device, flat.dtype)
         if mode == "grouped" or (mode == "auto" and grouped_ok):
             ys = _experts_grouped(xs, counts, self.w_gate, self.w_up, self.w_down, self.act, self.gated)
         else:
@@ -275,7 +276,7 @@ class MoE(nn.Module):
         if ctx is not None:
             self.report(r, ctx, shape[:-1])
             if self.cfg.capacity_factor is not None:
-                ctx.add_metric("moe_dropped", torch.tensor(dropped / r.indices.numel()))
+                ctx.add_metric("moe_dropped", dropped / r.indices.numel())
         return out.reshape(shape)
 
     # -- balancing ------------------------------------------------------------------------------

@@ -26,18 +26,24 @@ What runs where:
   from the final state's gradient, giving ``du = dv'``, ``dw``, ``dq``, ``dk`` (within the chunk
   and through the state), ``dG`` (through ``D``, the decayed ``q`` and ``k`` and ``exp(G_C)``) and
   the initial state's gradient. The states before each chunk and ``v'`` are not kept from the
-  forward: the backward first reruns :func:`_fwd` to write them ((B, H, N, Dk, Dv) fp32, held only
-  during the backward). Keeping them would hold ``Dk * Dv / C`` floats per token and value head
-  (512 at Qwen3-Next's 128 x 128 heads and the 32-token chunk used there: more than q, k and v
-  together) from every layer's forward to its backward; the rerun is one more sweep of three small
-  products per chunk.
+  forward: keeping them would hold ``Dk * Dv / C`` floats per token and value head (512 at
+  Qwen3-Next's 128 x 128 heads and the 32-token chunk used there: more than q, k and v together)
+  from every layer's forward to its backward. Nor does the backward hold all N of them: it works
+  in segments of about sqrt(N) chunks (:func:`_segment`). One rerun of :func:`_fwd` writes ``v'``
+  and the state before each segment; then, from the last segment back, a rerun over the segment
+  writes the states before its chunks and :func:`_bwd` sweeps it, carrying ``dS`` to the segment
+  before. About 2 sqrt(N) states (B, H, Dk, Dv) are held, for one more forward sweep.
 
 The key head of value head ``h`` is ``h // (H / Hk)``: grouped q and k are read, never repeated.
 The value columns are split into blocks only when a block width divides ``Dv`` (so the scalar-decay
 kernel's tile helpers, imported from it, mask them right); otherwise one block holds them all.
 Products run in fp32: IEEE for fp32 inputs, TF32 tensor cores for 16-bit ones (which carry no more
-precision).
+precision). Every grid has B x H (for the UT transform, B x H x chunks) on its first axis, which may
+hold 2^31 - 1 programs (the others 65,535). The launch configurations are the scalar-decay
+kernel's (:func:`zoo.components.kernels.recurrent._configs`), autotuned among on a GPU.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -46,6 +52,8 @@ import triton.language as tl
 from zoo.components.kernels import on_device
 from zoo.components.kernels.recurrent import _advance, _decay_matrix, _state_ptrs, _store_tile, _tile
 from zoo.components.kernels.recurrent import _blocks as scalar_decay_blocks
+from zoo.components.kernels.recurrent import _configs
+from zoo.components.kernels.tuning import launch
 
 
 @triton.jit
@@ -57,20 +65,20 @@ def _decays(Gp, bh, n, Tp, C: tl.constexpr):
 
 
 @triton.jit
-def _fwd(Q, K, Gp, U, W, S0, O, ST, SB, VN, Tp, H, Hk, Dk, Dv,
+def _fwd(Q, K, Gp, U, W, S0, O, ST, SB, VN, Tp, H, Hk, Dk, Dv, N0, N1, EVERY, NSB,
          HAS_S0: tl.constexpr, STORE: tl.constexpr, PREC: tl.constexpr,
          C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """Forward over the chunks. ``STORE``: also write the state before each chunk (SB) and ``v'``
-    (VN) for the backward, instead of the outputs and the final state."""
-    v0 = tl.program_id(0) * BV
-    bh = tl.program_id(1).to(tl.int64)
+    """Forward over chunks ``N0`` to ``N1`` from the state S0 (at chunk N0). ``STORE``: instead of the
+    outputs and the final state, write ``v'`` (VN) and the state before every ``EVERY``-th chunk
+    from N0 (SB, ``NSB`` states per value head), for the backward."""
+    bh = tl.program_id(0).to(tl.int64)
+    v0 = tl.program_id(1) * BV
     bk = (bh // H) * Hk + (bh % H) // (H // Hk)  # the key head serving this value head
-    N = Tp // C
     S = tl.zeros((BK, BV), dtype=tl.float32)
     if HAS_S0:
         s_ptrs, s_mask = _state_ptrs(S0 + v0, bh, Dk, Dv, BK, BV)
         S = tl.load(s_ptrs, mask=s_mask, other=0.0)
-    for n in range(N):
+    for n in range(N0, N1):
         G, G_C = _decays(Gp, bh, n, Tp, C)
         q, _ = _tile(Q, bk * Tp * Dk, n * C, Tp, Dk, C, BK)
         k, _ = _tile(K, bk * Tp * Dk, n * C, Tp, Dk, C, BK)
@@ -78,8 +86,9 @@ def _fwd(Q, K, Gp, U, W, S0, O, ST, SB, VN, Tp, H, Hk, Dk, Dv,
         u, _ = _tile(U + v0, bh * Tp * Dv, n * C, Tp, Dv, C, BV)
         vn = u - tl.dot(w, S, input_precision=PREC)
         if STORE:
-            sb_ptrs, sb_mask = _state_ptrs(SB + v0, bh * N + n, Dk, Dv, BK, BV)
-            tl.store(sb_ptrs, S, mask=sb_mask)
+            if (n - N0) % EVERY == 0:
+                sb_ptrs, sb_mask = _state_ptrs(SB + v0, bh * NSB + (n - N0) // EVERY, Dk, Dv, BK, BV)
+                tl.store(sb_ptrs, S, mask=sb_mask)
             _store_tile(VN + v0, bh * Tp * Dv, n * C, Tp, Dv, vn, C, BV)
         else:
             att = tl.dot(q, tl.trans(k), input_precision=PREC) * _decay_matrix(G, C)
@@ -92,32 +101,32 @@ def _fwd(Q, K, Gp, U, W, S0, O, ST, SB, VN, Tp, H, Hk, Dk, Dv,
 
 
 @triton.jit
-def _bwd(Q, K, Gp, W, SB, VN, DO, DST, DQ, DK, DG, DU, DW, DS0, Tp, H, Hk, Dk, Dv,
+def _bwd(Q, K, Gp, W, SB, VN, DO, DST, DQ, DK, DG, DU, DW, DS0, Tp, H, Hk, Dk, Dv, N0, N1, NSB,
          HAS_DST: tl.constexpr, PREC: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """From the last chunk back, with ``dS`` the gradient of the state after the chunk:
+    """From chunk ``N1 - 1`` back to ``N0`` (SB: the states before them, ``NSB`` per value head), with ``dS`` the gradient of
+    the state after the chunk (DST at N1; DS0 gets it at N0):
     dv' = P^T dO + kd dS (= du), dP = dO v'^T, d(q e^G) = dO S^T, d(kd) = v' dS^T, dw = -dv' S^T,
     and dS before the chunk = e^{G_C} dS + (q e^G)^T dO - w^T dv'. DQ, DK, DW, DG are this column
     block's share (per value head); DU and DS0 are whole."""
-    j = tl.program_id(0)
+    j = tl.program_id(1)
     v0 = j * BV
-    bh = tl.program_id(1).to(tl.int64)
+    bh = tl.program_id(0).to(tl.int64)
     bk = (bh // H) * Hk + (bh % H) // (H // Hk)
-    N = Tp // C
-    part = j * tl.num_programs(1).to(tl.int64)  # offset of this column block's shares, in value heads
+    part = j * tl.num_programs(0).to(tl.int64)  # offset of this column block's shares, in value heads
     dS = tl.zeros((BK, BV), dtype=tl.float32)
     if HAS_DST:
         d_ptrs, d_mask = _state_ptrs(DST + v0, bh, Dk, Dv, BK, BV)
         dS = tl.load(d_ptrs, mask=d_mask, other=0.0)
     i = tl.arange(0, C)
-    for m in range(N):
-        n = N - 1 - m
+    for m in range(N1 - N0):
+        n = N1 - 1 - m
         G, G_C = _decays(Gp, bh, n, Tp, C)
         q, _ = _tile(Q, bk * Tp * Dk, n * C, Tp, Dk, C, BK)
         k, _ = _tile(K, bk * Tp * Dk, n * C, Tp, Dk, C, BK)
         w, _ = _tile(W, bh * Tp * Dk, n * C, Tp, Dk, C, BK)
         vn, _ = _tile(VN + v0, bh * Tp * Dv, n * C, Tp, Dv, C, BV)
         do, _ = _tile(DO + v0, bh * Tp * Dv, n * C, Tp, Dv, C, BV)
-        sb_ptrs, sb_mask = _state_ptrs(SB + v0, bh * N + n, Dk, Dv, BK, BV)
+        sb_ptrs, sb_mask = _state_ptrs(SB + v0, bh * NSB + n - N0, Dk, Dv, BK, BV)
         S = tl.load(sb_ptrs, mask=sb_mask, other=0.0)
         L = _decay_matrix(G, C)
         eG = tl.exp(G)[:, None]
@@ -164,9 +173,10 @@ def _ut(k, G, beta, PREC: tl.constexpr, C: tl.constexpr):
 @triton.jit
 def _ut_fwd(K, V, Gp, Beta, U, W, Tp, H, Hk, Dk, Dv, PREC: tl.constexpr,
             C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr):
-    """One program per (chunk, batch and value head): u = T (beta v), w = T (beta exp(G) k)."""
-    n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    """One program per (batch and value head, chunk), on one axis of the grid: u = T (beta v),
+    w = T (beta exp(G) k)."""
+    pid = tl.program_id(0).to(tl.int64)
+    n, bh = pid % (Tp // C), pid // (Tp // C)
     bk = (bh // H) * Hk + (bh % H) // (H // Hk)
     G, _ = _decays(Gp, bh, n, Tp, C)
     beta = tl.load(Beta + bh * Tp + n * C + tl.arange(0, C))
@@ -184,8 +194,8 @@ def _ut_bwd(K, V, Gp, Beta, DU, DW, DK, DV, DG, DB, Tp, H, Hk, Dk, Dv, PREC: tl.
     """With R = [beta v | beta exp(G) k] and [u | w] = T R: dR = T^T [du | dw],
     dA = -T^T ([du | dw] R^T) T^T on the strictly lower part, then through A = beta_i (k k^T) * D
     and R to dk (this value head's share), dv, dG and dbeta."""
-    n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    pid = tl.program_id(0).to(tl.int64)
+    n, bh = pid % (Tp // C), pid // (Tp // C)
     bk = (bh // H) * Hk + (bh % H) // (H // Hk)
     i = tl.arange(0, C)
     G, _ = _decays(Gp, bh, n, Tp, C)
@@ -217,45 +227,66 @@ def _width(d):
     return max(16, triton.next_power_of_2(d))
 
 
+def _segment(N):
+    """Chunks per segment of the backward: all of them up to 64, else about sqrt(N), so that the
+    states held (one per segment, then one per chunk of a segment) are about 2 sqrt(N), not N."""
+    return N if N <= 64 else math.isqrt(N - 1) + 1
+
+
 class _InterChunk(torch.autograd.Function):
     """The sequential pass over chunks: (q, k per key head; G, u, w per value head; S0) -> (outputs,
     final state). All inputs fp32 and contiguous, the length a whole number of chunks."""
 
     @staticmethod
-    def forward(ctx, q, k, G, u, w, s0, C, BV, prec):
+    def forward(ctx, q, k, G, u, w, s0, C, BV, prec, segment):
         B, H, Tp, Dv = u.shape
         Hk, Dk = q.shape[1], q.shape[-1]
         o = torch.empty_like(u)
         st = u.new_empty(B, H, Dk, Dv)
-        grid = (triton.cdiv(Dv, BV), B * H)
+        BK = _width(Dk)
         with on_device(u):
-            _fwd[grid](q, k, G, u, w, s0 if s0 is not None else st, o, st, st, o, Tp, H, Hk, Dk, Dv,
-                       HAS_S0=s0 is not None, STORE=False, PREC=prec, C=C, BK=_width(Dk), BV=BV)
+            launch(_fwd, (B * H, triton.cdiv(Dv, BV)), _configs(BK, BV), q, k, G, u, w, s0 if s0 is not None else st,
+                   o, st, st, o, Tp, H, Hk, Dk, Dv, 0, Tp // C, 1, 1, HAS_S0=s0 is not None, STORE=False, PREC=prec,
+                   C=C, BK=BK, BV=BV)
         ctx.save_for_backward(q, k, G, u, w, s0)
-        ctx.C, ctx.BV, ctx.prec = C, BV, prec
+        ctx.C, ctx.BV, ctx.prec, ctx.segment = C, BV, prec, segment
         return o, st
 
     @staticmethod
     def backward(ctx, do, dst):
+        """Segment by segment from the last: the states before each segment are kept from one
+        forward rerun, and each segment's states before its chunks are rebuilt from them just
+        before its reverse sweep."""
         q, k, G, u, w, s0 = ctx.saved_tensors
         C, BV, prec = ctx.C, ctx.BV, ctx.prec
         B, H, Tp, Dv = u.shape
         Hk, Dk = q.shape[1], q.shape[-1]
         N, NV, BK = Tp // C, triton.cdiv(Dv, BV), _width(Dk)
-        grid = (NV, B * H)
-        states, vn = u.new_empty(B, H, N, Dk, Dv), torch.empty_like(u)
+        M = min(ctx.segment or _segment(N), N)
+        grid, configs, common = (B * H, NV), _configs(BK, BV), dict(PREC=prec, C=C, BK=BK, BV=BV)
+        NS = triton.cdiv(N, M)
+        starts, states, vn = u.new_empty(B, H, NS, Dk, Dv), u.new_empty(B, H, M, Dk, Dv), torch.empty_like(u)
         do = torch.zeros_like(u) if do is None else do.float().contiguous()
         dst = dst.float().contiguous() if dst is not None else None
         dq, dk, dw = (u.new_empty(NV, B, H, Tp, Dk) for _ in range(3))
-        dG, du, ds0 = u.new_empty(NV, B, H, Tp), torch.empty_like(u), u.new_empty(B, H, Dk, Dv)
+        dG, du = u.new_empty(NV, B, H, Tp), torch.empty_like(u)
+        carried = [u.new_empty(B, H, Dk, Dv) for _ in range(2 if NS > 1 else 1)]  # dS between segments
+        s0_ = s0 if s0 is not None else u
         with on_device(u):
-            _fwd[grid](q, k, G, u, w, s0 if s0 is not None else ds0, vn, ds0, states, vn, Tp, H, Hk, Dk, Dv,
-                       HAS_S0=s0 is not None, STORE=True, PREC=prec, C=C, BK=BK, BV=BV)
-            _bwd[grid](q, k, G, w, states, vn, do, dst if dst is not None else ds0, dq, dk, dG, du, dw, ds0,
-                       Tp, H, Hk, Dk, Dv, HAS_DST=dst is not None, PREC=prec, C=C, BK=BK, BV=BV)
+            first = starts if NS > 1 else states  # the states before each segment, or before each chunk
+            launch(_fwd, grid, configs, q, k, G, u, w, s0_, vn, s0_, first, vn, Tp, H, Hk, Dk, Dv, 0, N, M if NS > 1 else 1,
+                   first.shape[2], HAS_S0=s0 is not None, STORE=True, **common)
+            for i in reversed(range(NS)):
+                n0, n1 = i * M, min(N, (i + 1) * M)
+                if NS > 1:
+                    launch(_fwd, grid, configs, q, k, G, u, w, starts[:, :, i].contiguous(), vn, s0_, states, vn,
+                           Tp, H, Hk, Dk, Dv, n0, n1, 1, M, HAS_S0=True, STORE=True, **common)
+                ds_in = dst if i == NS - 1 else carried[(i + 1) % 2]
+                launch(_bwd, grid, configs, q, k, G, w, states, vn, do, ds_in if ds_in is not None else u, dq, dk, dG,
+                       du, dw, carried[i % 2], Tp, H, Hk, Dk, Dv, n0, n1, M, HAS_DST=ds_in is not None, **common)
         group = lambda t: t.sum(0).view(B, Hk, H // Hk, Tp, Dk).sum(2)  # noqa: E731  blocks, then heads
-        return (group(dq), group(dk), dG.sum(0), du, dw.sum(0), ds0 if s0 is not None else None,
-                None, None, None)
+        return (group(dq), group(dk), dG.sum(0), du, dw.sum(0), carried[0] if s0 is not None else None,
+                None, None, None, None)
 
 
 class _UTTransform(torch.autograd.Function):
@@ -268,8 +299,8 @@ class _UTTransform(torch.autograd.Function):
         Hk, Dk = k.shape[1], k.shape[-1]
         u, w = torch.empty_like(v), v.new_empty(B, H, Tp, Dk)
         with on_device(v):
-            _ut_fwd[(Tp // C, B * H)](k, v, G, beta, u, w, Tp, H, Hk, Dk, Dv, PREC=prec, C=C,
-                                      BK=_width(Dk), BVF=_width(Dv))
+            launch(_ut_fwd, (Tp // C * B * H,), ((4, 2),), k, v, G, beta, u, w, Tp, H, Hk, Dk, Dv, PREC=prec, C=C,
+                   BK=_width(Dk), BVF=_width(Dv))
         ctx.save_for_backward(k, v, G, beta)
         ctx.C, ctx.prec = C, prec
         return u, w
@@ -283,8 +314,8 @@ class _UTTransform(torch.autograd.Function):
         dw = v.new_zeros(B, H, Tp, Dk) if dw is None else dw.contiguous()
         dk, dv, dG, db = v.new_empty(B, H, Tp, Dk), torch.empty_like(v), torch.empty_like(G), torch.empty_like(beta)
         with on_device(v):
-            _ut_bwd[(Tp // ctx.C, B * H)](k, v, G, beta, du, dw, dk, dv, dG, db, Tp, H, Hk, Dk, Dv, PREC=ctx.prec,
-                                          C=ctx.C, BK=_width(Dk), BVF=_width(Dv))
+            launch(_ut_bwd, (Tp // ctx.C * B * H,), ((4, 2),), k, v, G, beta, du, dw, dk, dv, dG, db, Tp, H, Hk, Dk, Dv,
+                   PREC=ctx.prec, C=ctx.C, BK=_width(Dk), BVF=_width(Dv))
         return dk.view(B, Hk, H // Hk, Tp, Dk).sum(2), dv, dG, db, None, None
 
 
@@ -298,11 +329,12 @@ def _blocks(T, chunk_size, Dk, Dv, block_v):
     return min(_width(min(chunk_size, T)), scalar_decay_blocks(Dk, BV)[0]), BV
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk_size=64, *, block_v=None):
+def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk_size=64, *, block_v=None, segment=None):
     """:func:`zoo.components.mixers.gated_deltanet.chunk_gated_delta_rule` on Triton: the same arguments and
     results (outputs in ``v``'s dtype, the final state in fp32). ``chunk_size`` bounds the kernels'
     chunk (see :func:`_blocks`; the chunk changes only the order of fp32 sums); ``block_v`` forces
-    the width of a block of value columns (tests)."""
+    the width of a block of value columns and ``segment`` the chunks per segment of the backward
+    (tests)."""
     B, Hk, T, Dk = k.shape
     H, Dv = v.shape[1], v.shape[-1]
     if q.shape != k.shape or v.shape[:3] != (B, H, T) or H % Hk or g.shape != (B, H, T) or beta.shape != (B, H, T):
@@ -319,5 +351,5 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk_size=64, *, block
     G = g.view(B, H, N, C).cumsum(-1).view(B, H, Tp)
     u, w = _UTTransform.apply(k, v, G, beta, C, prec)
     s0 = state.float().contiguous() if state is not None else None
-    out, S = _InterChunk.apply(q, k, G, u, w, s0, C, BV, prec)
+    out, S = _InterChunk.apply(q, k, G, u, w, s0, C, BV, prec, segment)
     return out[:, :, :T].to(out_dtype), S

@@ -1,0 +1,86 @@
+"""The recurrent Triton kernels compiled and run on a CUDA GPU at the presets' shapes (and head dim
+256), fp32 and bf16, forward and backward, against the PyTorch references on the same GPU. Skipped
+without a GPU; ``benchmarks/gpu_check.sh`` runs this file (``-m cuda``, with ``TRITON_INTERPRET=0``)
+before the GPU benchmark. Nothing here has run yet: no GPU has been at hand."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernel_refs import bf16_error_bound, reference64, rel  # noqa: E402
+from zoo.components import gated_deltanet as gdn  # noqa: E402
+from zoo.components import recurrent  # noqa: E402
+from zoo.components.kernels import fit  # noqa: E402
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                       reason="TRITON_INTERPRET is on: run with TRITON_INTERPRET=0 (benchmarks/gpu_check.sh does)"),
+]
+
+
+def problems():
+    """One problem per component and head widths (the presets', and 256): the rest compile the same."""
+    found = fit.preset_problems()
+    found += [fit.widened(p, 256) for p in found]
+    return list({(p.component, p.shapes[0][-1], p.shapes[2][-1]): p for p in found}.values())
+
+
+PROBLEMS = problems() if torch.cuda.is_available() else []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("problem", PROBLEMS, ids=[p.label for p in PROBLEMS])
+def test_kernel_matches_the_reference_on_cuda(problem, dtype):
+    """Two heads of the preset's shape, three chunks and a bit: outputs, final state and every
+    gradient, within the bf16 bound of the CPU tests (twice the reference's own bf16 error against
+    float64) or, in fp32, 1e-4 of the largest element (TF32 is off for fp32 inputs: IEEE products)."""
+    from zoo.components.kernels import gated_deltanet as fast_gdn
+    from zoo.components.kernels import recurrent as fast_rec
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    chunk = dict(problem.kwargs).get("chunk", dict(problem.kwargs).get("arg6", 64))
+    T = 3 * min(chunk, 64) + 5
+    shapes = [s[:1] + (min(s[1], 2),) + (T,) + s[3:] if s is not None else None for s in problem.shapes]
+    if problem.component == "gated_delta":
+        q, k = (gdn.l2norm(torch.randn(*shapes[i], device=dev, generator=g)) for i in (0, 1))
+        q = q * q.shape[-1] ** -0.5
+        v = torch.randn(*shapes[2], device=dev, generator=g)
+        ga = -torch.rand(*shapes[3], device=dev, generator=g)
+        beta = torch.rand(*shapes[4], device=dev, generator=g)
+        s0 = torch.randn(shapes[2][0], shapes[2][1], q.shape[-1], v.shape[-1], device=dev, generator=g)
+        extra = (ga, beta, s0)
+        H, Hk = v.shape[1], q.shape[1]
+        fast = lambda q, k, v, ga, beta, s0: fast_gdn.chunk_gated_delta_rule(q, k, v, ga, beta, s0, chunk)  # noqa: E731
+        core = lambda q, k, v, ga, beta, s0: gdn.chunk_gated_delta_rule(q, k, v, ga, beta, s0, chunk)  # noqa: E731
+        exact = lambda q, k, v, ga, beta, s0: gdn.recurrent_gated_delta_rule(  # noqa: E731
+            q.repeat_interleave(H // Hk, 1), k.repeat_interleave(H // Hk, 1), v, ga, beta, s0)
+    else:
+        q, k = (torch.randn(*shapes[i], device=dev, generator=g) * shapes[i][-1] ** -0.5 for i in (0, 1))
+        v = torch.randn(*shapes[2], device=dev, generator=g)
+        a = -torch.rand(*shapes[3], device=dev, generator=g)
+        s0 = torch.randn(v.shape[0], v.shape[1], q.shape[-1], v.shape[-1], device=dev, generator=g)
+        extra = (a, s0)
+        fast = fast_rec.chunked
+        core = lambda q, k, v, a, s0: recurrent.chunked(q, k, v, a, s0, chunk=chunk)  # noqa: E731
+        exact = reference64
+    q, k, v = (t.to(dtype).float() for t in (q, k, v))  # values the dtype holds, for every path
+    dy = torch.randn(v.shape, device=dev, generator=g).to(dtype).float()
+    ds = torch.randn(s0.shape, device=dev, generator=g)
+
+    def outcome(fn, dtype_, qkv_dtype=None):
+        xs = [t.to(qkv_dtype or dtype_).requires_grad_() for t in (q, k, v)] + [t.to(dtype_).requires_grad_() for t in extra]
+        y, s = fn(*xs)
+        return [y, s, *torch.autograd.grad([y, s], xs, [dy.to(y.dtype), ds.to(s.dtype)])]
+
+    want = outcome(exact, torch.float64)
+    got = outcome(fast, torch.float32, dtype)
+    ref = outcome(core, torch.float32)
+    for i, (x, c, w) in enumerate(zip(got, ref, want)):
+        bound = bf16_error_bound(c, w, x.dtype) if dtype == torch.bfloat16 else max(2 * rel(c, w), 1e-4)
+        assert rel(x, w) <= bound, (problem.label, i, rel(x, w), bound)
