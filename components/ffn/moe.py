@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.core.kinds import Cost
+from zoo.core.kinds import FFN, Cost
 from zoo.core.spec import build_part
 from zoo.components.ffn.routers import Routing
 from zoo.core.registry import register
@@ -104,7 +104,7 @@ LOSSES = ("switch_loss", "switch_pooled_loss", "sequence_loss", "device_loss", "
 
 
 @register("ffn", "moe")
-class MoE(nn.Module):
+class MoE(FFN):
     """``n_experts`` stacked experts (the ``expert`` FFN's kind: any gated or plain two-matrix FFN,
     SwiGLU by default), ``top_k`` chosen per token by the ``router``; optional shared expert."""
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.core import kernels
-from zoo.core.kinds import Cost
+from zoo.core.kinds import Cost, Mixer
 from zoo.core.registry import register
 from zoo.core.spec import SpecError, positive
 from zoo.core.state import KVState
@@ -34,7 +34,7 @@ def attention_kind(n_heads: int, n_kv_heads: int) -> str:
 
 
 @register("mixer", "attention")
-class Attention(nn.Module):
+class Attention(Mixer):
     """Multi-head causal attention with ``n_kv_heads`` key/value heads shared by groups of queries.
 
     Its decode state is a :class:`~zoo.core.state.KVState` (a ring buffer of ``window`` slots when it

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.core import deprecations as _deprecations
+from zoo.core import kinds as _kinds
 from zoo.core import kernels as _kernels
 from zoo.core import precision as _precision
 from zoo.core import registry as _registry
@@ -28,7 +29,7 @@ from zoo.core.spec import ModelSpec
 from zoo.core.state import DecodeState, step_layout
 
 
-class Decoder(nn.Module):
+class Decoder(_kinds.Kernels, nn.Module):
     """A decoder-only language model built from a spec."""
 
     # The loss (head + soft-cap + cross-entropy + z-loss) has a fused, chunked fast path.
@@ -78,16 +79,25 @@ class Decoder(nn.Module):
     # -- initialisation --------------------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self, generator: Optional[torch.Generator] = None) -> None:
-        """Normal(0, init_std) for matrices and embeddings, zeros for biases; parts with their own
-        rule (norms, learned scales) implement ``reset_parameters``."""
+        """Normal(0, init_std) for matrices and embeddings, zeros for biases, and every other torch
+        module's own ``reset_parameters`` (a ``Conv1d``); then each part's ``reset_parameters``
+        (norms, learned scales), inner parts before the parts holding them, so that a part's own
+        initialisation is final."""
         std = self.spec.init_std
+        parts = []
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.normal_(0.0, std, generator=generator)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
-            elif module is not self and hasattr(module, "reset_parameters"):
+            elif module is self:
+                continue
+            elif _kinds.is_part(module):
+                parts.append(module)
+            elif hasattr(module, "reset_parameters"):  # torch's own modules' convention, not a zoo hook
                 module.reset_parameters()
+        for module in reversed(parts):
+            module.reset_parameters()
         if self.head_bias is not None:
             self.head_bias.zero_()
 
@@ -104,8 +114,7 @@ class Decoder(nn.Module):
         layers = []
         for i, layer in enumerate(self.layers):
             mixer = layer.mixer
-            make = getattr(mixer, "new_state", None)
-            state = make(batch, max_len, dtype=dtype, device=device) if callable(make) else None
+            state = _kinds.adapt_state(mixer.new_state(batch, max_len, dtype=dtype, device=device))
             if state is None:
                 raise ValueError(
                     f"layer {i}'s mixer {type(mixer).__name__} ({self.spec.layer(i).mixer.name!r}) keeps no decode state "
