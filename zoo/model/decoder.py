@@ -133,8 +133,10 @@ class Decoder(_kinds.Kernels, nn.Module):
             slots, key_mask, positions = state.advance(B, T, input_ids.device, attention_mask)
         else:
             slots, key_mask, positions = step_layout(B, T, input_ids.device, attention_mask)
-        return ForwardContext(position_ids=positions if position_ids is None else position_ids, slots=slots,
+        ctx = ForwardContext(position_ids=positions if position_ids is None else position_ids, slots=slots,
                               key_mask=key_mask, state=state)
+        ctx.n_layers = len(self.layers)
+        return ctx
 
     def hidden_states(
         self,
