@@ -2,20 +2,14 @@
 interface check each registration passes (the tables below). The forward context is
 :mod:`zoo.core.context`; the plugin hook is :mod:`zoo.core.hooks`.
 
-The interfaces are deliberately thin, so that fast kernels (SDPA, flex attention, Triton) fit behind them:
-
-- a norm is any ``nn.Module`` built as ``cls(config, dim=...)`` and called on ``x``;
-- an FFN is built as ``cls(config, d_model=...)`` and called as ``ffn(x, ctx)`` (``ctx`` may be
-  ``None`` when it runs alone; an FFN may add auxiliary losses and metrics to it);
-- a token *mixer* (attention is one kind; recurrent and latent mixers are others) is built as
-  ``cls(config, d_model=..., layer=..., spec=..., index=...)`` and called as
-  ``mixer(x, ctx, pos)``. It owns its decode state: :meth:`Mixer.new_state` makes one layer's
-  state, which it finds again as ``ctx.state.layers[index]``;
-- a position encoding is a :class:`PositionEncoding`; each layer sees it through a
-  :class:`PositionState` (its per-forward tables).
-
-A part states its own facts (:class:`Cost`, :meth:`Mixer.facts`, ``shrink``); nothing outside a
-part reads its attributes.
+One base per kind (:class:`Norm`, :class:`Activation`, :class:`FFN`, :class:`Router`,
+:class:`Mixer`, :class:`Block`, :class:`PositionEncoding`, :class:`RopeScaling`, all under
+:class:`Part`; :class:`LayerState` for decode states) declares the constructor context
+(``CONTEXT``: ``cls(config, **context)``), the forward arguments (``FORWARD``) and every hook, with
+its default and its caller. This is the one statement of the contract: :data:`BASES`, the tables
+derived from it, the registration check and docs/plugins.md's table (:func:`contract_table`) all
+read it. A part states its own facts (:class:`Cost`, ``facts``, ``shrink``); nothing outside a part
+reads its attributes.
 """
 
 from __future__ import annotations
@@ -352,6 +346,21 @@ def implements(obj: Any, hook: str) -> bool:
 
 #: Class -> the default hooks :func:`adapt` mixed into it.
 _MIXED: dict[type, tuple[str, ...]] = {}
+
+
+def contract_table() -> str:
+    """The constructor contract and hooks of every module-like kind, as the markdown table in
+    docs/plugins.md (tests/test_contract.py checks that the two agree)."""
+    lines = ["| kind | base | built as | called as | hooks (default in the base) |", "|---|---|---|---|---|"]
+    for kind, base in BASES.items():
+        built = ", ".join(("config", *(f"{k}=" for k in base.CONTEXT)))
+        called = f"({', '.join(base.FORWARD)})" if base.FORWARD else "(its methods)"
+        names = [f"`{n}`" for n, v in hooks(base).items() if n not in hooks(Part) or base is Part]
+        lines.append(f"| {kind} | `{base.__name__}` | `cls({built})` | `{called}` | {', '.join(names) or '-'} |")
+    common = ", ".join(f"`{n}`" for n in hooks(Part))
+    lines.append(f"| every kind above | `Part` | | | {common} |")
+    lines.append(f"| a decode state | `LayerState` | by its mixer's `new_state` | | {', '.join(f'`{n}`' for n in hooks(LayerState))} |")
+    return "\n".join(lines)
 
 
 def adapt(cls: type, base: type) -> type:
