@@ -66,7 +66,7 @@ class MLP(FFN):
         self.act = build_part(cfg.activation, "activation")
 
     def kernel_problem(self, backend, x=None, forced=False):
-        if getattr(self.act, "fused_name", None) is None:
+        if self.act.fused_name is None:
             return f"activation {type(self.act).__name__} has no fused gated product"
         return None
 

@@ -198,7 +198,7 @@ class MoE(FFN):
                                "n_devices": 1 if E % cfg.n_devices else cfg.n_devices}
         if cfg.shared_d_ff is not None:
             out["shared_d_ff"] = d_ff
-        router = cfg.router.cls.shrink_to(cfg.router.config, E) if hasattr(cfg.router.cls, "shrink_to") else {}
+        router = cfg.router.cls.shrink_to(cfg.router.config, E)
         if router:
             out["router"] = {**cfg.router.to_dict(), **router}
         return out
