@@ -82,7 +82,7 @@ def _part_cost(module: nn.Module, context: int) -> Cost:
 
 
 def _facts(module: nn.Module) -> dict[str, Any]:
-    return dict(module.facts())
+    return dict(module.facts()) if is_part(module) else {}  # a block without an FFN has None
 
 
 def layer_facts(layer: nn.Module) -> dict[str, Any]:
