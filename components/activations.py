@@ -9,11 +9,12 @@ from typing import Literal
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.core.kinds import Activation
 from zoo.core.registry import register
 
 
 @register("activation", "relu")
-class ReLU(nn.Module):
+class ReLU(Activation):
     """``max(x, 0)`` (the original Transformer's FFN)."""
 
     @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class ReLU(nn.Module):
 
 
 @register("activation", "relu2")
-class ReLU2(nn.Module):
+class ReLU2(Activation):
     """Squared ReLU, ``relu(x) ** 2`` (So et al. 2021, Primer; Nemotron). transformers calls it ``relu2``."""
 
     @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class ReLU2(nn.Module):
 
 
 @register("activation", "gelu")
-class GeLU(nn.Module):
+class GeLU(Activation):
     """GeLU, exact (``x * Phi(x)``) or with the tanh approximation (GPT-2, Gemma)."""
 
     @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class GeLU(nn.Module):
 
 
 @register("activation", "silu")
-class SiLU(nn.Module):
+class SiLU(Activation):
     """``x * sigmoid(x)`` (Swish with beta 1)."""
 
     @dataclass(frozen=True)

@@ -25,11 +25,11 @@ from torch import nn
 
 from zoo.components.mixers.none import NoMixer
 from zoo.core.deprecations import warn
-from zoo.core.kinds import takes_ctx
+from zoo.core.kinds import Block, takes_ctx
 from zoo.core.registry import register
 
 
-class _Block(nn.Module):
+class _Block(Block):
     def __init__(self, *, spec, layer, index):
         super().__init__()
         d = spec.d_model
@@ -104,7 +104,7 @@ class Parallel(_Block):
 
 
 @register("block", "ffn_only")
-class FFNOnly(nn.Module):
+class FFNOnly(Block):
     """``y = x + FFN(N(x))``: one norm, the layer's FFN, the residual. The layer's ``mixer`` setting is
     not built."""
 
@@ -129,7 +129,7 @@ class FFNOnly(nn.Module):
 
 
 @register("block", "mixer_only")
-class MixerOnly(nn.Module):
+class MixerOnly(Block):
     """``y = x + mixer(N(x))``: a layer with a token mixer and no FFN (Mamba-2's block, one norm). The
     layer's ``ffn`` setting is not built and computes nothing."""
 

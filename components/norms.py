@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.core import kernels
+from zoo.core.kinds import Norm
 from zoo.core.registry import register
 from zoo.core.spec import positive
 
@@ -18,7 +19,7 @@ def _row_problem(dim: int):
 
 
 @register("norm", "layernorm")
-class LayerNorm(nn.Module):
+class LayerNorm(Norm):
     """``(x - mean) / sqrt(var + eps) * w + b`` over the last dimension."""
 
     kernel: ClassVar[str] = "layernorm"
@@ -54,7 +55,7 @@ class LayerNorm(nn.Module):
 
 
 @register("norm", "rmsnorm")
-class RMSNorm(nn.Module):
+class RMSNorm(Norm):
     """``x / sqrt(mean(x^2) + eps) * w``, computed in fp32.
 
     ``unit_offset``: scale by ``1 + w`` with ``w`` initialised at 0 (Gemma).

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from zoo.core import kinds as _kinds
 from zoo.core import registry as _registry
 from zoo.core.context import ForwardContext
 from zoo.core.kinds import PositionState, rotary_dim_of
@@ -476,7 +477,7 @@ def _sequence_mixer(kind: str, name: str, config: dict[str, Any]) -> None:
     assert_builds_on_meta(build, what)
     module = build()
     x, ctx, rot = attention_inputs(spec)
-    if kind == "mixer" and not getattr(module, "mixes_tokens", True):  # mixer ``none``: the layer is its FFN
+    if kind == "mixer" and not module.mixes_tokens:  # mixer ``none``: the layer is its FFN
         y = module(x, ctx, rot)
         assert y.shape == x.shape and not y.any(), f"{what}: declares mixes_tokens = False but its output is not zeros"
         assert not list(module.parameters()), f"{what}: declares mixes_tokens = False but has parameters"
@@ -540,8 +541,8 @@ def shrink(spec: ModelSpec, *, n_layers: int = 2, d_model: int = 32, vocab_size:
     for kind, layer in spec.layers.items():
         for slot in ("mixer", "ffn", "norm", "block", "position"):
             part = getattr(layer, slot)
-            fn = getattr(part.cls, "shrink", None) if part is not None else None
-            if callable(fn):
+            if part is not None and _kinds.implements(part.cls, "shrink"):
+                fn = part.cls.shrink
                 table = data["layers"][kind][slot]
                 if isinstance(table, str):
                     table = data["layers"][kind][slot] = {"name": table}

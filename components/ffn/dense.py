@@ -7,6 +7,7 @@ from typing import ClassVar, Literal, Optional
 from torch import nn
 
 from zoo.core import kernels
+from zoo.core.kinds import FFN
 from zoo.core.spec import build_part
 from zoo.core.registry import register
 from zoo.core.spec import Part, SpecError, part_field
@@ -39,7 +40,7 @@ def _check(cfg) -> None:
 
 
 @register("ffn", "mlp")
-class MLP(nn.Module):
+class MLP(FFN):
     """``down(act(up(x)))``: the original two-matrix FFN."""
 
     @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class MLP(nn.Module):
         self.act = build_part(cfg.activation, "activation")
 
     def kernel_problem(self, backend, x=None, forced=False):
-        if getattr(self.act, "fused_name", None) is None:
+        if self.act.fused_name is None:
             return f"activation {type(self.act).__name__} has no fused gated product"
         return None
 

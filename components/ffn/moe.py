@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.core.context import recomputing
-from zoo.core.kinds import Cost
+from zoo.core.kinds import FFN, Cost
 from zoo.core.spec import build_part
 from zoo.components.ffn.routers import Routing
 from zoo.core.registry import register
@@ -105,7 +105,7 @@ LOSSES = ("switch_loss", "switch_pooled_loss", "sequence_loss", "device_loss", "
 
 
 @register("ffn", "moe")
-class MoE(nn.Module):
+class MoE(FFN):
     """``n_experts`` stacked experts (the ``expert`` FFN's kind: any gated or plain two-matrix FFN,
     SwiGLU by default), ``top_k`` chosen per token by the ``router``; optional shared expert."""
 
@@ -201,7 +201,7 @@ class MoE(nn.Module):
                                "n_devices": 1 if E % cfg.n_devices else cfg.n_devices}
         if cfg.shared_d_ff is not None:
             out["shared_d_ff"] = d_ff
-        router = cfg.router.cls.shrink_to(cfg.router.config, E) if hasattr(cfg.router.cls, "shrink_to") else {}
+        router = cfg.router.cls.shrink_to(cfg.router.config, E)
         if router:
             out["router"] = {**cfg.router.to_dict(), **router}
         return out

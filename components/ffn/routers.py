@@ -9,6 +9,7 @@ from typing import ClassVar, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from zoo.core.kinds import Router as _RouterBase
 from zoo.core.registry import register
 from zoo.core.spec import SpecError, positive
 
@@ -25,7 +26,7 @@ class Routing:
     weights: torch.Tensor
 
 
-class Router(nn.Module):
+class Router(_RouterBase):
     """A linear gate ``E x d_model`` applied in float32, and an optional per-expert selection bias
     (a buffer ``bias``, added to the scores only to choose experts, never to weight them).
 

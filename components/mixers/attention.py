@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.core import kernels
-from zoo.core.kinds import Cost
+from zoo.core.kinds import Cost, Mixer
 from zoo.core.registry import register
 from zoo.core.spec import SpecError, positive
 from zoo.core.state import KVState
@@ -34,7 +34,7 @@ def attention_kind(n_heads: int, n_kv_heads: int) -> str:
 
 
 @register("mixer", "attention")
-class Attention(nn.Module):
+class Attention(Mixer):
     """Multi-head causal attention with ``n_kv_heads`` key/value heads shared by groups of queries.
 
     Its decode state is a :class:`~zoo.core.state.KVState` (a ring buffer of ``window`` slots when it
@@ -176,6 +176,8 @@ class Attention(nn.Module):
         if key_mask is not None and k_idx is not q_idx:  # else the same tensor for every layer: masks built once
             key_mask = key_mask[:, k_idx]
         bias = pos.score_bias(q_idx, k_idx, self.n_heads) if pos is not None else None
+        if ctx.asks("attn_logit_max"):  # the ablation lab's probe (zoo.tools.ablate.AttentionLogits)
+            ctx.add_metric(f"attn_logit_max/layer{self.index}", self.logit_max(q, k, q_idx, k_idx))
         out = self.attend(q, k, v, q_idx, k_idx, key_mask, bias).transpose(1, 2).reshape(B, T, -1)
         if self.cfg.output_gate:
             out = out * torch.sigmoid(gate.reshape(B, T, -1))
@@ -195,6 +197,21 @@ class Attention(nn.Module):
         if T == 1:
             return "one query per step: the reference path is cheaper"
         return None
+
+    @torch.no_grad()
+    def logit_max(self, q, k, q_idx, k_idx) -> torch.Tensor:
+        """The largest causal attention logit (the score fed to the softmax, after scaling and any
+        soft-cap, within the window), in float32."""
+        B, H, T, D = q.shape
+        hkv = k.shape[1]
+        scores = torch.matmul(q.float().view(B, hkv, H // hkv, T, D), k.float().unsqueeze(2).transpose(-1, -2))
+        scores = scores * self.scale
+        if self.cfg.softcap is not None:
+            scores = self.cfg.softcap * torch.tanh(scores / self.cfg.softcap)
+        seen = k_idx[None, :] <= q_idx[:, None]
+        if self.window is not None:
+            seen = seen & (q_idx[:, None] - k_idx[None, :] < self.window)
+        return scores.masked_fill(~seen, float("-inf")).amax()
 
     def attend(self, q, k, v, q_idx, k_idx, key_mask=None, bias=None):
         """(B, H, Tq, D) queries against (B, Hkv, Tk, D) keys/values -> (B, H, Tq, D)."""

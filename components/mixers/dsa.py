@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.core.kinds import Cost
+from zoo.core.kinds import Cost, LayerState
 from zoo.core.registry import register
 from zoo.core.spec import SpecError, positive
 
@@ -143,7 +143,7 @@ class IndexKeys:
         return out
 
 
-class DSAState:
+class DSAState(LayerState):
     """A DSA layer's decode state: MLA's (the latent and the rotated key part per token) and the
     indexer's keys beside it. Opaque to everything but the layer."""
 

@@ -29,7 +29,7 @@ from torch import nn
 from zoo.core import kernels
 from zoo.components.mixers import _recurrent as recurrent
 from zoo.components.norms import RMSNorm
-from zoo.core.kinds import Cost
+from zoo.core.kinds import Cost, Mixer
 from zoo.core.spec import build_part
 from zoo.core.registry import register
 from zoo.core.state import FixedState
@@ -43,7 +43,7 @@ FEATURE_MAPS = {
 }
 
 
-class ScalarDecayMixer(nn.Module):
+class ScalarDecayMixer(Mixer):
     """What the two mixers share: heads, the state, the choice between chunked and one-step forms,
     the Triton fast path, and the cost of a recurrence."""
 

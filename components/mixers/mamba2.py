@@ -37,7 +37,7 @@ from torch import nn
 
 from zoo.core import kernels
 from zoo.components.mixers import _recurrent as recurrent
-from zoo.core.kinds import Cost
+from zoo.core.kinds import Cost, Mixer
 from zoo.core.registry import register
 from zoo.core.state import FixedState
 from zoo.core.spec import SpecError, positive
@@ -51,7 +51,7 @@ CPU_CHUNK = 64
 
 
 @register("mixer", "mamba2")
-class Mamba2(nn.Module):
+class Mamba2(Mixer):
     """The Mamba-2 (SSD) mixer; see the module's docstring for the computation."""
 
     # The chunked form runs on the shared core, whose Triton kernel is chosen on CUDA.

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.core.kinds import Cost
+from zoo.core.kinds import Cost, Mixer
 from zoo.core.registry import register
 from zoo.core.spec import Part, SpecError, part_field, positive
 from zoo.core.state import KVState
@@ -49,7 +49,7 @@ def softmax_factor(spec, layer) -> float:
 
 
 @register("mixer", "mla")
-class MLA(nn.Module):
+class MLA(Mixer):
     """Multi-head latent attention: keys and values from a compressed latent, a decoupled rotary
     key shared by the heads; the decode state is the latent and the rotated key part."""
 

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from zoo.core.kinds import RopeScaling
 from zoo.core.registry import register
 from zoo.core.spec import SpecError
 
@@ -26,7 +27,7 @@ def _factor_check(cfg):
         raise SpecError("factor", f"must be >= 1, got {cfg.factor}")
 
 
-class _Scaling(nn.Module):
+class _Scaling(RopeScaling):
     def __init__(self, cfg, *, dim: int, theta: float):
         super().__init__()
         self.cfg, self.dim, self.theta = cfg, dim, theta

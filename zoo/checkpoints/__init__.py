@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from zoo.checkpoints.format import CheckpointError, CheckpointFormat, ConfigError, collect_ignored, get_format, layout_of
+from zoo.core import kinds
 from zoo.checkpoints.hub import resolve
 from zoo.checkpoints.io import WeightFiles, reading, regular_file, replace_checkpoint, write_shards
 from zoo.checkpoints.maps import bind
@@ -238,7 +239,7 @@ def _reset_transient_buffers(model: Decoder, device) -> None:
                      and module._buffers[n].is_meta]
         for name in transient:
             module._buffers[name] = torch.zeros_like(module._buffers[name], device=device)
-        if transient and callable(getattr(module, "reset_buffers", None)):
+        if transient and kinds.is_part(module):
             module.reset_buffers()
 
 
@@ -310,8 +311,8 @@ def _architecture(spec: ModelSpec) -> dict[str, Any]:
     def resolved(part):
         if part is None:
             return None
-        fn = getattr(part.cls, "resolved", None)
-        return {"name": part.name, **fn(part.config, spec.d_model)} if callable(fn) else to_dict(part)
+        settings = part.cls.resolved(part.config, spec.d_model)
+        return {"name": part.name, **settings} if settings is not None else to_dict(part)
 
     data = {k: v for k, v in spec.to_dict().items()
             if k not in ("layers", "layer_pattern", "label", "dropout", "init_std", "z_loss", "position")}

@@ -27,7 +27,7 @@ def hf_activations(extra: Optional[dict[str, dict[str, Any]]] = None) -> dict[st
 
     table = dict(ACTIVATIONS)
     for entry in registry.registry("activation").entries():
-        for hf_name, config in getattr(entry.obj, "hf_names", {}).items():
+        for hf_name, config in entry.obj.hf_names.items():
             table.setdefault(hf_name, {"name": entry.name, **config})
     table.update(extra or {})
     return table

@@ -198,10 +198,11 @@ def bind(rules: Sequence[Rule], model) -> Iterator[Bound]:
             heads = None
             if r.transform.needs_heads:
                 mixer = model.layers[i if i is not None else 0].mixer
-                if not callable(getattr(mixer, "heads", None)):
+                found = mixer.heads()
+                if found is None:
                     raise ValueError(f"rule {r.hf} -> {r.zoo}: transform {r.transform.name} needs the layer's heads, "
                                      f"but its mixer {type(mixer).__name__} has no heads() method")
-                heads = Heads(*mixer.heads())
+                heads = Heads(*found)
             yield Bound(tuple(fmt(n) for n in r.hf), zoo_names, r.transform, heads)
 
 

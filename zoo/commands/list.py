@@ -54,6 +54,7 @@ def describe(obj):
 
 
 def rows(kind, pattern):
+    from zoo.core import kinds as _kinds
     from zoo.core.registry import manager
 
     m = manager()
@@ -84,6 +85,8 @@ def rows(kind, pattern):
                 if kind and e.name == pattern:  # one part asked for by name: its settings too
                     row["description"] = describe(e.obj)
                     row["settings"] = settings(e.obj)
+                    if _kinds.BASES.get(k) is not None:  # the hooks of its kind's base that it implements itself
+                        row["hooks"] = _kinds.overrides(e.obj, _kinds.BASES[k])
                 out.append(row)
     return out
 
@@ -104,6 +107,8 @@ def run(args):
         if "settings" in r:
             if r["description"]:
                 print(f"  {r['description']}")
+            if "hooks" in r:
+                print(f"  hooks: {', '.join(r['hooks']) or '(none: the defaults of its base)'}")
             for f in r["settings"] or [{"name": "(no settings)", "type": "", "default": ""}]:
                 default = "" if f["name"] == "(no settings)" else (
                     f["default"] if f["default"] == "(required)" else f"= {f['default']!r}")

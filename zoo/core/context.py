@@ -4,7 +4,7 @@ auxiliary losses and metrics)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from zoo.core import deprecations as _deprecations
@@ -28,6 +28,23 @@ def recomputation():
         yield
     finally:
         _RECOMPUTING[0] = before
+
+
+#: (metric names, callback) of each open :func:`asking` scope.
+_ASKING: list[tuple[frozenset, Callable[["ForwardContext"], None]]] = []
+
+
+@contextlib.contextmanager
+def asking(names: Iterable[str], on_finish: Callable[["ForwardContext"], None]) -> Iterator[None]:
+    """Within the block, every new forward context asks its parts for the optional metrics ``names``
+    (``ctx.asks(name)``: attention's ``attn_logit_max``), and is passed to ``on_finish(ctx)`` after
+    the model's last layer, its ``metrics`` filled."""
+    entry = (frozenset(names), on_finish)
+    _ASKING.append(entry)
+    try:
+        yield
+    finally:
+        _ASKING.remove(entry)
 
 
 class ForwardContext:
@@ -57,6 +74,15 @@ class ForwardContext:
         #: pooled over every layer, say), keyed by a name the parts agree on.
         self.shared: dict[str, Any] = {}
         self._at_end: dict[str, Callable[["ForwardContext"], None]] = {}
+        #: The optional metrics parts are asked to report (see :func:`asking`), and who reads them.
+        self.asked: frozenset = frozenset().union(*(names for names, _ in _ASKING))
+        self._readers = [fn for _, fn in _ASKING]
+        #: The number of layers of the model running (set by the model; None elsewhere).
+        self.n_layers: Optional[int] = None
+
+    def asks(self, name: str) -> bool:
+        """Whether a part should report the optional metric ``name`` (costly to compute) in this forward."""
+        return name in self.asked
 
     def at_end(self, key: str, fn: Callable[["ForwardContext"], None]) -> None:
         """Run ``fn(ctx)`` once after the last layer (registered once per ``key``, however many layers
@@ -66,6 +92,8 @@ class ForwardContext:
     def finish(self) -> None:
         """Called by the model after its last layer."""
         for fn in self._at_end.values():
+            fn(self)
+        for fn in self._readers:
             fn(self)
 
     def add_loss(self, name: str, value: torch.Tensor, weight: float = 1.0) -> None:

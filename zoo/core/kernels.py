@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from zoo.core import kinds as _kinds
 from zoo.core import registry as _registry
 
 KIND = "kernel"
@@ -182,11 +183,13 @@ def _importable(name: str) -> bool:
 def _declared(component: str) -> set[str]:
     """Backend names a component accepts: its fast ones and the reference ones its parts declare."""
     names = {"torch"} | set(components().get(component, {}))
-    for reg in _registry.manager().registries.values():
-        for name in reg.names():
+    registries = _registry.manager().registries
+    for kind in _kinds.BASES:
+        reg = registries.get(kind)
+        for name in reg.names() if reg is not None else ():
             obj = reg.get(name)
-            if getattr(obj, "kernel", None) == component:
-                names |= set(getattr(obj, "backends", ()))
+            if obj.kernel == component:
+                names |= set(obj.backends)
     return names
 
 
@@ -210,7 +213,7 @@ class Decision:
 
 def decide(module: Any, device: torch.device | str, dtype: torch.dtype, x: Optional[torch.Tensor] = None) -> Decision:
     """What ``module`` runs on ``device``/``dtype`` (and, given a tensor, its shape), and why."""
-    key = getattr(module, "kernel", None)
+    key = module.kernel
     if key is None:
         return Decision(None, "no fast kernels declared")
     dev = device.type if isinstance(device, torch.device) else torch.device(device).type
@@ -220,7 +223,7 @@ def decide(module: Any, device: torch.device | str, dtype: torch.dtype, x: Optio
     strict, forced, candidates = plan
     why = []
     for name, problem in candidates:
-        if problem is None and hasattr(module, "kernel_problem"):
+        if problem is None:
             problem = module.kernel_problem(name, x, forced=strict)
         if problem is None:
             return Decision(name, f"forced ({ENV})" if forced else f"{dev}, {str(dtype).removeprefix('torch.')}")
@@ -236,7 +239,7 @@ def _plan(cls, key: str, dev: str, dtype: torch.dtype, text: str, interp: bool):
     cache_key = ("plan", cls, key, dev, dtype, text, interp)
     if cache_key in _cache:
         return _cache[cache_key]
-    declared = tuple(getattr(cls, "backends", ()))
+    declared = tuple(cls.backends)
     setting = setting_for(key)
     registered = components().get(key, {})
     forced = setting not in ("auto", "on", "off")
@@ -272,7 +275,7 @@ def _problem(backend: Backend, dev: str, dtype: torch.dtype, forced: bool) -> Op
 
 def select(module: Any, x: torch.Tensor) -> Optional[str]:
     """The backend ``module`` should use for input ``x``; ``None`` means its default path."""
-    key = getattr(module, "kernel", None)
+    key = module.kernel
     if key is None:
         return None
     if not _setting_text() and x.device.type != "cuda":
@@ -318,10 +321,10 @@ def backend_table(model: torch.nn.Module, *, device: Any = None, dtype: Optional
     dtype = dtype or (p.dtype if p is not None else torch.float32)
     rows: dict[tuple, dict] = {}
     for name, module in model.named_modules():
-        if getattr(module, "kernel", None) is None:
+        if not (isinstance(module, _kinds.Kernels) or _kinds.is_part(module)) or module.kernel is None:
             continue
         d = decide(module, device, dtype)
-        reference = getattr(module, "reference_backend", lambda: "torch")()
+        reference = module.reference_backend()
         key = (module.kernel, type(module).__name__, d.backend, d.reason)
         row = rows.setdefault(key, {
             "component": module.kernel, "class": type(module).__name__, "modules": [],

@@ -2,26 +2,20 @@
 interface check each registration passes (the tables below). The forward context is
 :mod:`zoo.core.context`; the plugin hook is :mod:`zoo.core.hooks`.
 
-The interfaces are deliberately thin, so that fast kernels (SDPA, flex attention, Triton) fit behind them:
-
-- a norm is any ``nn.Module`` built as ``cls(config, dim=...)`` and called on ``x``;
-- an FFN is built as ``cls(config, d_model=...)`` and called as ``ffn(x, ctx)`` (``ctx`` may be
-  ``None`` when it runs alone; an FFN may add auxiliary losses and metrics to it);
-- a token *mixer* (attention is one kind; recurrent and latent mixers are others) is built as
-  ``cls(config, d_model=..., layer=..., spec=..., index=...)`` and called as
-  ``mixer(x, ctx, pos)``. It owns its decode state: :meth:`Mixer.new_state` makes one layer's
-  state, which it finds again as ``ctx.state.layers[index]``;
-- a position encoding is a :class:`PositionEncoding`; each layer sees it through a
-  :class:`PositionState` (its per-forward tables).
-
-A part states its own facts (:class:`Cost`, :meth:`Mixer.facts`, ``shrink``); nothing outside a
-part reads its attributes.
+One base per kind (:class:`Norm`, :class:`Activation`, :class:`FFN`, :class:`Router`,
+:class:`Mixer`, :class:`Block`, :class:`PositionEncoding`, :class:`RopeScaling`, all under
+:class:`Part`; :class:`LayerState` for decode states) declares the constructor context
+(``CONTEXT``: ``cls(config, **context)``), the forward arguments (``FORWARD``) and every hook, with
+its default and its caller. This is the one statement of the contract: :data:`BASES`, the tables
+derived from it, the registration check and docs/plugins.md's table (:func:`contract_table`) all
+read it. A part states its own facts (:class:`Cost`, ``facts``, ``shrink``); nothing outside a part
+reads its attributes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Optional
 
 import dataclasses
 import inspect
@@ -30,70 +24,6 @@ import torch
 from torch import nn
 
 from zoo.core import deprecations as _deprecations
-
-
-class PositionEncoding(nn.Module):
-    """Base for position encodings. Absolute ones add to the embeddings; rotary ones rotate q and k;
-    bias ones (ALiBi) add to the attention scores. Override what applies."""
-
-    #: "embedding" (added to token embeddings), "qk" (rotates queries and keys), "bias", or "none".
-    applies_to: ClassVar[str] = "none"
-
-    @classmethod
-    def max_positions(cls, config: Any, spec: Any) -> Optional[int]:
-        """The most positions this encoding can represent in a model of ``spec`` (a learned table
-        has ``max_seq_len`` rows); None when it has no hard limit (RoPE and ALiBi extrapolate)."""
-        return None
-
-    def embed(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
-        return None
-
-    def prepare(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Any:
-        """Per-forward state shared by every layer using this encoding (RoPE's cos and sin)."""
-        return position_ids
-
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, state: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k
-
-    def score_bias(self, state: Any, q_idx: torch.Tensor, k_idx: torch.Tensor, n_heads: int) -> Optional[torch.Tensor]:
-        """An additive (1 or B, H, Tq, Tk) bias on attention scores, or None."""
-        return None
-
-
-@dataclass
-class PositionState:
-    """A layer's view of its position encoding during one forward (RoPE's tables, ALiBi's slopes)."""
-
-    module: PositionEncoding
-    state: Any
-
-    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.module.rotate(q, k, self.state)
-
-    def score_bias(self, q_idx: torch.Tensor, k_idx: torch.Tensor, n_heads: int) -> Optional[torch.Tensor]:
-        return self.module.score_bias(self.state, q_idx, k_idx, n_heads)
-
-    def pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A rotary encoding's cosine and sine per rotated pair, (B, 1, T, rotary_dim / 2)."""
-        fn = getattr(self.module, "pairs", None)
-        if fn is None:
-            raise TypeError(f"position encoding {type(self.module).__name__} gives no rotation angles (pairs)")
-        return fn(self.state)
-
-
-#: The name this had before mixers (kept so that plugin code importing it keeps working).
-
-
-@runtime_checkable
-class LayerState(Protocol):
-    """One layer's decode state, made by its mixer's ``new_state`` and opaque to everything else.
-
-    ``nbytes()`` is what it holds now. ``to_static(max_len)`` (optional) returns a copy with
-    fixed-size buffers that a compiled single-token step can update in place; a state without it
-    cannot be used by compiled decoding.
-    """
-
-    def nbytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -117,47 +47,386 @@ class Cost:
     state_fixed: int = 0
 
 
-class Mixer(nn.Module):
-    """Optional base for token mixers: the methods a mixer may provide, with their defaults.
+# ---------------------------------------------------------------------------------------------
+# The bases: every hook a part may implement, with its signature, its default and its caller
+# ---------------------------------------------------------------------------------------------
 
-    A mixer need not subclass this (the interface is checked by shape), but the defaults say what
-    the core assumes when a method is missing.
+def required(fn: Callable) -> Callable:
+    """Mark a base's method as one every part of the kind must implement itself (no default)."""
+    fn.__zoo_required__ = True
+    return fn
+
+
+class Kernels:
+    """The hooks of a module with fast kernels (``zoo.core.kernels`` dispatches): every part has
+    them (:class:`Part`), and so does the model for its fused loss."""
+
+    #: The kernel component this part runs (``"attention"``, ``"rmsnorm"``), or None for no fast path.
+    kernel: ClassVar[Optional[str]] = None
+    #: The backends it accepts, in order of preference (fast ones registered as kernels, reference ones).
+    backends: ClassVar[tuple[str, ...]] = ()
+
+    def kernel_problem(self, backend: str, x: Optional[torch.Tensor] = None, forced: bool = False) -> Optional[str]:
+        """Called by ``zoo.core.kernels.decide``: why ``backend`` cannot run this part on ``x`` (a
+        phrase), or None when it can. Default: it can."""
+        return None
+
+    def reference_backend(self) -> str:
+        """Called by ``zoo.core.kernels.backend_table``: the backend this part runs without a fast one."""
+        return "torch"
+
+
+class Part(Kernels, nn.Module):
+    """The hooks every module-like part (norm, activation, FFN, mixer, block, position, router, rope
+    scaling) may override. Each line says who calls it; the default is what the core assumes when a
+    part does not override it. A part class holds a ``Config`` dataclass and is built as
+    ``cls(config, **context)`` with the context of its kind (:data:`CONSTRUCTOR_CONTEXT`).
+
+    A class registered without inheriting its kind's base gets the defaults it lacks mixed in at
+    registration (:func:`adapt`), so the core always calls the method and never looks it up.
+    (Room is left here for a part to state how it shards under tensor parallelism.)
     """
 
+    # -- spec time (class-level: called with the part's config, before anything is built) --------
     @classmethod
-    def rotary_dim(cls, cfg: Any, d_model: int) -> Optional[int]:
-        """The width of the vectors a ``qk`` position encoding rotates (a head's width), or None when
-        this mixer takes no rotation. Position modules are built per (position, this width)."""
+    def shrink(cls, cfg: Any, **sizes: Any) -> dict[str, Any]:
+        """Called by ``zoo.testing.shrink`` with ``head_dim=, d_ff=, window=, d_model=``: the settings
+        to change for a tiny copy of this part with the same structure. Default: none."""
+        return {}
+
+    @classmethod
+    def resolved(cls, cfg: Any, d_model: int) -> Optional[dict[str, Any]]:
+        """Called by ``zoo.checkpoints`` (the save check, ``sizes.ffn_size``): the settings with
+        defaults resolved (``d_ff`` from its rule), so two spellings of one part compare equal.
+        Default None: the config as written."""
         return None
 
-    def new_state(self, batch: int, max_len: Optional[int], *, dtype: torch.dtype, device: Any) -> Optional[LayerState]:
-        """This layer's decode state for ``batch`` rows of up to ``max_len`` tokens (None: unknown),
-        or None when the mixer cannot decode incrementally (``generate`` then refuses the model)."""
+    @classmethod
+    def check_in_model(cls, cfg: Any, *, spec: Any, layer: Any) -> None:
+        """Called by ``ModelSpec`` validation: raise ``SpecError`` for a setting that is wrong only
+        in this model (a head count that does not divide d_model). Default: no check."""
         return None
+
+    # -- built (instance-level) --------------------------------------------------------------------
+    def reset_parameters(self) -> None:
+        """Called by ``Decoder.init_weights`` after the generic init of matrices and embeddings and
+        after the torch modules inside the part (a ``Conv1d``) re-ran their own: the part's own
+        initialisation is final. Default: nothing."""
+
+    def reset_buffers(self) -> None:
+        """Called by ``zoo.checkpoints`` after a load, once non-persistent buffers are zeroed: refill
+        them (running counts, caches). Default: leave them zero."""
+
+    def after_optimizer_step(self, *, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Called by ``zoo.train`` after every optimizer step on every process (``reduce`` sums a
+        tensor over processes): an aux-loss-free expert-bias update. Default: nothing."""
 
     def cost(self, context: int) -> Cost:
+        """Called by ``zoo.tools.accounting``: what this part costs at ``context`` (:class:`Cost`).
+        Default: only its weights."""
         return Cost()
 
     def facts(self) -> dict[str, Any]:
-        """Facts for ``zoo describe`` (name -> value), in display order."""
+        """Called by ``zoo describe`` (``zoo.tools.accounting``): facts, name -> value, in display order."""
+        return {}
+
+    #: Called by ``zoo.core.precision``: attribute names of tensors that stay float32 when the model
+    #: is cast to a narrower dtype (a router's selection bias).
+    fp32_tensors: ClassVar[tuple[str, ...]] = ()
+
+class Norm(Part):
+    """A norm: ``cls(config, dim=...)``, called on ``x``."""
+
+    CONTEXT, FORWARD = ("dim",), ("x",)
+
+
+class Activation(Part):
+    """An activation: ``cls(config)``, called on ``x``."""
+
+    CONTEXT, FORWARD = (), ("x",)
+
+    #: Called by ``zoo.checkpoints.common.hf_activations``: HF activation names this part stands for
+    #: (HF name -> this part's config), so configs naming them read as this part.
+    hf_names: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: Called by the dense FFN: the name of the fused gated-product kernel for this activation, or None.
+    fused_name: ClassVar[Optional[str]] = None
+
+
+class FFN(Part):
+    """An FFN: ``cls(config, d_model=...)``, called as ``ffn(x, ctx)`` (``ctx`` None when it runs alone);
+    it may add auxiliary losses and metrics to ``ctx``."""
+
+    CONTEXT, FORWARD = ("d_model",), ("x",)
+
+
+class Router(Part):
+    """A mixture of experts' router: ``cls(config, d_model=, n_experts=, top_k=)``, called on ``x``."""
+
+    CONTEXT, FORWARD = ("d_model", "n_experts", "top_k"), ("x",)
+
+    @classmethod
+    def shrink_to(cls, cfg: Any, n_experts: int) -> dict[str, Any]:
+        """Called by the MoE's ``shrink``: settings to change when the experts are cut to ``n_experts``."""
         return {}
 
 
-def rotary_dim_of(layer: Any, d_model: int) -> Optional[int]:
-    """The rotation width the mixer of ``layer`` (a LayerSpec) asks for, or None.
+class Mixer(Part):
+    """A token mixer: ``cls(config, d_model=, layer=, spec=, index=)``, called as ``mixer(x, ctx, pos)``.
+    It owns its decode state (:meth:`new_state`) and finds it again as ``ctx.state.layers[index]``."""
 
-    A mixer registered before mixers existed declares ``head_dim_for(cfg, d_model)`` instead of
-    ``rotary_dim``: that is read as its rotation width.
-    """
-    cls, cfg = layer.mixer.cls, layer.mixer.config
-    fn = getattr(cls, "rotary_dim", None)
-    if callable(fn):
-        return fn(cfg, d_model)
-    old = getattr(cls, "head_dim_for", None)
-    if not callable(old):
+    CONTEXT, FORWARD = ("d_model", "layer", "spec", "index"), ("x", "ctx", "pos")
+
+    #: Called by ``zoo.testing``'s conformance suite: False for a mixer that returns zeros and holds
+    #: no parameters (``none``: the layer is its FFN).
+    mixes_tokens: ClassVar[bool] = True
+
+    @classmethod
+    def rotary_dim(cls, cfg: Any, d_model: int) -> Optional[int]:
+        """Called by ``Decoder`` (via :func:`rotary_dim_of`): the width of the vectors a ``qk``
+        position encoding rotates (a head's width), or None when this mixer takes no rotation.
+        Position modules are built per (position, this width)."""
         return None
-    _deprecations.warn("Mixer.head_dim_for(cfg, d_model)")
-    return old(cfg, d_model)
+
+    def new_state(self, batch: int, max_len: Optional[int], *, dtype: torch.dtype, device: Any) -> Optional["LayerState"]:
+        """Called by ``Decoder.new_state``: this layer's decode state for ``batch`` rows of up to
+        ``max_len`` tokens (None: unknown), or None when the mixer cannot decode incrementally
+        (``generate`` then refuses the model)."""
+        return None
+
+    def heads(self) -> Optional[tuple[int, int, int]]:
+        """Called by ``zoo.checkpoints.maps`` for a weight transform that needs them (a RoPE
+        permutation): (query heads, key/value heads, head width), or None when it has no heads."""
+        return None
+
+
+class Block(Part):
+    """A block: ``cls(config, spec=, layer=, index=)``, called as ``block(x, ctx, pos)``. zoo's blocks
+    name their submodules ``mixer``, ``ffn`` and the norms ``attn_norm``, ``ffn_norm`` (and
+    ``post_attn_norm``, ``post_ffn_norm`` where the block has them)."""
+
+    CONTEXT, FORWARD = ("spec", "layer", "index"), ("x", "ctx", "pos")
+
+
+class PositionEncoding(Part):
+    """A position encoding: ``cls(config, spec=, layer=)``. Absolute ones add to the embeddings; rotary
+    ones rotate q and k; bias ones (ALiBi) add to the attention scores. Override what applies."""
+
+    CONTEXT, FORWARD = ("spec", "layer"), ()
+
+    #: "embedding" (added to token embeddings), "qk" (rotates queries and keys), "bias", or "none".
+    applies_to: ClassVar[str] = "none"
+
+    @classmethod
+    def max_positions(cls, config: Any, spec: Any) -> Optional[int]:
+        """Called by ``zoo.inference.generate.length_limit``: the most positions this encoding can
+        represent in a model of ``spec`` (a learned table has ``max_seq_len`` rows); None when it has
+        no hard limit (RoPE and ALiBi extrapolate)."""
+        return None
+
+    def embed(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """Called by ``Decoder`` on the embeddings: what an absolute encoding adds, or None."""
+        return None
+
+    def prepare(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Any:
+        """Called by ``Decoder.run_layers`` once per forward: the state shared by every layer using
+        this encoding (RoPE's cos and sin). ``position_ids`` is (B, T), padding at position 0."""
+        return position_ids
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, state: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Called by mixers (``pos.rotate``): q and k rotated. Default: unchanged."""
+        return q, k
+
+    def score_bias(self, state: Any, q_idx: torch.Tensor, k_idx: torch.Tensor, n_heads: int) -> Optional[torch.Tensor]:
+        """Called by attention (``pos.score_bias``): an additive (1 or B, H, Tq, Tk) bias on attention
+        scores, or None."""
+        return None
+
+    def pairs(self, state: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Called by fused kernels (``pos.pairs``): a rotary encoding's cosine and sine per rotated
+        pair, (B, 1, T, rotary_dim / 2). Default: this encoding gives none."""
+        raise TypeError(f"position encoding {type(self).__name__} gives no rotation angles (pairs)")
+
+
+class RopeScaling(Part):
+    """A RoPE scaling rule: ``cls(config, dim=, theta=)``."""
+
+    CONTEXT, FORWARD = ("dim", "theta"), ()
+
+    @required
+    def frequencies(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Called by RoPE: the inverse frequencies of the rotated pairs (dynamic rules take the
+        sequence length). Required."""
+        raise NotImplementedError
+
+
+@dataclass
+class PositionState:
+    """A layer's view of its position encoding during one forward (RoPE's tables, ALiBi's slopes)."""
+
+    module: PositionEncoding
+    state: Any
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.module.rotate(q, k, self.state)
+
+    def score_bias(self, q_idx: torch.Tensor, k_idx: torch.Tensor, n_heads: int) -> Optional[torch.Tensor]:
+        return self.module.score_bias(self.state, q_idx, k_idx, n_heads)
+
+    def pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A rotary encoding's cosine and sine per rotated pair, (B, 1, T, rotary_dim / 2)."""
+        return self.module.pairs(self.state)
+
+
+class LayerState:
+    """One layer's decode state, made by its mixer's ``new_state`` and opaque to everything else.
+    A state class that does not inherit this gets its defaults mixed in (:func:`adapt`) when
+    ``Decoder.new_state`` first sees it."""
+
+    @required
+    def nbytes(self) -> int:
+        """Called by ``DecodeState.nbytes`` (and the accounting's checks): bytes held now. Required."""
+        raise NotImplementedError(f"{type(self).__name__} does not say what it holds (nbytes)")
+
+    def to_static(self, max_len: int) -> "LayerState":
+        """Called by ``DecodeState.to_static`` for compiled decoding: a copy with fixed-size buffers
+        that a compiled single-token step updates in place. Default: this state cannot."""
+        raise TypeError(f"decode state {type(self).__name__} has no to_static(max_len): "
+                        "its mixer cannot decode with a compiled step")
+
+    def truncate(self, n: int) -> None:
+        """Called by ``DecodeState.truncate`` (speculative decoding drops rejected drafts): forget
+        the slots from ``n`` on. Default: this state cannot."""
+        raise TypeError(f"decode state {type(self).__name__} has no truncate(n): its mixer cannot drop slots it has seen")
+
+
+def rotary_dim_of(layer: Any, d_model: int) -> Optional[int]:
+    """The rotation width the mixer of ``layer`` (a LayerSpec) asks for, or None."""
+    return layer.mixer.cls.rotary_dim(layer.mixer.config, d_model)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hooks: what a base declares, what a part overrides, and the defaults a duck-typed part gets
+# ---------------------------------------------------------------------------------------------
+
+def hooks(base: type) -> dict[str, Any]:
+    """Hook name -> the base's default, for ``base`` and the zoo bases above it (not nn.Module's
+    own attributes, nor the upper-case contract attributes ``CONTEXT``/``FORWARD``)."""
+    out: dict[str, Any] = {}
+    for cls in reversed(base.__mro__):
+        if cls in (Kernels, Part, LayerState) or (isinstance(cls, type) and issubclass(cls, (Part, LayerState))):
+            out.update({n: v for n, v in vars(cls).items() if not n.startswith("_") and not n.isupper()})
+    return out
+
+
+def _own(cls: type, name: str) -> Any:
+    """The attribute ``name`` as ``cls`` or a class above it defines it, not counting zoo's bases
+    or the defaults :func:`adapt` mixed in; None when none does."""
+    for c in cls.__mro__:
+        if c in _BASE_CLASSES or c in (nn.Module, object):
+            continue
+        if name in vars(c) and name not in _MIXED.get(c, ()):
+            return vars(c)[name]
+    return None
+
+
+def overrides(obj: Any, base: Optional[type] = None) -> list[str]:
+    """The hooks of ``base`` (default: the zoo base ``obj`` inherits, or :class:`Part`) that ``obj``
+    (a part or state, class or instance) implements itself, in the base's order."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    base = base or next((b for b in (*BASES.values(), Part, LayerState) if issubclass(cls, b)), Part)
+    return [n for n in hooks(base) if _own(cls, n) is not None]
+
+
+def implements(obj: Any, hook: str) -> bool:
+    """Whether ``obj`` (a part or state, class or instance) implements ``hook`` itself, rather than
+    inheriting (or being given) the base's default: for a hook whose default is a refusal
+    (``to_static``, ``truncate``) or a no-op the core skips (``after_optimizer_step``)."""
+    return _own(obj if isinstance(obj, type) else type(obj), hook) is not None
+
+
+#: Class -> the default hooks :func:`adapt` mixed into it.
+_MIXED: dict[type, tuple[str, ...]] = {}
+
+
+def contract_table() -> str:
+    """The constructor contract and hooks of every module-like kind, as the markdown table in
+    docs/plugins.md (tests/test_contract.py checks that the two agree)."""
+    lines = ["| kind | base | built as | called as | hooks (default in the base) |", "|---|---|---|---|---|"]
+    for kind, base in BASES.items():
+        built = ", ".join(("config", *(f"{k}=" for k in base.CONTEXT)))
+        called = f"({', '.join(base.FORWARD)})" if base.FORWARD else "(its methods)"
+        names = [f"`{n}`" for n, v in hooks(base).items() if n not in hooks(Part) or base is Part]
+        lines.append(f"| {kind} | `{base.__name__}` | `cls({built})` | `{called}` | {', '.join(names) or '-'} |")
+    common = ", ".join(f"`{n}`" for n in hooks(Part))
+    lines.append(f"| every kind above | `Part` | | | {common} |")
+    lines.append(f"| a decode state | `LayerState` | by its mixer's `new_state` | | {', '.join(f'`{n}`' for n in hooks(LayerState))} |")
+    return "\n".join(lines)
+
+
+def adapt(cls: type, base: type) -> type:
+    """Give ``cls`` (a part or state class that does not inherit ``base``) every default hook of
+    ``base`` it lacks, set on the class itself, so that the core calls each hook as a method. The
+    class keeps its identity (what a plugin registered is what the registry holds); the hooks it
+    defines are untouched. A mixer that still declares ``head_dim_for`` gets a ``rotary_dim``
+    reading it, with a DeprecationWarning."""
+    if issubclass(cls, base) or cls in _MIXED:
+        return cls
+    mixed = []
+    for name, default in hooks(base).items():
+        if name in dir(cls):
+            continue
+        if name == "rotary_dim" and callable(getattr(cls, "head_dim_for", None)):
+            def default(c, cfg, d_model):  # noqa: F811
+                _deprecations.warn("Mixer.head_dim_for(cfg, d_model)")
+                return c.head_dim_for(cfg, d_model)
+            default = classmethod(default)
+        if getattr(default, "__zoo_required__", False):
+            continue
+        setattr(cls, name, default)
+        mixed.append(name)
+    _MIXED[cls] = tuple(mixed)
+    return cls
+
+
+def adapt_part(kind: str, obj: Any) -> Any:
+    """What the registry stores for ``obj`` registered as a ``kind``: the class with its base's
+    defaults mixed in (:func:`adapt`) for a module-like kind, else ``obj`` itself."""
+    base = BASES.get(canonical_kind(kind))
+    return adapt(obj, base) if base is not None and isinstance(obj, type) else obj
+
+
+def adapt_state(state: Any) -> Any:
+    """A decode state with :class:`LayerState`'s defaults (``to_static``, ``truncate``) on its class."""
+    if state is not None:
+        adapt(type(state), LayerState)
+    return state
+
+
+def is_part(module: Any) -> bool:
+    """Whether ``module`` is a zoo part (inherits a base, or was adapted at registration), not a
+    plain torch module inside one."""
+    return isinstance(module, Part) or any(c in _MIXED for c in type(module).__mro__)
+
+
+def misspelt_hooks(obj: Any, base: type) -> list[tuple[str, str]]:
+    """(method, hook) for each public method of ``obj`` (a class) that is no hook of ``base`` but
+    looks like one (``shrunk`` for ``shrink``, ``new_sate`` for ``new_state``)."""
+    import difflib
+
+    names = list(hooks(base))
+    out = []
+    for c in obj.__mro__:
+        if c in _BASE_CLASSES or c in (nn.Module, object) or c.__module__.startswith("torch."):
+            continue
+        for name, value in vars(c).items():
+            if name.startswith("_") or name in names or name in _MIXED.get(c, ()):
+                continue
+            if not (callable(value) or isinstance(value, (classmethod, staticmethod))):
+                continue
+            close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
+            if close:
+                out.append((name, close[0]))
+    return out
 
 
 def takes_ctx(module: nn.Module) -> bool:
@@ -193,36 +462,22 @@ KINDS = (
     "kernel",  # a fast implementation behind a part (zoo.core.kernels dispatches; components/kernels/)
 )
 
+#: The base of each module-like kind: its hooks, their defaults, and its constructor context and
+#: forward arguments (``CONTEXT``, ``FORWARD``). Everything below is derived from these classes.
+BASES: dict[str, type] = {
+    "norm": Norm, "activation": Activation, "ffn": FFN, "position": PositionEncoding,
+    "rope_scaling": RopeScaling, "mixer": Mixer, "block": Block, "router": Router,
+}
 #: The keyword arguments the builder passes to each module-like kind's constructor
-#: (``cls(config, **context)``), and the arguments of its ``forward``.
-CONSTRUCTOR_CONTEXT: dict[str, tuple[str, ...]] = {
-    "norm": ("dim",),
-    "activation": (),
-    "ffn": ("d_model",),
-    "position": ("spec", "layer"),
-    "rope_scaling": ("dim", "theta"),
-    "mixer": ("d_model", "layer", "spec", "index"),
-    "block": ("spec", "layer", "index"),
-    "router": ("d_model", "n_experts", "top_k"),
-}
-#: The arguments of each kind's ``forward``. An FFN is called ``(x, ctx)`` when its forward takes the
-#: context (``ctx=None`` when it runs alone), else ``(x)``.
-FORWARD_ARGS: dict[str, tuple[str, ...]] = {
-    "norm": ("x",),
-    "activation": ("x",),
-    "ffn": ("x",),
-    "mixer": ("x", "ctx", "pos"),
-    "block": ("x", "ctx", "pos"),
-    "router": ("x",),
-}
-#: Methods a kind must provide beyond its constructor and forward. A mixer's ``new_state``,
-#: ``rotary_dim``, ``cost`` and ``facts`` are optional (see zoo.core.kinds.Mixer for the defaults).
-METHODS: dict[str, tuple[str, ...]] = {
-    "position": ("embed", "prepare", "rotate", "score_bias"),
-    "rope_scaling": ("frequencies",),
-    "family": ("recipe", "spec", "hf_ids"),
-}
+#: (``cls(config, **context)``): each base's ``CONTEXT``.
+CONSTRUCTOR_CONTEXT: dict[str, tuple[str, ...]] = {k: b.CONTEXT for k, b in BASES.items()}
+#: The arguments of each kind's ``forward`` (each base's ``FORWARD``). An FFN is called ``(x, ctx)``
+#: when its forward takes the context (``ctx=None`` when it runs alone), else ``(x)``.
+FORWARD_ARGS: dict[str, tuple[str, ...]] = {k: b.FORWARD for k, b in BASES.items() if b.FORWARD}
+#: Methods of kinds that have no base class (a plugin kind's, from :func:`module_interface`; a family's).
+METHODS: dict[str, tuple[str, ...]] = {"family": ("recipe", "spec", "hf_ids")}
 POSITION_APPLIES_TO = ("embedding", "qk", "bias", "none")
+_BASE_CLASSES = (Kernels, Part, *BASES.values(), LayerState)
 
 INTERFACES: dict[str, Callable[[Any], list[str]]] = {}
 
@@ -262,7 +517,7 @@ def _accepts(fn: Any, positional: int, keywords: tuple[str, ...]) -> bool:
 
 def _module_part(kind: str) -> Callable[[Any], list[str]]:
     def check(obj: Any) -> list[str]:
-        from torch import nn
+        import warnings
 
         if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
             return [f"to be a torch.nn.Module subclass (got {obj!r})"]
@@ -277,12 +532,18 @@ def _module_part(kind: str) -> Callable[[Any], list[str]]:
         fwd = FORWARD_ARGS.get(kind)
         if fwd and not _accepts(getattr(obj, "forward"), 1 + len(fwd), ()):
             missing.append(f"`forward(self, {', '.join(fwd)})`")
-        for name in METHODS.get(kind, ()):
-            if not callable(getattr(obj, name, None)):
+        base = BASES.get(kind)
+        required = [n for n, v in hooks(base).items() if getattr(v, "__zoo_required__", False)] if base else []
+        for name in (*required, *METHODS.get(kind, ())):
+            if not callable(getattr(obj, name, None)) or (base is not None and getattr(obj, name) is getattr(base, name)):
                 missing.append(f"a `{name}` method")
-        if kind == "position" and getattr(obj, "applies_to", None) not in POSITION_APPLIES_TO:
+        if kind == "position" and obj.__dict__.get("applies_to", getattr(obj, "applies_to", None)) not in POSITION_APPLIES_TO:
             missing.append(f"`applies_to` set to one of {', '.join(map(repr, POSITION_APPLIES_TO))} "
                            "(subclass zoo.core.kinds.PositionEncoding)")
+        if base is not None and not missing:
+            for name, hook in misspelt_hooks(obj, base):
+                warnings.warn(f"{kind} {obj.__qualname__}: method {name!r} is no hook of {base.__name__}; "
+                              f"did you mean {hook!r}? (zoo never calls {name!r})", UserWarning, stacklevel=4)
         return missing
 
     return check

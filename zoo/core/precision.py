@@ -18,12 +18,14 @@ from typing import Callable
 import torch
 from torch import nn
 
+from zoo.core.kinds import is_part
+
 
 def fp32_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     """Full name -> (module, attribute) of every tensor a part of ``model`` declares float32."""
     found = {}
     for prefix, module in model.named_modules():
-        for name in getattr(module, "fp32_tensors", ()):
+        for name in module.fp32_tensors if is_part(module) else ():
             if getattr(module, name, None) is not None:
                 found[f"{prefix}.{name}" if prefix else name] = (module, name)
     return found

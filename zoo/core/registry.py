@@ -88,6 +88,7 @@ class Registry:
                 f"{owner.describe(provider)} registers {self.kind} {name!r} ({getattr(obj, '__qualname__', obj)!r}), "
                 f"which does not meet the {self.kind} interface: it needs " + "; ".join(missing) + "."
             )
+        obj = kinds.adapt_part(self.kind, obj)  # a part that does not inherit its base gets the defaults
         old = self._entries.get(name)
         if old is not None and old.obj is obj:
             return obj

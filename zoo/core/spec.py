@@ -389,18 +389,16 @@ class ModelSpec:
                 part = getattr(layer, fname)
                 if part is None:
                     continue
-                hook = getattr(part.cls, "check_in_model", None)
-                if hook is not None:
+                if True:
                     try:
-                        hook(part.config, spec=self, layer=layer)
+                        part.cls.check_in_model(part.config, spec=self, layer=layer)
                     except SpecError as exc:
                         raise exc.under(f"layers.{kind}.{fname}") from None
             pos = layer.position or self.position
-            hook = getattr(pos.cls, "check_in_model", None)
-            if hook is not None:
+            if True:
                 where = f"layers.{kind}.position" if layer.position else "position"
                 try:
-                    hook(pos.config, spec=self, layer=layer)
+                    pos.cls.check_in_model(pos.config, spec=self, layer=layer)
                 except SpecError as exc:
                     raise exc.under(where) from None
 

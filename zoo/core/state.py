@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import torch
 
+from zoo.core.kinds import LayerState, implements
+
 
 def step_layout(B: int, T: int, device: Any, attention_mask: Optional[torch.Tensor] = None,
                 past: int = 0, prev_mask: Optional[torch.Tensor] = None):
@@ -98,11 +100,10 @@ class DecodeState:
             raise ValueError(f"max_len {max_len} is shorter than the {self.seen} slots already seen")
         layers = []
         for i, s in enumerate(self.layers):
-            fn = getattr(s, "to_static", None)
-            if not callable(fn):
+            if not implements(s, "to_static"):
                 raise TypeError(f"layer {i}'s decode state ({type(s).__name__}) has no to_static(max_len): "
                                 "its mixer cannot decode with a compiled step")
-            layers.append(fn(max_len))
+            layers.append(s.to_static(max_len))
         static = DecodeState(layers, batch=self.batch, max_len=max_len, device=self.device)
         static.static, static.seen = True, self.seen
         device = self.device
@@ -121,11 +122,10 @@ class DecodeState:
         if not 0 <= n <= self.seen:
             raise ValueError(f"cannot truncate a decode state of {self.seen} slots to {n}")
         for i, s in enumerate(self.layers):
-            fn = getattr(s, "truncate", None)
-            if not callable(fn):
+            if not implements(s, "truncate"):
                 raise TypeError(f"layer {i}'s decode state ({type(s).__name__}) has no truncate(n): its mixer cannot "
                                 "drop slots it has seen")
-            fn(n)
+            s.truncate(n)
         self.seen = n
         if self.key_mask is not None:
             self.key_mask = self.key_mask[:, :n]
@@ -135,7 +135,7 @@ class DecodeState:
         return sum(s.nbytes() for s in self.layers if s is not None)
 
 
-class KVState:
+class KVState(LayerState):
     """One attention layer's keys and values, with the absolute slot of each entry.
 
     ``update(k, v, slots) -> (k_all, v_all, slots_all)`` stores (B, Hkv, T, D) keys and values and
@@ -244,7 +244,7 @@ class KVState:
         return static
 
 
-class StaticKVState:
+class StaticKVState(LayerState):
     """Fixed-size keys and values (B, kv_heads, capacity, D) for compiled one-token steps.
 
     A full-attention layer holds every slot up to ``max_len``, a sliding-window layer a ring of
@@ -278,7 +278,7 @@ class StaticKVState:
         return self
 
 
-class FixedState:
+class FixedState(LayerState):
     """A recurrent layer's decode state: named tensors of fixed shape whatever the length, made on
     the first forward when the batch is not known up front and updated in place (so the static state
     of compiled decoding is this object itself). ``FixedState(batch, device, S=((H, Dk, Dv),
@@ -305,7 +305,7 @@ class FixedState:
         return self  # already of fixed size, updated in place
 
 
-class NoState:
+class NoState(LayerState):
     """The decode state of a layer that mixes no tokens: it holds nothing and serves every decoding
     path (compiled steps, truncation)."""
 

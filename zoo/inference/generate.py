@@ -32,7 +32,7 @@ def length_limit(spec) -> tuple[int, str]:
     if spec is not None:
         for i in range(spec.n_layers):
             part = spec.position_for(i)
-            hard = getattr(part.cls, "max_positions", lambda config, spec: None)(part.config, spec)
+            hard = part.cls.max_positions(part.config, spec)
             if hard is not None:
                 return hard, f"the {part.name} position encoding's limit (max_seq_len)"
     return MAX_SIZES["max_seq_len"], "zoo's limit on a context"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 import torch
+from zoo.core import kinds
 from zoo.core.context import ForwardContext
 from zoo.core.state import DecodeState
 
@@ -25,7 +26,7 @@ class SpeculationStats:
 def check_speculative(model, state: DecodeState) -> None:
     """Refuse a model whose decode state cannot drop rejected drafts, naming the layer."""
     for i, s in enumerate(state.layers):
-        if not callable(getattr(s, "truncate", None)):
+        if not kinds.implements(s, "truncate"):
             raise ValueError(
                 f"speculative decoding: layer {i}'s decode state ({type(s).__name__}) has no truncate(n), so rejected "
                 "draft tokens cannot be rolled back; see docs/plugins.md, 'A mixer with its own state'")

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.core import deprecations as _deprecations
+from zoo.core import kinds as _kinds
 from zoo.core import kernels as _kernels
 from zoo.core import precision as _precision
 from zoo.core import registry as _registry
@@ -28,7 +29,7 @@ from zoo.core.spec import ModelSpec
 from zoo.core.state import DecodeState, step_layout
 
 
-class Decoder(nn.Module):
+class Decoder(_kinds.Kernels, nn.Module):
     """A decoder-only language model built from a spec."""
 
     # The loss (head + soft-cap + cross-entropy + z-loss) has a fused, chunked fast path.
@@ -79,7 +80,10 @@ class Decoder(nn.Module):
     @torch.no_grad()
     def init_weights(self, generator: Optional[torch.Generator] = None, *, seed: Optional[int] = None) -> None:
         """Normal(0, init_std) for matrices and embeddings, zeros for biases; parts with their own
-        rule (norms, learned scales, experts) implement ``reset_parameters``.
+        rule (norms, learned scales, experts) implement ``reset_parameters``. Matrices, embeddings and
+        the torch modules inside parts (a ``Conv1d``, with its own ``reset_parameters``) come first;
+        then each part's ``reset_parameters``, inner parts before the parts holding them, so that a
+        part's own initialisation is final.
 
         Every module draws from its own generator, seeded from ``seed`` and the module's name
         (:func:`init_seed`), on the whole of each parameter: a model sharded by FSDP2 (DTensor
@@ -92,7 +96,10 @@ class Decoder(nn.Module):
             device = generator.device if generator is not None else "cpu"
             seed = int(torch.randint(0, 2**62, (), generator=generator, device=device))
         std = self.spec.init_std
+        plain, parts = [], []
         for name, module in self.named_modules():
+            (parts if module is not self and _kinds.is_part(module) else plain).append((name, module))
+        for name, module in plain + parts[::-1]:
             takes = _init_keywords(module)
             if not isinstance(module, (nn.Linear, nn.Embedding)) and takes is None and module is not self:
                 continue
@@ -128,8 +135,7 @@ class Decoder(nn.Module):
         layers = []
         for i, layer in enumerate(self.layers):
             mixer = layer.mixer
-            make = getattr(mixer, "new_state", None)
-            state = make(batch, max_len, dtype=dtype, device=device) if callable(make) else None
+            state = _kinds.adapt_state(mixer.new_state(batch, max_len, dtype=dtype, device=device))
             if state is None:
                 raise ValueError(
                     f"layer {i}'s mixer {type(mixer).__name__} ({self.spec.layer(i).mixer.name!r}) keeps no decode state "
@@ -148,8 +154,10 @@ class Decoder(nn.Module):
             slots, key_mask, positions = state.advance(B, T, input_ids.device, attention_mask)
         else:
             slots, key_mask, positions = step_layout(B, T, input_ids.device, attention_mask)
-        return ForwardContext(position_ids=positions if position_ids is None else position_ids, slots=slots,
+        ctx = ForwardContext(position_ids=positions if position_ids is None else position_ids, slots=slots,
                               key_mask=key_mask, state=state)
+        ctx.n_layers = len(self.layers)
+        return ctx
 
     def hidden_states(
         self,

@@ -208,64 +208,36 @@ class AttentionLogits:
     """The largest attention logit (the score fed to the softmax, after scaling and any soft-cap) of
     each layer, over the forwards since the last :meth:`take`.
 
-    Until attention reports this through the model's metrics channel itself, this wraps each
-    layer's mixer's ``attend(q, k, v, q_idx, k_idx, ...)`` (queries and keys after QK-norm and
-    rotation) and recomputes the causal scores from q and k; the wrapper is removed on exit. Layers
-    whose mixer has no ``attend`` (a recurrent mixer) report None.
+    Within the block, forward contexts ask for the metric ``attn_logit_max``
+    (:func:`zoo.core.context.asking`): attention reports ``attn_logit_max/layer{i}`` through
+    ``ctx.add_metric`` and this reads each forward's metrics. Layers whose mixer reports none (a
+    recurrent mixer) give None.
     """
 
     def __init__(self) -> None:
         self.values: dict[int, float] = {}
-        self._wrapped: list[nn.Module] = []
-        self._models: set[int] = set()
-        self._hook = None
         self._n_layers = 0
+        self._scope = None
 
     def __enter__(self) -> "AttentionLogits":
-        from zoo.model.decoder import Decoder
+        from zoo.core.context import asking
 
-        def instrument(module, args):
-            if isinstance(module, Decoder) and id(module) not in self._models:
-                self._models.add(id(module))
-                self._n_layers = len(module.layers)
-                for i, layer in enumerate(module.layers):
-                    att = getattr(layer, "mixer", None)
-                    if att is not None and hasattr(att, "attend"):
-                        att.attend = self._wrap(att, i, att.attend)
-                        self._wrapped.append(att)
-
-        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(instrument)
+        self._scope = asking(("attn_logit_max",), self._read)
+        self._scope.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._hook.remove()
-        for att in self._wrapped:
-            del att.attend  # the instance attribute; the class's method shows through again
-        self._wrapped.clear()
-        self._models.clear()
+        self._scope.__exit__(*exc)
 
-    def _wrap(self, att: nn.Module, index: int, attend):
-        def measured(q, k, v, q_idx, k_idx, *rest, **kw):
-            with torch.no_grad():
-                self._record(att, index, q, k, q_idx, k_idx)
-            return attend(q, k, v, q_idx, k_idx, *rest, **kw)
-
-        return measured
-
-    def _record(self, att, index, q, k, q_idx, k_idx) -> None:
-        B, H, T, D = q.shape
-        hkv = k.shape[1]
-        scores = torch.matmul(q.float().view(B, hkv, H // hkv, T, D), k.float().unsqueeze(2).transpose(-1, -2))
-        scores = scores * getattr(att, "scale", D ** -0.5)
-        cap = getattr(getattr(att, "cfg", None), "softcap", None)
-        if cap is not None:
-            scores = cap * torch.tanh(scores / cap)
-        seen = k_idx[None, :] <= q_idx[:, None]
-        window = getattr(att, "window", None)
-        if window is not None:
-            seen = seen & (q_idx[:, None] - k_idx[None, :] < window)
-        top = float(scores.masked_fill(~seen, float("-inf")).amax())
-        self.values[index] = max(top, self.values.get(index, float("-inf")))
+    def _read(self, ctx) -> None:
+        if ctx.n_layers is None:  # a context of something else than the model's own layers (MTP)
+            return
+        self._n_layers = ctx.n_layers
+        for name, value in ctx.metrics.items():
+            prefix, _, layer = name.partition("/layer")
+            if prefix == "attn_logit_max" and layer.isdigit():
+                i = int(layer)
+                self.values[i] = max(float(value), self.values.get(i, float("-inf")))
 
     def take(self, device: Any = "cpu") -> list[Optional[float]]:
         """Per layer, the largest logit since the last call, over every process of a distributed run

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from zoo.core.deprecations import warn
-from zoo.core.kinds import Cost
+from zoo.core.kinds import Cost, is_part
 
 DTYPE_BYTES = {
     "fp32": 4, "float32": 4, "float": 4, "tf32": 4,
@@ -78,13 +78,11 @@ def render(part) -> str:
 
 
 def _part_cost(module: nn.Module, context: int) -> Cost:
-    fn = getattr(module, "cost", None)
-    return fn(context) if callable(fn) else Cost()
+    return module.cost(context) if is_part(module) else Cost()  # torch's own modules inside a part state nothing
 
 
 def _facts(module: nn.Module) -> dict[str, Any]:
-    fn = getattr(module, "facts", None)
-    return dict(fn()) if callable(fn) else {}
+    return dict(module.facts()) if is_part(module) else {}  # a block without an FFN has None
 
 
 def layer_facts(layer: nn.Module) -> dict[str, Any]:

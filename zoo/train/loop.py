@@ -38,6 +38,7 @@ from torch import nn
 from zoo.train.checkpointer import Checkpointer, checkpoints, full_state_dict, load_full_state_dict, read_checkpoint_state
 from zoo.train.config import MESH_DIMS, ParallelConfig, TrainConfig, TrainResult
 from zoo.train.data import TokenData, builtin_corpus, get_tokenizer, read_texts, tokenize
+from zoo.core import kinds as _kinds
 from zoo.model.decoder import build_model
 from zoo.model.recipes import get_spec
 from zoo.train.resume import check_resumed_config, metrics_up_to, resume_point
@@ -369,7 +370,7 @@ def after_optimizer_step(model: nn.Module, accelerator) -> None:
     over the processes (identity on one), so a part that updates from it updates identically
     everywhere, under DDP and FSDP2 alike."""
     hooks = [m.after_optimizer_step for m in model.modules()
-             if m is not model and callable(getattr(m, "after_optimizer_step", None))]
+             if m is not model and _kinds.is_part(m) and _kinds.implements(m, "after_optimizer_step")]
     if not hooks:
         return
     if accelerator.num_processes > 1:
