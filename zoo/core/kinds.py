@@ -15,7 +15,8 @@ The interfaces are deliberately thin, so that fast kernels (SDPA, flex attention
   :class:`PositionState` (its per-forward tables).
 
 A part states its own facts (:class:`Cost`, :meth:`Mixer.facts`, ``shrink``); nothing outside a
-part reads its attributes.
+part reads its attributes. It also states how it shards under tensor parallelism
+(:func:`parallelize`, the ``parallelize`` hook below).
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ class PositionEncoding(nn.Module):
     def score_bias(self, state: Any, q_idx: torch.Tensor, k_idx: torch.Tensor, n_heads: int) -> Optional[torch.Tensor]:
         """An additive (1 or B, H, Tq, Tk) bias on attention scores, or None."""
         return None
+
+    def parallelize(self, tp_mesh: Any) -> None:
+        """Tensor parallelism (:func:`parallelize`): a rotary encoding (or none) has nothing to shard, its
+        tables are made per forward for the whole sequence, which the mixers see gathered. Default: an
+        absolute encoding (added to the sequence-sharded embeddings) or a score bias (per global head)
+        has no plan, and refuses."""
+        if self.applies_to not in ("qk", "none"):
+            raise no_plan(self)
 
 
 @dataclass
@@ -141,6 +150,52 @@ class Mixer(nn.Module):
     def facts(self) -> dict[str, Any]:
         """Facts for ``zoo describe`` (name -> value), in display order."""
         return {}
+
+    def parallelize(self, tp_mesh: Any) -> None:
+        """Shard this mixer over ``tp_mesh`` (tensor and sequence parallelism). Called once by its
+        block's ``parallelize`` (:func:`parallelize`), on the meta device, before activation
+        checkpointing and FSDP2. The contract: ``x`` arrives as this process's slice of the sequence,
+        a local (B, T / tp, d_model) tensor, and the output leaves the same way; in between the part
+        does what its plan says (``torch.distributed.tensor.parallel.parallelize_module`` with
+        ``PrepareModuleInput``, ``ColwiseParallel``, ``RowwiseParallel``), computes with its local head
+        counts, and makes sure every parameter held whole on each process gets its whole gradient
+        (:func:`zoo.core.parallel.grad_summed`). Default: no plan, so ``tp > 1`` is an error naming the part."""
+        raise no_plan(self)
+
+
+def no_plan(part: nn.Module, where: str = "") -> NotImplementedError:
+    """The error for a part without a tensor-parallel plan (``tp > 1`` cannot shard it)."""
+    at = f"{where} " if where else ""
+    return NotImplementedError(
+        f"{at}({type(part).__module__}.{type(part).__qualname__}) has no tensor-parallel plan: it does not "
+        "define parallelize(tp_mesh, ...), so parallel.tp > 1 cannot shard it; set tp = 1, or give the part a "
+        "plan (docs/training.md, 'Tensor and sequence parallelism')")
+
+
+def parallelize(part: nn.Module, tp_mesh: Any, where: str, **kw: Any) -> None:
+    """Ask ``part`` (at ``where`` in the model, e.g. ``layers.3.ffn``) to shard itself over ``tp_mesh``:
+    its ``parallelize(tp_mesh, **kw)`` hook. Every kind has the hook with the same name:
+
+    - a mixer or an FFN: ``parallelize(tp_mesh)``, local sequence slices in and out (:meth:`Mixer.parallelize`);
+    - a norm: ``parallelize(tp_mesh, shard_dim=...)``: its input arrives split on ``shard_dim`` (1: the
+      sequence of the residual stream, or the heads of a per-head QK-norm; -1: the normalised features
+      themselves, a QK-norm over a whole projection) and leaves split the same way, local;
+    - a position encoding: ``parallelize(tp_mesh)``: RoPE has nothing to shard (its tables are computed
+      per forward for the whole sequence); an absolute or bias encoding refuses;
+    - a block: ``parallelize(tp_mesh, where=...)``: each of its parts, with :func:`parallelize`.
+
+    The decoder calls it for its blocks, final norm and positions (``Decoder.parallelize``), itself called
+    by the trainer (``zoo.train.loop.start_model``). A part without the hook (or whose hook is the
+    default) makes ``tp > 1`` an error naming it."""
+    fn = getattr(part, "parallelize", None)
+    if not callable(fn):
+        raise no_plan(part, where)
+    try:
+        fn(tp_mesh, **kw)
+    except NotImplementedError as exc:
+        if where and not str(exc).startswith(where):
+            raise NotImplementedError(f"{where}: {exc}") from None
+        raise
 
 
 def rotary_dim_of(layer: Any, d_model: int) -> Optional[int]:
