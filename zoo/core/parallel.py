@@ -58,10 +58,3 @@ def heads_out() -> Any:
     from torch.distributed.tensor.parallel import RowwiseParallel
 
     return RowwiseParallel(output_layouts=Shard(1))
-
-
-def is_parallel(module: nn.Module) -> bool:
-    """Whether ``module``'s own parameters are sharded by tensor parallelism (DTensors)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in module.parameters(recurse=False))
