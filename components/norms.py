@@ -13,6 +13,24 @@ from zoo.core.registry import register
 from zoo.core.spec import positive
 
 
+def parallelize_norm(norm: nn.Module, tp_mesh, *, shard_dim: int = 1) -> None:
+    """A norm's tensor-parallel plan (zoo.core.kinds.parallelize): its weights replicated (DTensors), so
+    that their gradient, computed from this process's slice, is summed over the processes. Split on the
+    sequence or the heads (``shard_dim`` 1) it normalises its slice (``SequenceParallel``); split on the
+    normalised features (``shard_dim`` -1: OLMo 2's QK-norm over a whole projection) it gathers them,
+    normalises the whole row and hands back its slice."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_module
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput, SequenceParallel, parallelize_module
+
+    if shard_dim != -1:
+        parallelize_module(norm, tp_mesh, SequenceParallel(sequence_dim=shard_dim, use_local_output=True))
+        return
+    distribute_module(norm, tp_mesh)  # parameters replicated
+    parallelize_module(norm, tp_mesh, PrepareModuleInputOutput(
+        input_layouts=Shard(-1), desired_input_layouts=Replicate(), output_layouts=Replicate(),
+        desired_output_layouts=Shard(-1), use_local_output=True))
+
+
 def _row_problem(dim: int):
     """Why a fused norm kernel cannot take rows of ``dim`` features (one row is one block)."""
     return f"rows of {dim} features exceed the kernel's 65536" if dim > 65536 else None
@@ -46,6 +64,8 @@ class LayerNorm(Norm):
 
     def kernel_problem(self, backend, x=None, forced=False):
         return _row_problem(self.dim)
+
+    parallelize = parallelize_norm
 
     def forward(self, x):
         fast = kernels.fast(self, x)
@@ -84,6 +104,8 @@ class RMSNorm(Norm):
 
     def kernel_problem(self, backend, x=None, forced=False):
         return _row_problem(self.dim)
+
+    parallelize = parallelize_norm
 
     def forward(self, x):
         fast = kernels.fast(self, x)

@@ -73,6 +73,18 @@ class MLP(FFN):
     def facts(self) -> dict:
         return {"d_ff": self.d_ff}
 
+    def parallelize(self, tp_mesh) -> None:
+        """Tensor parallelism: the sequence gathered, ``up`` (and ``gate``) sharded by their d_ff rows,
+        ``down`` by its d_ff columns and reduce-scattered back onto the sequence slice."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from zoo.core.parallel import heads_in, heads_out, local_count, sequence_input
+
+        local_count(self.d_ff, tp_mesh, "d_ff", self)
+        plan = {"up": heads_in(), "down": heads_out(), **({"gate": heads_in()} if self.gated else {})}
+        parallelize_module(self, tp_mesh, sequence_input(tp_mesh, extra=1))
+        parallelize_module(self, tp_mesh, plan)
+
     @classmethod
     def resolved(cls, cfg, d_model: int) -> dict:
         """The settings with the width computed (rule, multiple and multiplier folded into ``d_ff``)."""

@@ -153,18 +153,41 @@ class Attention(Mixer):
                 "n_kv_heads": self.n_kv_heads, "head_dim": self.head_dim, "window": self.window,
                 **({"output gate": "sigmoid, from q_proj"} if self.cfg.output_gate else {})}
 
+    def parallelize(self, tp_mesh) -> None:
+        """Tensor parallelism by heads: the sequence gathered, q/k/v sharded by their heads' rows (whole
+        heads, each with its gate), o_proj by its columns and reduce-scattered back onto the sequence
+        slice; the forward reshapes with the local head counts. A per-head QK-norm normalises the local
+        heads with replicated weights (their gradient summed over the processes); one over the whole
+        projection (OLMo 2) gathers its features to normalise each row whole."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from zoo.core.parallel import heads_in, heads_out, local_count, sequence_input
+
+        local_count(self.n_heads, tp_mesh, "n_heads", self)
+        local_count(self.n_kv_heads, tp_mesh, "n_kv_heads", self)
+        parallelize_module(self, tp_mesh, sequence_input(tp_mesh))
+        parallelize_module(self, tp_mesh, {"q_proj": heads_in(), "k_proj": heads_in(), "v_proj": heads_in(),
+                                           "o_proj": heads_out()})
+        if self.cfg.qk_norm != "none":
+            from zoo.core.kinds import parallelize
+
+            dim = 1 if self.cfg.qk_norm == "head" else -1  # (B, heads, T, D), or (B, T, heads x D)
+            for name in ("q_norm", "k_norm"):
+                parallelize(getattr(self, name), tp_mesh, name, shard_dim=dim)
+
     # -- forward -------------------------------------------------------------------------------------
     def forward(self, x, ctx, pos):
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.cfg.output_gate:  # per head: its query, then its gate
-            q, gate = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.view(B, T, -1, 2 * self.head_dim).chunk(2, dim=-1)
             q = q.reshape(B, T, -1)
         if self.cfg.qk_norm == "proj":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # -1: the heads this process holds (all of them, or its share under tensor parallelism)
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
         if self.cfg.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if pos is not None:
@@ -175,7 +198,7 @@ class Attention(Mixer):
         key_mask = ctx.key_mask
         if key_mask is not None and k_idx is not q_idx:  # else the same tensor for every layer: masks built once
             key_mask = key_mask[:, k_idx]
-        bias = pos.score_bias(q_idx, k_idx, self.n_heads) if pos is not None else None
+        bias = pos.score_bias(q_idx, k_idx, q.shape[1]) if pos is not None else None
         if ctx.asks("attn_logit_max"):  # the ablation lab's probe (zoo.tools.ablate.AttentionLogits)
             ctx.add_metric(f"attn_logit_max/layer{self.index}", self.logit_max(q, k, q_idx, k_idx))
         out = self.attend(q, k, v, q_idx, k_idx, key_mask, bias).transpose(1, 2).reshape(B, T, -1)
@@ -254,8 +277,9 @@ class Attention(Mixer):
 
     def _eager(self, q, k, v, q_idx, k_idx, key_mask, bias):
         B, H, Tq, D = q.shape
-        G = H // self.n_kv_heads
-        qg = q.view(B, self.n_kv_heads, G, Tq, D)
+        Hkv = k.shape[1]  # local counts (a share of the heads under tensor parallelism)
+        G = H // Hkv
+        qg = q.view(B, Hkv, G, Tq, D)
         scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * self.scale  # (B, Hkv, G, Tq, Tk)
         scores = scores.view(B, H, Tq, -1)
         if self.cfg.softcap is not None:
@@ -266,5 +290,5 @@ class Attention(Mixer):
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         probs = F.dropout(probs, self.dropout, self.training)
-        out = torch.matmul(probs.view(B, self.n_kv_heads, G, Tq, -1), v.unsqueeze(2))
+        out = torch.matmul(probs.view(B, Hkv, G, Tq, -1), v.unsqueeze(2))
         return out.view(B, H, Tq, D)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.core.kinds import Cost, LayerState
+from zoo.core.kinds import Cost, LayerState, no_plan
 from zoo.core.registry import register
 from zoo.core.spec import SpecError, positive
 
@@ -180,6 +180,11 @@ class DSA(MLA):
     indexer alone and the language-model loss never reaches it (DeepSeek-V3.2's recipe: a dense
     warm-up with ``index_topk`` at least the sequence length, then sparse training).
     """
+
+    def parallelize(self, tp_mesh) -> None:
+        """No tensor-parallel plan yet: the indexer's top-k runs over every head's scores (MLA's plan
+        alone would shard them)."""
+        raise no_plan(self)
 
     @dataclass(frozen=True)
     class Config(MLA.Config):

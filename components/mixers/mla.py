@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.core.kinds import Cost, Mixer
+from zoo.core.parallel import grad_summed
 from zoo.core.registry import register
 from zoo.core.spec import Part, SpecError, part_field, positive
 from zoo.core.state import KVState
@@ -137,23 +138,43 @@ class MLA(Mixer):
                 "v_head_dim": self.v_dim, "state_per_token": self.kv_lora_rank + self.rope,
                 "mha_state_per_token": self.n_heads * (self.qk_dim + self.v_dim), "decode": self.cfg.decode}
 
+    def parallelize(self, tp_mesh) -> None:
+        """Tensor parallelism by heads: the sequence gathered; the per-head projections (``q_proj`` or
+        ``q_b_proj``, ``kv_b_proj``) sharded by their heads' rows, ``o_proj`` by its columns and
+        reduce-scattered back onto the sequence slice. The latents (``q_a_proj``, ``kv_a_proj`` and their
+        norms) are small and stay whole on every process: their gradients arrive summed over the
+        processes through the head projections they feed, and through :func:`~zoo.core.parallel.grad_summed`
+        for the rotary key part every local head shares."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from zoo.core.parallel import heads_in, heads_out, local_count, sequence_input
+
+        local_count(self.n_heads, tp_mesh, "n_heads", self)
+        parallelize_module(self, tp_mesh, sequence_input(tp_mesh, local=True))
+        q = "q_proj" if self.cfg.q_lora_rank is None else "q_b_proj"
+        parallelize_module(self, tp_mesh, {q: heads_in(), "kv_b_proj": heads_in(), "o_proj": heads_out()})
+        self._tp_mesh = tp_mesh
+
     # -- forward -------------------------------------------------------------------------------------
     def queries(self, x):
         """(B, H, T, nope) and (B, H, T, rope) query parts, before rotation."""
         B, T, _ = x.shape
         q = self.q_proj(x) if self.cfg.q_lora_rank is None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
-        q = q.view(B, T, self.n_heads, self.qk_dim).transpose(1, 2)
+        q = q.view(B, T, -1, self.qk_dim).transpose(1, 2)  # -1: this process's heads
         return q.split([self.nope, self.rope], dim=-1)
 
     def latents(self, x):
         """(B, 1, T, kv_lora_rank) normed latent and (B, 1, T, rope) key part, before rotation."""
         B, T, _ = x.shape
         c, k_rope = self.kv_a_proj(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        mesh = getattr(self, "_tp_mesh", None)
+        if mesh is not None:  # whole on every process, used by its own heads only: sum its gradient
+            k_rope = grad_summed(k_rope, mesh)
         return self.kv_a_norm(c).view(B, 1, T, -1), k_rope.view(B, 1, T, -1)
 
     def up_weights(self):
         """``W_UK`` (H, nope, kv_lora_rank) and ``W_UV`` (H, v, kv_lora_rank), views of kv_b_proj."""
-        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w = self.kv_b_proj.weight.view(-1, self.nope + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope], w[:, self.nope :]
 
     def forward(self, x, ctx, pos):
@@ -173,7 +194,7 @@ class MLA(Mixer):
             out = self.attend_absorbed(q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask)
         else:
             out = self.attend_plain(q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
     def _mask(self, q_idx, k_idx, key_mask):
         """(None, True) for a plain causal forward over its own slots, else (boolean mask, False)."""

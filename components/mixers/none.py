@@ -44,4 +44,7 @@ class NoMixer(Mixer):
     def facts(self) -> dict:
         return {"token mixing": "none"}
 
+    def parallelize(self, tp_mesh) -> None:
+        """Nothing to shard: zeros shaped like the local sequence slice."""
+
 

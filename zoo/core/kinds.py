@@ -9,7 +9,8 @@ One base per kind (:class:`Norm`, :class:`Activation`, :class:`FFN`, :class:`Rou
 its default and its caller. This is the one statement of the contract: :data:`BASES`, the tables
 derived from it, the registration check and docs/plugins.md's table (:func:`contract_table`) all
 read it. A part states its own facts (:class:`Cost`, ``facts``, ``shrink``); nothing outside a part
-reads its attributes.
+reads its attributes. It also states how it shards under tensor parallelism (:func:`parallelize`,
+the ``parallelize`` hook).
 """
 
 from __future__ import annotations
@@ -134,6 +135,19 @@ class Part(Kernels, nn.Module):
     #: is cast to a narrower dtype (a router's selection bias).
     fp32_tensors: ClassVar[tuple[str, ...]] = ()
 
+    def parallelize(self, tp_mesh: Any, **kw: Any) -> None:
+        """Called by :func:`parallelize` (from ``Decoder.parallelize``, itself called by
+        ``zoo.train.loop.start_model`` on the meta device, before activation checkpointing and FSDP2):
+        shard this part over ``tp_mesh`` (tensor and sequence parallelism). For a mixer or an FFN,
+        ``x`` arrives as this process's slice of the sequence, a local (B, T / tp, d_model) tensor,
+        and the output leaves the same way; in between the part does what its plan says
+        (``torch.distributed.tensor.parallel.parallelize_module`` with ``PrepareModuleInput``,
+        ``ColwiseParallel``, ``RowwiseParallel``), computes with its local head counts, and makes sure
+        every parameter held whole on each process gets its whole gradient
+        (:func:`zoo.core.parallel.grad_summed`). A norm takes ``shard_dim=``. Default: no plan, so
+        ``tp > 1`` is an error naming the part."""
+        raise no_plan(self)
+
 class Norm(Part):
     """A norm: ``cls(config, dim=...)``, called on ``x``."""
 
@@ -246,6 +260,14 @@ class PositionEncoding(Part):
         pair, (B, 1, T, rotary_dim / 2). Default: this encoding gives none."""
         raise TypeError(f"position encoding {type(self).__name__} gives no rotation angles (pairs)")
 
+    def parallelize(self, tp_mesh: Any, **kw: Any) -> None:
+        """Tensor parallelism (:func:`parallelize`): a rotary encoding (or none) has nothing to shard, its
+        tables are made per forward for the whole sequence, which the mixers see gathered. Default: an
+        absolute encoding (added to the sequence-sharded embeddings) or a score bias (per global head)
+        has no plan, and refuses."""
+        if self.applies_to not in ("qk", "none"):
+            raise no_plan(self)
+
 
 class RopeScaling(Part):
     """A RoPE scaling rule: ``cls(config, dim=, theta=)``."""
@@ -297,6 +319,39 @@ class LayerState:
         """Called by ``DecodeState.truncate`` (speculative decoding drops rejected drafts): forget
         the slots from ``n`` on. Default: this state cannot."""
         raise TypeError(f"decode state {type(self).__name__} has no truncate(n): its mixer cannot drop slots it has seen")
+
+
+def no_plan(part: nn.Module, where: str = "") -> NotImplementedError:
+    """The error for a part without a tensor-parallel plan (``tp > 1`` cannot shard it)."""
+    at = f"{where} " if where else ""
+    return NotImplementedError(
+        f"{at}({type(part).__module__}.{type(part).__qualname__}) has no tensor-parallel plan: it does not "
+        "define parallelize(tp_mesh, ...), so parallel.tp > 1 cannot shard it; set tp = 1, or give the part a "
+        "plan (docs/training.md, 'Tensor and sequence parallelism')")
+
+
+def parallelize(part: nn.Module, tp_mesh: Any, where: str, **kw: Any) -> None:
+    """Ask ``part`` (at ``where`` in the model, e.g. ``layers.3.ffn``) to shard itself over ``tp_mesh``:
+    its ``parallelize(tp_mesh, **kw)`` hook (:meth:`Part.parallelize`):
+
+    - a mixer or an FFN: ``parallelize(tp_mesh)``, local sequence slices in and out;
+    - a norm: ``parallelize(tp_mesh, shard_dim=...)``: its input arrives split on ``shard_dim`` (1: the
+      sequence of the residual stream, or the heads of a per-head QK-norm; -1: the normalised features
+      themselves, a QK-norm over a whole projection) and leaves split the same way, local;
+    - a position encoding: ``parallelize(tp_mesh)``: RoPE has nothing to shard; an absolute or bias
+      encoding refuses;
+    - a block: ``parallelize(tp_mesh, where=...)``: each of its parts, with :func:`parallelize`.
+
+    A module that is no part (a plain torch module), or a part keeping the default, makes ``tp > 1``
+    an error naming it."""
+    if not is_part(part):
+        raise no_plan(part, where)
+    try:
+        part.parallelize(tp_mesh, **kw)
+    except NotImplementedError as exc:
+        if where and not str(exc).startswith(where):
+            raise NotImplementedError(f"{where}: {exc}") from None
+        raise
 
 
 def rotary_dim_of(layer: Any, d_model: int) -> Optional[int]:

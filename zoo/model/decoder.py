@@ -122,6 +122,36 @@ class Decoder(_kinds.Kernels, nn.Module):
                         torch.manual_seed(seeded)
                         module.reset_parameters()
 
+    # -- tensor parallelism ------------------------------------------------------------------------
+    def parallelize(self, tp_mesh) -> None:
+        """Tensor and sequence parallelism over ``tp_mesh`` (torch.distributed.tensor.parallel), asked of
+        each part (:func:`zoo.core.kinds.parallelize`): call it on the meta device, before activation
+        checkpointing and FSDP2, then materialise and :meth:`init_weights`. The embedding is sharded by
+        vocabulary rows and hands the blocks this process's slice of the sequence; that slice is the
+        residual stream all through; the head (the embedding's rows when tied) computes this process's
+        vocabulary columns from the whole sequence, and the logits are gathered whole. A part without a
+        plan is an error naming it."""
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        from zoo.core.kinds import parallelize
+
+        if self.mtp is not None:
+            raise NotImplementedError("mtp: the multi-token prediction modules have no tensor-parallel plan yet; "
+                                      "set tp = 1, or train without mtp")
+        self._tp = tp_mesh.size()
+        parallelize_module(self.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
+        for key, module in self.positions.items():
+            parallelize(module, tp_mesh, f"positions.{key} ({type(module).__name__})")
+        for i, layer in enumerate(self.layers):
+            parallelize(layer, tp_mesh, f"layers.{i}", prefix=f"layers.{i}")
+        if self.final_norm is not None:
+            parallelize(self.final_norm, tp_mesh, "final_norm", shard_dim=1)
+        if self.lm_head is not None:
+            parallelize_module(self.lm_head, tp_mesh, ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))
+        elif self.head_bias is not None:  # tied: the embedding's rows are the head's; its bias follows them
+            self.head_bias = nn.Parameter(distribute_tensor(self.head_bias, tp_mesh, [Shard(0)]))
+
     # -- decoding ---------------------------------------------------------------------------------
     def _apply(self, fn, recurse=True):
         # .to(dtype), .half(), .bfloat16(): tensors a part declares float32 stay float32 (zoo/core/precision.py)
@@ -150,6 +180,10 @@ class Decoder(_kinds.Kernels, nn.Module):
         """The forward context of ``input_ids`` (B, T): slots, padding mask and position ids, after
         what ``state`` has seen (and moving ``state`` on)."""
         B, T = input_ids.shape
+        tp = getattr(self, "_tp", 1)
+        if T % tp:
+            raise ValueError(f"input_ids: {T} tokens do not split over tp = {tp} processes (sequence parallelism "
+                             f"gives each an equal slice); use a length divisible by {tp}")
         if state is not None:
             slots, key_mask, positions = state.advance(B, T, input_ids.device, attention_mask)
         else:
@@ -228,8 +262,11 @@ class Decoder(_kinds.Kernels, nn.Module):
         return self.lm_head.weight, self.lm_head.bias
 
     def logits_from_hidden(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.head()
-        logits = F.linear(x, weight, bias)
+        if self.lm_head is not None:
+            logits = self.lm_head(x)  # called as a module, so that a plan's hooks on it run (tensor parallelism)
+        else:
+            weight, bias = self.head()
+            logits = _tied_logits(x, weight, bias)
         if self.spec.embedding.padded_vocab_size:
             logits = logits[..., : self.spec.vocab_size]
         if self.spec.head.softcap is not None:
@@ -314,6 +351,19 @@ class Decoder(_kinds.Kernels, nn.Module):
         from zoo.inference.generate import generate
 
         return generate(self, input_ids, max_new_tokens, **kwargs)
+
+
+def _tied_logits(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Logits from the embedding matrix. Under tensor parallelism (a DTensor sharded by vocabulary rows)
+    ``x`` is this process's slice of the sequence: it is gathered, each process computes its
+    vocabulary columns, and the logits are gathered whole."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(weight, DTensor):
+        return F.linear(x, weight, bias)
+    mesh = weight.device_mesh
+    x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
+    return F.linear(x, weight, bias).full_tensor()
 
 
 def init_seed(seed: int, name: str) -> int:

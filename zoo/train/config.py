@@ -64,12 +64,10 @@ class ParallelConfig:
 
     def check(self) -> None:
         self.checkpointed(1)
-        if self.tp != 1 or self.ep != 1:
-            which = " and ".join(f"{n} = {getattr(self, n)}" for n in ("tp", "ep") if getattr(self, n) != 1)
+        if self.ep != 1:
             raise NotImplementedError(
-                f"parallel: {which} is not supported yet: tensor/sequence parallel plans of the parts and the "
-                "experts' dispatch over an expert-parallel dimension are still to come (docs/training.md); "
-                "use dp_replicate and dp_shard")
+                f"parallel: ep = {self.ep} is not supported yet: the experts' dispatch over an expert-parallel "
+                "dimension is still to come (docs/training.md); use dp_replicate, dp_shard and tp")
 
 
 @dataclass

@@ -128,21 +128,47 @@ def _shard(model: nn.Module, accelerator, mesh=None) -> None:
 def start_model(spec: ModelSpec, accelerator, *, seed: int, sharded: bool,
                 parallel: Optional[ParallelConfig] = None) -> nn.Module:
     """The model to train, on the accelerator's device, with the weights ``build_model(spec, seed=seed)``
-    gives on one process, its blocks checkpointed as ``parallel.ac`` says. Sharded: built on the meta
-    device, checkpointed, wrapped with FSDP2 per block over the mesh of ``parallel`` (torchtitan's
-    order: activation checkpointing, then FSDP), then each process allocates and initialises only its
-    shard (one module's whole parameters at a time)."""
+    gives on one process, its blocks checkpointed as ``parallel.ac`` says. Sharded (or ``parallel.tp`` > 1):
+    built on the meta device, sharded by tensor parallelism over the mesh's ``tp`` dimension
+    (``Decoder.parallelize``), checkpointed, wrapped with FSDP2 per block over its data-parallel
+    dimensions (torchtitan's order: TP, EP, activation checkpointing, FSDP), then each process allocates
+    and initialises only its shard (one module's whole parameters at a time)."""
     parallel = parallel or ParallelConfig()
-    if not sharded:
+    if not sharded and parallel.tp == 1:
         net = build_model(spec, device=accelerator.device, seed=seed)
         checkpoint_blocks(net, parallel.checkpointed(len(net.layers)))
         return net
     net = build_model(spec, device="meta")
+    mesh = device_mesh(parallel, accelerator)
+    if parallel.tp > 1:
+        net.parallelize(mesh["tp"])
     checkpoint_blocks(net, parallel.checkpointed(len(net.layers)))
-    _shard(net, accelerator, device_mesh(parallel, accelerator))
+    if sharded:
+        _shard(net, accelerator, mesh)
     net.to_empty(device=accelerator.device)
     net.init_weights(seed=seed)
     return net
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """Clip the gradients to a global norm of ``max_norm`` over every process; returns the norm before
+    clipping. For gradients that live on several meshes (tensor parallelism's DTensors on ``tp``, FSDP2 x
+    TP's on ``dp_shard x tp``, and the whole tensors every process holds), which
+    ``torch.nn.utils.clip_grad_norm_`` cannot stack: each gradient's norm is made whole
+    (``full_tensor``: the shards' squares summed, a pending sum reduced) before they are added."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    squares = []
+    for g in grads:
+        n = torch.linalg.vector_norm(g, dtype=torch.float32)
+        squares.append((n.full_tensor() if isinstance(n, DTensor) else n) ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    coef = float(max_norm) / (float(total) + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return total
 
 
 def device_mesh(parallel: ParallelConfig, accelerator):
@@ -201,8 +227,11 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     if acc.num_processes != launched:
         raise RuntimeError(f"{launched} processes were launched but Accelerate sees {acc.num_processes}; "
                            "check the launcher's environment (WORLD_SIZE, RANK, MASTER_ADDR)")
-    accum = config.accumulation(acc.num_processes)
     layout = config.parallel.sizes(acc.num_processes)  # before any compute: the sizes must fit the processes
+    tp = layout["tp"]
+    # Data parallelism is over dp_replicate x dp_shard: the processes of one tensor-parallel group read one batch.
+    dp_size, dp_rank = acc.num_processes // tp, acc.process_index // tp
+    accum = config.accumulation(dp_size)
     texts = read_texts(config.data) if config.data else [builtin_corpus()]
 
     # Every check before any compute: model, tokenizer, checkpoint.
@@ -236,20 +265,26 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
         raise ValueError(f"parallel: dp_replicate {config.parallel.dp_replicate} x dp_shard {config.parallel.dp_shard} "
                          "shards with FSDP2, but fsdp is off; turn fsdp on or leave dp_replicate and dp_shard unset")
     use_fsdp = config.fsdp if config.fsdp is not None else (acc.distributed_type == DistributedType.FSDP or sharding)
+    if tp > 1 and dp_size > 1 and not use_fsdp:
+        raise ValueError(f"parallel: tp {tp} on {acc.num_processes} processes leaves {dp_size} data-parallel "
+                         "groups, which zoo shards with FSDP2 (x TP), but fsdp is off; turn fsdp on, or set tp to "
+                         "the number of processes")
     _check_fsdp_launch(use_fsdp)
+    # Each process writes its own shard of the weights under FSDP2 or TP.
+    per_process = use_fsdp or tp > 1
     ckpt_state = read_checkpoint_state(resume_from, spec, acc.num_processes) if resume_from else None
     if ckpt_state is not None:
         check_resumed_config(resume_from, ckpt_state, config, acc.print)
     saved_layout = (ckpt_state or {}).get("config", {}).get("parallel")
-    if use_fsdp and saved_layout is not None and ckpt_state["sharded"]:
+    if per_process and saved_layout is not None and ckpt_state["sharded"]:
         before = ParallelConfig(**saved_layout).sizes(ckpt_state["processes"])
         if before != layout:
             raise ValueError(f"checkpoint {resume_from} holds shards for the layout {before}, not {layout}; "
                              "resume with the same parallel sizes")
-    if ckpt_state is not None and ckpt_state["sharded"] != use_fsdp:
+    if ckpt_state is not None and ckpt_state["sharded"] != per_process:
         raise ValueError(
-            f"checkpoint {resume_from} was written {'with' if ckpt_state['sharded'] else 'without'} FSDP; "
-            f"resume it the same way (fsdp={ckpt_state['sharded']})"
+            f"checkpoint {resume_from} was written {'with' if ckpt_state['sharded'] else 'without'} FSDP or TP; "
+            f"resume it the same way (fsdp={ckpt_state['sharded']}, or the same tp)"
         )
     data = TokenData(tokenize(texts, tokenizer), config.seq_len, seed=config.seed)
 
@@ -258,14 +293,14 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     net = start_model(spec, acc, seed=config.seed, sharded=use_fsdp, parallel=config.parallel)
     fmt = getattr(pretrained, "checkpoint_format", None)  # export in the format the weights came in
     if pretrained is not None and ckpt_state is None:
-        load_full_state_dict(net, pretrained.state_dict(), sharded=use_fsdp)
+        load_full_state_dict(net, pretrained.state_dict(), sharded=per_process)
     del pretrained
     net.train()
     optimizer = torch.optim.AdamW(param_groups(net, config.weight_decay), lr=config.lr,
                                   betas=(config.beta1, config.beta2), eps=config.eps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
         s, warmup=config.warmup_steps, total=config.steps, min_ratio=config.min_lr_ratio))
-    if use_fsdp and acc.distributed_type != DistributedType.FSDP:
+    if per_process and acc.distributed_type != DistributedType.FSDP:
         # Launched without an accelerate FSDP config (torchrun, CPU): Accelerate would wrap the model in DDP.
         optimizer, schedule = acc.prepare(optimizer, schedule)
         wrapped = net
@@ -298,7 +333,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     saved: Optional[Path] = None
     while step < last:
         t0 = time.perf_counter()
-        batch = data.batch(position + acc.process_index * per_rank, per_rank)
+        batch = data.batch(position + dp_rank * per_rank, per_rank)
         sums: dict[str, torch.Tensor] = {}
         for m in range(accum):
             ids = batch[m * config.micro_batch:(m + 1) * config.micro_batch].to(acc.device)
@@ -311,7 +346,11 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
                 acc.backward(out.loss / accum)  # outside autocast, as PyTorch advises
             for name, value in out.terms().items():
                 sums[name] = sums.get(name, 0.0) + value.detach().float() / accum
-        grad_norm = acc.clip_grad_norm_(wrapped.parameters(), config.grad_clip or math.inf)  # inf: measure only
+        if tp > 1:  # gradients on several meshes (DTensors of tp, of dp x tp) and whole ones
+            acc.unscale_gradients()
+            grad_norm = clip_grad_norm(net.parameters(), config.grad_clip or math.inf)
+        else:
+            grad_norm = acc.clip_grad_norm_(wrapped.parameters(), config.grad_clip or math.inf)  # inf: measure only
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
@@ -336,20 +375,20 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
             bar.set_postfix(loss=f"{loss:.4f}", z=f"{z:.3g}", tok_s=f"{tps:,.0f}")
         if config.save_every and step % config.save_every == 0 and step < last:
             saved = ckpt.save(model=net, optimizer=optimizer.optimizer, scheduler=schedule.scheduler, step=step,
-                              data_position=position, spec=spec, sharded=use_fsdp, config=config)
+                              data_position=position, spec=spec, sharded=per_process, config=config)
     bar.close()
     elapsed = time.perf_counter() - started
     result.step = step
     result.tokens_per_s = tokens_seen / elapsed if elapsed > 0 and tokens_seen else 0.0
     if result.losses and (saved is None or not saved.name.endswith(f"{step:07d}")):
         saved = ckpt.save(model=net, optimizer=optimizer.optimizer, scheduler=schedule.scheduler, step=step,
-                          data_position=position, spec=spec, sharded=use_fsdp, config=config)
+                          data_position=position, spec=spec, sharded=per_process, config=config)
     result.checkpoint = saved or resume_from
     if step >= config.steps:
         if config.plot and acc.is_main_process:
             result.plot = plot_losses(metrics_file, out_dir / "loss.png")
         if config.export:
-            result.export = export(net, spec, out_dir / "final", acc, sharded=use_fsdp, tokenizer=tokenizer,
+            result.export = export(net, spec, out_dir / "final", acc, sharded=per_process, tokenizer=tokenizer,
                                    model_type=config.export_format or fmt)
     acc.wait_for_everyone()
     return result
