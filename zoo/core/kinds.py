@@ -350,7 +350,8 @@ def parallelize(part: nn.Module, tp_mesh: Any, where: str, **kw: Any) -> None:
         part.parallelize(tp_mesh, **kw)
     except NotImplementedError as exc:
         if where and not str(exc).startswith(where):
-            raise NotImplementedError(f"{where}: {exc}") from None
+            sep = " " if str(exc).startswith("(") else ": "  # no_plan(part) names the class in brackets
+            raise NotImplementedError(f"{where}{sep}{exc}") from None
         raise
 
 
