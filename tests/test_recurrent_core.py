@@ -78,3 +78,38 @@ def test_bad_input_is_named():
         recurrent.chunked(q, k, v, a[:, :1])
     with pytest.raises(ValueError, match="state"):
         recurrent.chunked(q, k, v, a, torch.zeros(2, 3, 7, 5))
+
+
+def scan64(q, k, v, a, state):
+    """The recurrence itself in float64, with a decay of exp(a) (0 where a is -inf)."""
+    S, ys = state.double(), []
+    for t in range(q.shape[2]):
+        S = torch.exp(a[:, :, t].double())[..., None, None] * S + k[:, :, t, :, None].double() * v[:, :, t, None, :].double()
+        ys.append((q[:, :, t, None, :].double() @ S).squeeze(-2))
+    return torch.stack(ys, 2), S
+
+
+@pytest.mark.parametrize("T,chunk", [(13, 4), (33, 8), (9, 64)])
+def test_a_restart_forgets_the_state_without_nan(T, chunk):
+    """A log-decay of -inf (decay 0: a document boundary) must give what the step-by-step form gives."""
+    q, k, v, a = inputs(T)
+    a = a.clone()
+    a[0, :, 0] = float("-inf")       # a restart on the very first token (the carried state is dropped)
+    a[0, 1, min(chunk, T) - 1] = float("-inf")  # at a chunk's last step
+    a[1, :, T // 2] = float("-inf")   # inside a chunk
+    s0 = torch.randn(2, 3, 5, 7)
+    y, s = recurrent.chunked(q, k, v, a, s0, chunk=chunk)
+    y64, s64 = scan64(q, k, v, a, s0)
+    y_step, s_step = scan(q, k, v, a, s0)
+    assert torch.isfinite(y).all() and torch.isfinite(s).all()
+    for got, ref in ((y, y64), (s, s64), (y_step, y64)):
+        # float32 against float64: a few float32 ulps of the largest magnitude
+        assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    # after a restart the output is that of a fresh start from that token
+    t = T // 2
+    y_fresh, _ = scan64(q[1:, :, t:], k[1:, :, t:], v[1:, :, t:], a[1:, :, t:], torch.zeros(1, 3, 5, 7))
+    assert (y[1:, :, t:].double() - y_fresh).abs().max() <= 1e-5 * y_fresh.abs().max()
+    # a restart also stops gradients reaching the decays before it, without NaN
+    a_req = a.clone().requires_grad_(True)
+    grad = torch.autograd.grad(recurrent.chunked(q, k, v, a_req, s0, chunk=chunk)[0].sum(), a_req)[0]
+    assert torch.isfinite(grad).all()

@@ -23,6 +23,24 @@ def test_the_short_convolution_is_a_causal_depthwise_conv1d_and_continues_from_i
     torch.testing.assert_close(state, x[:, -width:].transpose(1, 2))  # the last `width` inputs
 
 
+def test_the_short_convolution_without_activation_is_the_plain_convolution_and_silu_stays_the_default():
+    torch.manual_seed(0)
+    plain = ShortConv(6, 4, bias=True, state_width=3, activation=None)
+    silu = ShortConv(6, 4, bias=True, state_width=3)
+    silu.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 9, 6)
+    conv = F.conv1d(x.transpose(1, 2), plain.weight, plain.bias, padding=3, groups=6)[..., :9].transpose(1, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), conv, atol=1e-6, rtol=0)
+        torch.testing.assert_close(silu(x), F.silu(conv), atol=1e-6, rtol=0)
+        assert (plain(x) < 0).any()  # not clipped by any activation
+        state = torch.zeros(2, 6, 3)
+        pieces = [plain(x[:, a:b], state) for a, b in ((0, 4), (4, 5), (5, 9))]
+    torch.testing.assert_close(torch.cat(pieces, 1), conv, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        ShortConv(6, 4, bias=False, state_width=3, activation="gelu")
+
+
 def test_the_short_convolution_refuses_another_state_width():
     with pytest.raises(ValueError, match="state_width must be kernel - 1 or kernel"):
         ShortConv(6, 4, bias=False, state_width=2)

@@ -14,8 +14,16 @@ Plain linear attention has ``a_t = 0``, RetNet a fixed ``log(gamma)`` per head, 
   state is passed, one step per chunk. O(T * chunk) work, a Python loop over chunks only.
 - :func:`step` (decoding): one token onto the state.
 
+What it suits: any mixer whose state is a (Dk, Dv) matrix per head, decayed by one scalar per head
+and step and then written by one outer product (linear attention, RetNet, lightning attention,
+Mamba-2's SSD; a restart, a decay of 0, is ``a_t = -inf``). It does not suit a per-channel
+(diagonal, vector) decay such as RecurrentGemma's RG-LRU or GLA's (write those as their own scan),
+nor a delta rule, whose write depends on the state (Gated DeltaNet has its own core).
+
 Numerics: only sums of log-decays over a segment are exponentiated, and those are <= 0, so nothing
-exponentiates a large positive number however long the sequence or strong the decay. The state
+exponentiates a large positive number however long the sequence or strong the decay, and no two are
+subtracted, so a log-decay of ``-inf`` (a decay of exactly 0: a restart that forgets the state, as at
+a document boundary) gives exactly what the recurrence gives instead of ``inf - inf``. The state
 is carried in float32 whatever the input dtype; the outputs come back in ``v``'s dtype.
 """
 
@@ -85,7 +93,7 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: Option
     total = cum[..., -1]                                    # (B, H, N): over the whole chunk
     L = torch.exp(segsum(a))                                # (B, H, N, C, C)
     y = ((q @ k.transpose(-1, -2)) * L) @ v                 # within each chunk
-    to_end = torch.exp(total[..., None] - cum)              # decay from step j to the chunk's end (<= 1)
+    to_end = L[..., -1, :]                                  # decay from step j to the chunk's end (<= 1)
     updates = (k * to_end[..., None]).transpose(-1, -2) @ v  # (B, H, N, Dk, Dv): each chunk's own state
     q_carry = q * torch.exp(cum)[..., None]                 # what the state before the chunk meets
     carried = []
@@ -114,8 +122,10 @@ def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: Optional[
 # ------------------------------------------------------------------- the parts around the cores
 
 class ShortConv(nn.Conv1d):
-    """The short causal depthwise convolution of Mamba-2 and Gated DeltaNet, then SiLU: each channel
-    ``y_t = silu(sum_k w[k] x_{t-K+1+k} + bias)`` over the last ``K = kernel`` inputs.
+    """The short causal depthwise convolution of Mamba-2 and Gated DeltaNet, then an activation: each
+    channel ``y_t = act(sum_k w[k] x_{t-K+1+k} + bias)`` over the last ``K = kernel`` inputs.
+    ``activation`` is ``"silu"`` (Mamba-2, Gated DeltaNet; the default) or None (no activation: the
+    plain convolution of RecurrentGemma's recurrent block, of Hyena and H3 style short filters).
 
     Its parameters are ``nn.Conv1d``'s (``weight`` (channels, 1, K), optional ``bias``), so checkpoint
     names and initialisation are a depthwise convolution's. It takes and returns (B, T, channels), and
@@ -124,12 +134,18 @@ class ShortConv(nn.Conv1d):
     the inputs it holds, and it then holds the last ``state_width`` inputs: ``kernel - 1`` as
     transformers' qwen3_next cache does, or ``kernel`` as its mamba2 cache does."""
 
-    def __init__(self, channels: int, kernel: int, *, bias: bool, state_width: int):
+    ACTIVATIONS = {"silu": lambda x: F.silu(x, inplace=True), None: lambda x: x}
+
+    def __init__(self, channels: int, kernel: int, *, bias: bool, state_width: int, activation: Optional[str] = "silu"):
         super().__init__(channels, channels, kernel, groups=channels, bias=bias)
         if state_width not in (kernel - 1, kernel):
             raise ValueError(f"ShortConv: state_width must be kernel - 1 or kernel ({kernel - 1} or {kernel}), "
                              f"got {state_width}")
+        if activation not in self.ACTIVATIONS:
+            raise ValueError(f"ShortConv: activation must be one of {', '.join(map(repr, self.ACTIVATIONS))}, "
+                             f"got {activation!r}")
         self.state_width = state_width
+        self.act = self.ACTIVATIONS[activation]
 
     def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
         """``nn.Conv1d``'s initialisation (Kaiming-uniform weight, uniform bias in +-1/sqrt(fan_in)),
@@ -154,7 +170,7 @@ class ShortConv(nn.Conv1d):
             out.addcmul_(window[:, k : k + T], w[k])
         if self.bias is not None:
             out += self.bias.to(x.dtype)
-        return F.silu(out, inplace=True)
+        return self.act(out)
 
 
 class GatedRMSNorm(nn.Module):

@@ -281,11 +281,26 @@ def check_recipe_data(data: Any, path: str = "", depth: int = 0, seen: tuple[int
 
 @dataclass(frozen=True)
 class EmbeddingSpec:
-    """Token embeddings. ``scale``: multiply by sqrt(d_model) (Gemma) in the activation dtype."""
+    """Token embeddings. ``scale``: multiply the embeddings by ``sqrt_d_model`` (Gemma) or by a number
+    (``none``: by nothing). ``scale_dtype``: the dtype the factor is rounded to before it multiplies
+    (``bfloat16``: RecurrentGemma's sqrt(2560) = 50.5); None rounds it to the activation dtype, as Gemma does."""
 
-    scale: Literal["none", "sqrt_d_model"] = "none"
+    scale: Union[Literal["none", "sqrt_d_model"], float] = "none"
+    scale_dtype: Optional[Literal["float64", "float32", "bfloat16", "float16"]] = None
     # Rows beyond vocab_size (padding for hardware) are part of the matrix, not of the vocabulary.
     padded_vocab_size: Optional[int] = None
+
+    def check(self) -> None:
+        if not isinstance(self.scale, str):
+            positive("scale", self.scale)
+        if self.scale_dtype is not None and self.scale == "none":
+            raise SpecError("scale_dtype", "rounds the embedding scale, but scale is 'none'")
+
+    def factor(self, d_model: int) -> Optional[float]:
+        """The number the embeddings are multiplied by (before rounding), or None."""
+        if self.scale == "none":
+            return None
+        return math.sqrt(d_model) if self.scale == "sqrt_d_model" else self.scale
 
 
 @dataclass(frozen=True)

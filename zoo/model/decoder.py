@@ -8,7 +8,6 @@ specific norm, attention or family. Data flows: ids -> embeddings (+ absolute po
 from __future__ import annotations
 
 import contextlib
-import math
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
@@ -241,8 +240,11 @@ class Decoder(_kinds.Kernels, nn.Module):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings (scaled where the spec says), without absolute positions."""
         x = self.embed(input_ids)
-        if self.spec.embedding.scale == "sqrt_d_model":
-            x = x * torch.tensor(math.sqrt(self.spec.d_model), dtype=x.dtype)
+        emb = self.spec.embedding
+        factor = emb.factor(self.spec.d_model)
+        if factor is not None:  # rounded to scale_dtype (default: the activation dtype), then applied in x's dtype
+            rounded = torch.tensor(factor, dtype=getattr(torch, emb.scale_dtype) if emb.scale_dtype else x.dtype)
+            x = x * rounded.to(x.dtype)
         return x
 
     def position_state(self, position_ids: torch.Tensor, dtype: torch.dtype, layer: int) -> Optional[PositionState]:
