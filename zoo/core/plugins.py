@@ -208,7 +208,7 @@ class PluginLoader:
                 others = [p for p in self.pm.get_plugins() if p is not plugin]
                 self.pm.subset_hook_caller("zoo_register", remove_plugins=others)(registry=self)
             for kind, reg in self.registries.items():  # parts of its modules registered before it loaded
-                info.registered += [(kind, e.name) for e in reg._entries.values()
+                info.registered += [(kind, e.name) for by_provider in reg._all.values() for e in by_provider.values()
                                     if e.provider == name and (kind, e.name) not in info.registered]
             if not self._loading:  # loaded on its own, after every other part: its families can be checked now
                 self._check_families(info)

@@ -15,6 +15,7 @@ import contextlib
 import difflib
 import fnmatch
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -52,6 +53,28 @@ class DuplicateNameError(RegistryError):
     pass
 
 
+class NameCollisionWarning(UserWarning):
+    """A plugin registered a name zoo also ships (or zoo added one a plugin already had): both stay,
+    each reachable by its qualified name ``provider:name``; the bare name means zoo's."""
+
+
+#: How qualified names spell zoo's own entries (``zoo:relu2``).
+ZOO = "zoo"
+#: Provider names whose preference :func:`preferring` has opened (a plugin's family being parsed).
+_PREFER: list[str] = []
+
+
+@contextlib.contextmanager
+def preferring(qualifier: Optional[str]) -> Iterator[None]:
+    """Within the block, a bare name that ``qualifier`` (a plugin's name) registered itself means that
+    plugin's entry, even where zoo ships the same name: a plugin's own recipes resolve to it first."""
+    _PREFER.append(qualifier or "")
+    try:
+        yield
+    finally:
+        _PREFER.pop()
+
+
 class InterfaceError(RegistryError, TypeError):
     """A registered object does not meet the interface of its kind."""
 
@@ -77,6 +100,13 @@ class Registry:
         self.kind = kind
         self._owner = owner
         self._entries: dict[str, Entry] = {}
+        #: bare name -> qualifier (``zoo`` or a plugin's name) -> entry, every provider's, also those the
+        #: bare name does not mean
+        self._all: dict[str, dict[str, Entry]] = {}
+
+    def qualifier(self, provider: str) -> str:
+        """How a qualified name spells ``provider``: ``zoo`` for zoo's built-in plugins, else the plugin's name."""
+        return ZOO if provider in self._owner.builtin_plugins or provider in BUILTIN_PLUGINS else provider
 
     def add(self, name: str, obj: Any, *, provider: str, override: bool = False) -> Any:
         owner = self._owner
@@ -92,6 +122,8 @@ class Registry:
         old = self._entries.get(name)
         if old is not None and old.obj is obj:
             return obj
+        if old is not None and not override and (self.qualifier(old.provider) == ZOO) != (self.qualifier(provider) == ZOO):
+            return self._both(name, old, Entry(self.kind, name, obj, provider))
         if old is not None and not override:
             raise DuplicateNameError(
                 f"{self.kind} {name!r} is registered twice: by {owner.describe(old.provider)} and by "
@@ -109,14 +141,54 @@ class Registry:
                         f"{self.kind} {name!r} of {owner.describe(provider)} claims {clash[0]!r}, which "
                         f"{self.kind} {other.name!r} of {owner.describe(other.provider)} already has. Rename one."
                     )
-        self._entries[name] = Entry(self.kind, name, obj, provider, replaced=old)
+        if self.kind == "family" and hasattr(obj, "provider") and not obj.provider:
+            obj.provider = self.qualifier(provider)  # its recipes prefer its own parts (preferring)
+        entry = Entry(self.kind, name, obj, provider, replaced=old)
+        self._entries[name] = entry
+        self._all.setdefault(name, {})[self.qualifier(provider)] = entry
         return obj
+
+    def _both(self, name: str, old: Entry, new: Entry) -> Any:
+        """zoo and a plugin both register ``name``: a zoo release that adds a name a plugin already had
+        must not break the plugin, nor may installing a plugin change what a zoo name means. Both stay,
+        reachable as ``zoo:name`` and ``plugin:name``; the bare name means zoo's, except in the plugin's
+        own recipes (:func:`preferring`)."""
+        ours, theirs = (old, new) if self.qualifier(old.provider) == ZOO else (new, old)
+        self._entries[name] = ours
+        self._all.setdefault(name, {})[self.qualifier(new.provider)] = new
+        plugin = self.qualifier(theirs.provider)
+        warnings.warn(NameCollisionWarning(
+            f"{self.kind} {name!r} is registered by zoo ({ours.provider}) and by "
+            f"{self._owner.describe(theirs.provider)}: both are kept. The bare name {name!r} means zoo's "
+            f"(spell it '{ZOO}:{name}' to be explicit); write '{plugin}:{name}' for the plugin's. The plugin's "
+            f"own families resolve {name!r} to the plugin's first."), stacklevel=4)
+        return new.obj
+
+    def resolve(self, name: str) -> str:
+        """The name a spec stores for ``name``: qualified (``plugin:name``) when a preferred plugin
+        (:func:`preferring`) has its own entry of that name and the bare name means another's."""
+        if ":" in name or not _PREFER or not _PREFER[-1]:
+            return name
+        q = _PREFER[-1]
+        own = self._all.get(name, {}).get(q)
+        bare = self._loaded().get(name)
+        return f"{q}:{name}" if own is not None and bare is not None and own is not bare else name
+
+    def qualified_names(self, name: str) -> list[str]:
+        """Every qualified spelling of ``name`` (more than one when zoo and a plugin both have it)."""
+        self._loaded()
+        return sorted(f"{q}:{name}" for q in self._all.get(name, {}))
 
     def remove(self, name: str, provider: str) -> None:
         """Withdraw ``provider``'s entry (restoring what it had overridden)."""
+        q = self.qualifier(provider)
+        if self._all.get(name, {}).get(q) is not None and self._all[name][q].provider == provider:
+            del self._all[name][q]
         entry = self._entries.get(name)
         if entry is None or entry.provider != provider:
             return
+        if entry.replaced is not None:
+            self._all.setdefault(name, {})[self.qualifier(entry.replaced.provider)] = entry.replaced
         if entry.replaced is not None:
             self._entries[name] = entry.replaced
         else:
@@ -128,6 +200,16 @@ class Registry:
 
     def entry(self, name: str) -> Entry:
         entries = self._loaded()
+        if ":" in name:
+            q, bare = name.split(":", 1)
+            found = self._all.get(bare, {}).get(q)
+            if found is None:
+                spellings = ", ".join(self.qualified_names(bare)) or "none"
+                raise UnknownNameError(f"unknown {self.kind} {name!r}: no provider {q!r} registers {bare!r} "
+                                       f"(its qualified names: {spellings}).")
+            return found
+        if _PREFER and _PREFER[-1] and self._all.get(name, {}).get(_PREFER[-1]) is not None:
+            return self._all[name][_PREFER[-1]]
         if name not in entries:
             close = difflib.get_close_matches(name, list(entries), n=5, cutoff=0.5)
             hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
@@ -145,6 +227,10 @@ class Registry:
         return [self._loaded()[n] for n in self.names()]
 
     def __contains__(self, name: str) -> bool:
+        if ":" in name:
+            q, bare = name.split(":", 1)
+            self._loaded()
+            return q in self._all.get(bare, {})
         return name in self._loaded()
 
 

@@ -102,6 +102,7 @@ def parse_part(kind: str, data: Any, path: str) -> Part:
     else:
         raise SpecError(path, f"expected a {kind} name or a table with 'name', got {data!r}")
     try:
+        name = _registry.registry(kind).resolve(name)  # a plugin's recipe: its own part of a shared name
         cls = _registry.get(kind, name)
     except _registry.UnknownNameError as exc:
         raise SpecError(_join(path, "name") if isinstance(data, dict) else path, str(exc)) from None
@@ -609,6 +610,9 @@ class Family:
     description: str = ""
     source: str = ""
     reference: str = ""
+    #: ``zoo`` or the plugin that registered the family (set at registration): its recipes resolve a
+    #: part name that both zoo and that plugin register to the plugin's (zoo.core.registry.preferring)
+    provider: str = ""
 
     def __post_init__(self) -> None:
         for preset, entry in self.presets.items():
@@ -626,7 +630,8 @@ class Family:
 
     def spec(self, preset: str) -> ModelSpec:
         try:
-            return ModelSpec.from_dict(self.recipe(preset))
+            with _registry.preferring(self.provider):
+                return ModelSpec.from_dict(self.recipe(preset))
         except SpecError as exc:
             raise exc.under("", f" (preset {preset!r} of family {self.name!r}"
                                 f"{', ' + self.source if self.source else ''})") from None
