@@ -186,7 +186,7 @@ def preset_problems(names=None) -> list[Problem]:
     layer pattern, and each layer with a recurrent mixer runs on a meta input with the kernel
     forced until the kernel would be called."""
     import zoo
-    import zoo.kernels as zk
+    import zoo.core.kernels as zk
     from zoo.core.kinds import PositionState
     from zoo.model.decoder import Decoder
 
@@ -252,9 +252,9 @@ def launches(problem: Problem, dtype: torch.dtype, T: Optional[int] = None, ever
         t = torch.randn(shape, generator=g)
         t = t if len(s) == 3 else t.to(dtype)  # per-step decays and gates stay fp32, as the mixers pass them
         tensors.append(t.requires_grad_())
-    import zoo.kernels
+    import zoo.core.kernels as zk
 
-    fn = zoo.kernels.implementation(problem.component, "triton")
+    fn = zk.implementation(problem.component, "triton")
     kwargs = {k: v for k, v in problem.kwargs if not k.startswith("arg")}
     extra = [v for k, v in problem.kwargs if k.startswith("arg")]
     with recording() as recorded, (tuning.every_config() if every_config else contextlib.nullcontext()):

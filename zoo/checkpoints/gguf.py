@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from zoo.checkpoints.format import CheckpointError, get_format
-from zoo import registry as _registry
+from zoo.core import registry as _registry
 
 SUFFIX = ".gguf"
 
