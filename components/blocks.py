@@ -25,22 +25,8 @@ from torch import nn
 
 from zoo.components.mixers.none import NoMixer
 from zoo.core.deprecations import warn
-from zoo.core.kinds import Block, parallelize, takes_ctx
+from zoo.core.kinds import Block, takes_ctx
 from zoo.core.registry import register
-
-
-def parallelize_block(block: nn.Module, tp_mesh, *, prefix: str = "") -> None:
-    """A block's tensor-parallel plan (zoo.core.kinds.parallelize): each of its parts states its own; the
-    residual stream between them stays this process's slice of the sequence, so the norms on it
-    normalise their slice (shard_dim 1) and the mixer and FFN take and give back such slices."""
-    for name, child in block.named_children():
-        if isinstance(child, nn.Dropout) or child is None:
-            continue
-        at = f"{prefix}.{name}" if prefix else name
-        if name in ("mixer", "ffn"):
-            parallelize(child, tp_mesh, at)
-        else:  # the block's norms
-            parallelize(child, tp_mesh, at, shard_dim=1)
 
 
 class _Block(Block):
@@ -59,8 +45,6 @@ class _Block(Block):
         """The mixer's name before mixers (deprecated): :attr:`mixer`."""
         warn("a block's .attention")
         return self.mixer
-
-    parallelize = parallelize_block
 
     def _norm(self):
         return self._norm_part.build(dim=self._d)
@@ -125,8 +109,6 @@ class FFNOnly(Block):
     not built."""
 
     attention = _Block.attention  # deprecated: .mixer
-    parallelize = parallelize_block
-
     @dataclass(frozen=True)
     class Config:
         pass
@@ -151,8 +133,6 @@ class MixerOnly(Block):
     layer's ``ffn`` setting is not built and computes nothing."""
 
     attention = _Block.attention  # deprecated: .mixer
-    parallelize = parallelize_block
-
     @dataclass(frozen=True)
     class Config:
         pass

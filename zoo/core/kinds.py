@@ -220,6 +220,20 @@ class Block(Part):
 
     CONTEXT, FORWARD = ("spec", "layer", "index"), ("x", "ctx", "pos")
 
+    def parallelize(self, tp_mesh: Any, *, prefix: str = "") -> None:
+        """Tensor parallelism (:func:`parallelize`). Default: each of the block's parts states its own
+        plan. The residual stream between them stays this process's slice of the sequence, so the
+        norms on it normalise their slice (``shard_dim=1``) and the mixer and FFN take and give back
+        such slices; a submodule that is no part (a plain torch module) is an error naming it."""
+        for name, child in self.named_children():
+            if isinstance(child, nn.Dropout):
+                continue
+            at = f"{prefix}.{name}" if prefix else name
+            if name in ("mixer", "ffn"):
+                parallelize(child, tp_mesh, at)
+            else:  # the block's norms
+                parallelize(child, tp_mesh, at, shard_dim=1)
+
 
 class PositionEncoding(Part):
     """A position encoding: ``cls(config, spec=, layer=)``. Absolute ones add to the embeddings; rotary
