@@ -5,23 +5,45 @@ multi-query (7B: all query heads, then one k and one v head), the new decoder ar
 
 from __future__ import annotations
 
-from zoo.checkpoints.common import activation, activation_name, rope_parameters, rope_part, rope_to_hf
-from zoo.checkpoints.format import CheckpointFormat, Fields
-from zoo.checkpoints.formats._classic import aliases, layernorm
+from zoo.checkpoints.common import rope_to_hf
+from zoo.checkpoints.fields import Field, FieldTable, TableFormat
+from zoo.checkpoints.formats._classic import LAYERNORM_TEMPLATE, aliases, layernorm_eps
+from zoo.checkpoints.formats.llama import Ropes, activation_field
 from zoo.checkpoints.maps import FUSED_QKV, FUSED_QKV_GROUPED, FUSED_QKV_PER_HEAD, ZOO_LAYER, ZOO_MIXER, linear, rule
 from zoo.checkpoints.sizes import ffn_size
-from zoo.core.spec import ModelSpec
 
 H = "transformer.h.{i}."
 
+#: What a falcon config states one-to-one; the layout fields (``new_decoder_architecture``,
+#: ``multi_query``, ``parallel_attn``, ``num_kv_heads``, ``num_ln_in_parallel_attn``) decide the
+#: heads and the block together, in :meth:`Falcon.complete`.
+FIELDS = FieldTable([
+    Field("vocab_size", "vocab_size"),
+    Field("hidden_size", "d_model"),
+    Field("num_hidden_layers", "n_layers"),
+    Field("num_attention_heads", "layer.mixer.n_heads"),
+    Field("bias", ("layer.mixer.bias", "layer.mixer.out_bias", "layer.ffn.bias"), False),
+    Field("ffn_hidden_size", "layer.ffn.d_ff", lambda v: 4 * v["hidden_size"], source=ffn_size),
+    Field("max_position_embeddings", "max_seq_len", 2048),
+    layernorm_eps("layer_norm_epsilon"),
+    activation_field("activation", "gelu"),
+    Field("tie_word_embeddings", "head.tied", True),
+])
+OLD_NAMES = {"n_head": "num_attention_heads", "n_layer": "num_hidden_layers", "n_embed": "hidden_size",
+             "n_head_kv": "num_kv_heads"}
 
-class Falcon(CheckpointFormat):
+
+class Falcon(TableFormat):
     model_type, architecture = "falcon", "FalconForCausalLM"
     base_prefix = "transformer."
     ignore = ("lm_head.weight", "transformer.h.*.self_attention.rotary_emb.inv_freq")
     tiny = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
             "num_kv_heads": 2, "new_decoder_architecture": True, "multi_query": False, "parallel_attn": True,
             "bias": True, "ffn_hidden_size": 96, "max_position_embeddings": 64, "alibi": False}
+    fields = FIELDS
+    template = {**LAYERNORM_TEMPLATE, "layer": {**LAYERNORM_TEMPLATE["layer"], "mixer": {"name": "attention"},
+                                                "ffn": {"name": "mlp"}}}
+    ropes = Ropes()
 
     @staticmethod
     def layout(spec):
@@ -52,11 +74,13 @@ class Falcon(CheckpointFormat):
         return rules + [rule("lm_head.weight", "lm_head.weight")]
 
     def config_to_spec(self, config, *, strict=False):
-        f = Fields(aliases(config, {"n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
-                                    "n_embed": "hidden_size", "n_head_kv": "num_kv_heads"}), self.model_type)
-        d, n_heads = f.require("hidden_size"), f.require("num_attention_heads")
+        return super().config_to_spec(aliases(config, OLD_NAMES), strict=strict)
+
+    def complete(self, f, data):
         f.expect("alibi", False, "zoo has no ALiBi checkpoint support for falcon (use a RoPE falcon)")
         f.expect("apply_residual_connection_post_layernorm", False, "the residual is taken before the norm")
+        layer = data["layer"]
+        n_heads = layer["mixer"]["n_heads"]
         new = f.get("new_decoder_architecture", False)
         multi_query = f.get("multi_query", True)
         parallel = f.get("parallel_attn", True)
@@ -70,47 +94,24 @@ class Falcon(CheckpointFormat):
             n_kv = 1
         else:
             n_kv = f.expect("num_kv_heads", (n_heads,), "without multi_query every head has its own k and v")
-        if not parallel:
-            block = {"name": "serial", "norm_position": "pre"}
-        else:
-            block = {"name": "parallel", "shared_norm": not (new and n_ln == 2)}
-        norm = layernorm(f, "layer_norm_epsilon")
-        bias = f.get("bias", False)
-        max_pos = f.get("max_position_embeddings", 2048)
-        spec = {
-            "vocab_size": f.require("vocab_size"), "d_model": d, "n_layers": f.require("num_hidden_layers"),
-            "max_seq_len": max_pos, "position": rope_part(f, rope_parameters(f), max_pos=max_pos),
-            "layers": {"default": {
-                "mixer": {"name": "attention", "n_heads": n_heads, "n_kv_heads": n_kv, "bias": bias,
-                              "out_bias": bias},
-                "ffn": {"name": "mlp", "d_ff": f.get("ffn_hidden_size", 4 * d), "bias": bias,
-                        "activation": activation(f, "activation", "gelu")},
-                "norm": norm, "block": block,
-            }},
-            "final_norm": norm, "head": {"tied": f.get("tie_word_embeddings", True)},
-        }
-        f.finish(strict)
-        return ModelSpec.from_dict(spec)
+        layer["mixer"]["n_kv_heads"] = n_kv
+        layer["block"] = ({"name": "parallel", "shared_norm": not (new and n_ln == 2)} if parallel
+                          else {"name": "serial", "norm_position": "pre"})
+        super().complete(f, data)
+        data["position"] = self.ropes.read(f, None, data["max_seq_len"])
 
     def spec_to_config(self, spec):
         layer = spec.layer(0)
         att = layer.mixer
-        n_kv = att.n_kv_heads or att.n_heads
         layout = self.layout(spec)
         parallel = layer.block.name == "parallel"
-        cfg = {
-            "vocab_size": spec.vocab_size, "hidden_size": spec.d_model, "num_hidden_layers": spec.n_layers,
-            "num_attention_heads": att.n_heads, "num_kv_heads": n_kv, "alibi": False,
-            "new_decoder_architecture": layout == "new", "multi_query": layout == "multi_query",
-            "parallel_attn": parallel, "bias": att.bias, "ffn_hidden_size": ffn_size(spec),
-            "max_position_embeddings": spec.max_seq_len, "layer_norm_epsilon": layer.norm.eps,
-            "activation": activation_name(layer.ffn.activation), "tie_word_embeddings": spec.head.tied,
-            "rope_parameters": rope_to_hf(spec.position, spec.d_model // att.n_heads),
-        }
-        if layout == "new":
-            cfg["num_ln_in_parallel_attn"] = 1 if layer.block.shared_norm else 2
         if layout == "new" and not parallel:
             raise ValueError("falcon's grouped-query layout needs a parallel block")
+        cfg = {**super().spec_to_config(spec), "num_kv_heads": att.n_kv_heads or att.n_heads, "alibi": False,
+               "new_decoder_architecture": layout == "new", "multi_query": layout == "multi_query",
+               "parallel_attn": parallel, "rope_parameters": rope_to_hf(spec.position, spec.d_model // att.n_heads)}
+        if layout == "new":
+            cfg["num_ln_in_parallel_attn"] = 1 if layer.block.shared_norm else 2
         return cfg
 
 
