@@ -85,3 +85,14 @@ def test_zoo_adding_a_name_after_the_plugin_keeps_both_the_same_way():
     assert mgr.registry("activation").get("old_plugin:newname") is Other
     mgr.registry("activation").remove("newname", "zoo.components")  # withdrawing zoo's leaves the plugin's
     assert mgr.registry("activation").get("old_plugin:newname") is Other
+
+
+def test_zoo_list_shows_both_entries_of_a_shared_name(loaded):
+    from zoo.commands.list import rows
+
+    found = {r["name"]: r for r in rows("activation", "*relu2")}
+    assert found["relu2"]["provider"] != "relu2_plugin" and found["relu2"]["qualified"] == "zoo:relu2"
+    plugin = found["relu2_plugin:relu2"]
+    assert plugin["provider"] == "relu2_plugin" and plugin["shadowed_by"] == found["relu2"]["provider"]
+    # an exact name asked for lists the plugin's entry too, which `zoo list` alone never showed
+    assert [r["name"] for r in rows("activation", "relu2")] == ["relu2", "relu2_plugin:relu2"]

@@ -80,6 +80,9 @@ def rows(kind, pattern):
                 row = {"kind": k, "name": e.name, **provenance(e.provider)}
                 if e.replaced is not None:
                     row["overrides"] = e.replaced.provider
+                also = m.registry(k).shadowed(e.name)
+                if also:  # zoo and a plugin both have the name: the bare one means zoo's
+                    row["qualified"] = f"zoo:{e.name}"
                 if k == "family":
                     row["presets"] = sorted(e.obj.presets)
                 if kind and e.name == pattern:  # one part asked for by name: its settings too
@@ -88,6 +91,8 @@ def rows(kind, pattern):
                     if _kinds.BASES.get(k) is not None:  # the hooks of its kind's base that it implements itself
                         row["hooks"] = _kinds.overrides(e.obj, _kinds.BASES[k])
                 out.append(row)
+                out += [{"kind": k, "name": q, "qualified": q, "shadowed_by": e.provider, **provenance(other.provider)}
+                        for q, other in also]
     return out
 
 
@@ -99,6 +104,10 @@ def run(args):
     for r in found:
         where = r["provider"] + (f" ({r['distribution']} {r['version']})" if r["distribution"] else "")
         extra = f"  overrides {r['overrides']}" if "overrides" in r else ""
+        if "shadowed_by" in r:
+            extra += f"  (the bare name {r['name'].split(':', 1)[1]!r} means {r['shadowed_by']}'s; this plugin's own families use this one)"
+        elif "qualified" in r:
+            extra += f"  (also {r['qualified']}; a plugin has the same name)"
         if "presets" in r:
             extra += f"  presets: {', '.join(r['presets'])}"
         if "family" in r:

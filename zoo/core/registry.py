@@ -226,6 +226,12 @@ class Registry:
     def entries(self) -> list[Entry]:
         return [self._loaded()[n] for n in self.names()]
 
+    def shadowed(self, name: str) -> list[tuple[str, Entry]]:
+        """The entries of ``name`` the bare name does not mean (a plugin's, where zoo ships the same
+        name), each with its qualified spelling."""
+        bare = self._loaded().get(name)
+        return sorted((f"{q}:{name}", e) for q, e in self._all.get(name, {}).items() if e is not bare)
+
     def __contains__(self, name: str) -> bool:
         if ":" in name:
             q, bare = name.split(":", 1)
