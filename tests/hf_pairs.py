@@ -12,12 +12,24 @@ import zoo
 from zoo.checkpoints.tiny import make_tiny, tiny_formats
 
 
-def own_tiny_formats() -> list[str]:
-    """The model_types with a tiny config that zoo itself ships (registered by one of its built-in
-    plugins). zoo's sweeps over formats take these: an installed plugin's formats are tested by
-    that plugin's own tests, so zoo's suite does not change with what else is installed."""
+def own(kind: str, *, installed: bool = False) -> set[str]:
+    """The names of ``kind`` that zoo itself ships (registered by one of its built-in plugins), and
+    with ``installed`` also those of installed distributions' plugins; never a name a test module
+    registered in this process. zoo's sweeps take zoo's own entries: an installed plugin's are
+    tested by that plugin's own tests, so zoo's suite does not change with what else is installed."""
     manager = zoo.manager()
-    return [m for m in tiny_formats() if manager.provider_of("checkpoint_format", m) in manager.builtin_plugins]
+
+    def counted(name):
+        info = manager.plugins.get(manager.provider_of(kind, name))
+        return info is None or info.builtin or (installed and bool(info.distribution))
+
+    return {n for n in zoo.list_components(kind) if counted(n)}
+
+
+def own_tiny_formats() -> list[str]:
+    """The model_types with a tiny config that zoo itself ships (:func:`own`)."""
+    ours = own("checkpoint_format")
+    return [m for m in tiny_formats() if m in ours]
 
 
 class HfPair(NamedTuple):

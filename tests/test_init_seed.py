@@ -13,8 +13,9 @@ import torch
 
 import zoo
 from zoo.model.recipes import get_spec
-from zoo.core.registry import list_components, manager
 from zoo.testing import hybrid_spec, one_of_each, tiny_spec_with
+
+from hf_pairs import own
 
 # Presets that between them use every built-in mixer, FFN, router, block and position kind (and MTP);
 # the parts no preset uses come from the tiny spec.
@@ -45,8 +46,7 @@ def test_the_specs_cover_every_built_in_part_kind():
     covered = set().union(*(kinds(make()) for make in SPECS.values()))
     for kind in ("mixer", "ffn", "router", "block", "position"):
         # zoo's own parts: a part a test or a plugin registered in this process is not zoo's to cover
-        builtin = {n for n in list_components(kind) if manager().provider_of(kind, n) == "zoo.components"}
-        missing = builtin - {n for k, n in covered if k == kind}
+        missing = own(kind) - {n for k, n in covered if k == kind}
         assert not missing, f"no spec here uses the {kind} {sorted(missing)}: add a preset or a part spec"
 
 

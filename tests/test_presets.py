@@ -7,6 +7,8 @@ import torch
 
 import zoo
 
+from hf_pairs import own
+
 # Parameter counts as published with the released weights (tied embeddings counted once).
 PUBLISHED = {
     "llama2-7b": 6_738_415_616,
@@ -112,10 +114,7 @@ def test_shrunk_family_runs_forward_and_backward(name):
 
 def test_every_family_has_a_representative():
     families = {zoo.model.recipes.find_preset(n)[0].name for n in FAMILY_REPRESENTATIVES}
-    mgr = zoo.manager()
-    installed = {n for n in zoo.list_components("family")  # zoo's and installed distributions', not a test's module
-                 if (info := mgr.plugins.get(mgr.provider_of("family", n))) is None or info.builtin or info.distribution}
-    assert families == installed
+    assert families == own("family", installed=True)  # zoo's and installed distributions', not a test module's
 
 
 # ---------------------------------------------------------------------------------------------
