@@ -125,6 +125,9 @@ def test_expert_parallelism_splits_the_experts_then_fsdp_the_rest():
     assert got["local_parameters"] == pytest.approx(experts / 8 + dense / 8, rel=0.01)
     one = plan(spec, "dp_shard=1", seq_len=16)
     assert one["local_parameters"] == experts + dense
+    # one expert per process, fewer than the 4 FSDP2 shards: the experts split by their rows (dim 1)
+    thin = plan(spec, "dp_shard=4,ep=8", seq_len=16, rank=5)
+    assert thin["local_parameters"] == pytest.approx(experts / 32 + dense / 32, rel=0.01)
 
 
 def test_chunks_and_coordinates():
@@ -193,3 +196,33 @@ def test_parameter_shards_equal_what_each_process_holds(tmp_path):
                         seq_len=16, rank=rank)
             assert told["local_parameters"] == held[key], (key, rank, told["local_parameters"], held[key])
             assert told["bytes"]["parameters"] == 4 * held[key]
+
+
+def test_describe_parallel_prints_the_plan(capsys):
+    from zoo.cli import main
+
+    assert main(["describe", "llama3.2-1b", "--parallel", "dp_shard=2,tp=2", "--seq-len", "128", "--ac", "block",
+                 "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = plan("llama3.2-1b", ParallelConfig(dp_shard=2, tp=2, ac="block"), seq_len=128)
+    assert got["bytes"] == want["bytes"] and got["local_parameters"] == want["local_parameters"]
+    assert main(["describe", "llama3.2-1b", "--parallel", "dp_shard=2,tp=2", "--seq-len", "128"]) == 0
+    text = capsys.readouterr().out
+    for row in ("parameters (fp32 shard)", "in flight", "activations", "logits and loss", "total"):
+        assert row in text
+
+
+@pytest.mark.parametrize("path", sorted((__import__("pathlib").Path(__file__).parents[1] / "examples" / "accelerate")
+                                        .glob("fsdp2-*nodes-*.yaml")), ids=lambda p: p.name)
+def test_multi_node_accelerate_configs_load_and_their_layouts_fit(path):
+    import re
+
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(path))
+    assert config.distributed_type == "FSDP" and config.fsdp_config["fsdp_version"] == 2
+    assert config.num_machines > 1 and config.num_processes == 8 * config.num_machines
+    layouts = re.findall(r"--parallel (\S+)", path.read_text())
+    assert layouts
+    for layout in layouts:  # the layout each file's comment sizes fills its processes
+        ParallelConfig(**{k: int(v) for k, v in (kv.split("=") for kv in layout.split(","))}).sizes(config.num_processes)

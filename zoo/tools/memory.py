@@ -11,7 +11,9 @@ mixed precision):
   applied on the meta device over a process group that communicates nothing; expert parallelism splits
   each part's :attr:`~zoo.core.kinds.Part.expert_parameters` by experts over ``ep``; FSDP2 then splits dim
   0 of what is left as ``torch.chunk`` does, the dense parameters over ``dp_shard x ep``, the experts over
-  ``dp_shard`` (HSDP replicates over ``dp_replicate``);
+  ``dp_shard`` (on their dim 1 when a process holds fewer experts than ``dp_shard``, as torchtitan
+  places them; HSDP replicates over ``dp_replicate``). The expert-parallel figures follow the spec;
+  the trainer's expert parallelism is still to come;
 - **in flight** (FSDP2): the root unit (embeddings, final norm, head) stays gathered from forward to
   backward; the largest block is gathered in the compute dtype twice (the running one and the one
   prefetched) and its unsharded gradient is held once in the compute dtype and once in float32 for the
@@ -186,7 +188,9 @@ def plan(
                 shape[0] //= ep
             rest = math.prod(shape[1:])
             whole += shape[0] * rest
-            if fsdp:
+            if fsdp and expert and ep > 1 and shape[0] < dp_shard:  # fewer experts here than shards: by rows
+                local += shape[0] * chunk_rows(shape[1], dp_shard, at["dp_shard"]) * math.prod(shape[2:])
+            elif fsdp:
                 group, index = (dp_shard, at["dp_shard"]) if expert else (dense_group, dense_index)
                 local += chunk_rows(shape[0], group, index) * rest
             else:
