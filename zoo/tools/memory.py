@@ -202,15 +202,13 @@ def plan(
     ckpt = set(layout.checkpointed(len(model.layers)))
     silent: list[str] = []
     per_layer: list[float] = []
+    says = lambda m: m.activation_bytes(seq_len, cdtype, tp=tp, device=device) is not None  # noqa: E731
     for i, layer in enumerate(model.layers):
         b = layer.activation_bytes(seq_len, cdtype, tp=tp, device=device)
-        if b is None:
-            silent += [f"layers.{i}.{n} ({type(m).__name__})" for n, m in layer.named_modules()
-                       if is_part(m) and m.activation_bytes(seq_len, cdtype, tp=tp, device=device) is None
-                       and not any(is_part(k) and k.activation_bytes(seq_len, cdtype, tp=tp, device=device) is None
-                                   for k in m.children())] or [f"layers.{i}"]
-            b = 0.0
-        per_layer.append(b)
+        if b is None:  # name the innermost parts that do not say (a block summing its parts is not one)
+            silent += [f"layers.{i}.{n} ({type(m).__name__})" for n, m in layer.named_modules() if is_part(m)
+                       and not says(m) and all(says(k) for k in m.children() if is_part(k))] or [f"layers.{i}"]
+        per_layer.append(b or 0.0)
     block_input = spec.d_model * c / tp  # a checkpointed block keeps its input: the sequence slice
     kept = sum(block_input if i in ckpt else b for i, b in enumerate(per_layer)) * tokens
     recomputed = max((per_layer[i] for i in ckpt), default=0.0) * tokens
