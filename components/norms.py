@@ -67,6 +67,10 @@ class LayerNorm(Norm):
 
     parallelize = parallelize_norm
 
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Its input and the float32 mean and reciprocal deviation per row, on its slice of rows."""
+        return (self.dim * dtype.itemsize + 8) / tp
+
     def forward(self, x):
         fast = kernels.fast(self, x)
         if fast is not None:
@@ -106,6 +110,15 @@ class RMSNorm(Norm):
         return _row_problem(self.dim)
 
     parallelize = parallelize_norm
+
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per row, on its slice of rows: the fused kernel (CUDA) keeps its input and the float32
+        reciprocal RMS; the reference keeps the input in float32, the reciprocal RMS and the normalised
+        row the weight multiplies (float32 when scaled in float32, else in ``dtype``)."""
+        if device == "cuda":
+            return (self.dim * dtype.itemsize + 4) / tp
+        normed = 4 if self.cfg.scale_in_fp32 else dtype.itemsize
+        return (self.dim * (4 + normed) + 4) / tp
 
     def forward(self, x):
         fast = kernels.fast(self, x)

@@ -73,6 +73,14 @@ class MLP(FFN):
     def facts(self) -> dict:
         return {"d_ff": self.d_ff}
 
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Its input (the whole sequence, gathered under tensor parallelism) and, per d_ff feature of its
+        share, what the activation and the matmuls keep: ``up``'s output and the product ``down`` reads;
+        gated, the gate's output and its activation too (the fused kernel on CUDA keeps gate and up)."""
+        c = dtype.itemsize
+        per_feature = (3 if device == "cuda" else 4) if self.gated else 2
+        return self.up.in_features * c + per_feature * c * self.d_ff / tp
+
     def parallelize(self, tp_mesh) -> None:
         """Tensor parallelism: the sequence gathered, ``up`` (and ``gate``) sharded by their d_ff rows,
         ``down`` by its d_ff columns and reduce-scattered back onto the sequence slice."""

@@ -216,6 +216,29 @@ class MoE(FFN):
         rest = sum(p.numel() for n, p in self.named_parameters() if not n.startswith("w_"))
         return Cost(active_params=rest + self.cfg.top_k * per_expert)
 
+    #: The stacked experts, split by expert over the ``ep`` processes under expert parallelism.
+    expert_parameters = ("w_gate", "w_up", "w_down")
+
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token: the router's; for each of its ``top_k`` copies, the copy dispatched, the expert's
+        own (as a dense FFN of the expert's width keeps it: up, and gate, activation and product when
+        gated), its output and the weighted output; the indices that sort and add them back; the shared expert's (and
+        its gate's). The input itself is kept when a shared expert reads it, or in float32, where the
+        router's float32 copy is the input."""
+        c, k, D, Fd = dtype.itemsize, self.cfg.top_k, self.d_model, self.cfg.d_ff
+        router = self.router.activation_bytes(seq_len, dtype, device=device)  # (a plugin router may not say)
+        if router is None:
+            return None
+        per_feature = (3 if device == "cuda" else 4) if self.gated else 2
+        out = router + k * (3 * D * c + per_feature * Fd * c + c + 16)
+        if self.shared is not None:
+            out += self.shared.activation_bytes(seq_len, dtype, device=device)
+            if self.shared_gate is not None:
+                out += D * c + c  # the shared output and the gate's sigmoid, multiplied
+        elif c == 4:
+            out += D * c
+        return out
+
     # -- forward --------------------------------------------------------------------------------
     def route(self, flat: torch.Tensor) -> Routing:
         r = self.router(flat)

@@ -58,6 +58,12 @@ class Router(_RouterBase):
             if self.bias is not None and not self.bias.is_meta:
                 self.bias.zero_()
 
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token: its input cast to float32 (the input itself in float32: its FFN counts it) and the
+        float32 scores the weights and balancing losses are taken from, and the chosen indices."""
+        d_model = self.weight.shape[1]
+        return (4 * d_model if dtype.itemsize != 4 else 0) + 2 * 4 * self.n_experts + 8 * self.top_k
+
     @classmethod
     def check_experts(cls, cfg, n_experts: int, top_k: int) -> None:
         """Refuse settings that do not fit ``n_experts`` and ``top_k`` (SpecError naming the field)."""

@@ -153,6 +153,27 @@ class Attention(Mixer):
                 "n_kv_heads": self.n_kv_heads, "head_dim": self.head_dim, "window": self.window,
                 **({"output gate": "sigmoid, from q_proj"} if self.cfg.output_gate else {})}
 
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token: the input the projections read (the whole sequence, gathered under tensor
+        parallelism); of this process's heads, the rotated queries and keys, the values, the output (which
+        ``o_proj`` reads) and the float32 log-sum-exp of the fused kernels (SDPA, FlexAttention); the gate
+        and its product when gated; a QK-norm's own. The eager path (soft-capping off CUDA) also keeps,
+        per head and key, the soft-cap's tanh, the float32 probabilities and their cast."""
+        c = dtype.itemsize
+        H, Hkv, D = self.n_heads / tp, self.n_kv_heads / tp, self.head_dim
+        out = self.q_proj.in_features * c + (2 * H + 2 * Hkv) * D * c + 4 * H
+        if self.cfg.output_gate:
+            out += 3 * H * D * c  # the gate's sigmoid, the ungated output and the product o_proj reads
+        if self.cfg.qk_norm == "head":  # per head row; and the projected queries, which it reads
+            out += H * self.q_norm.activation_bytes(seq_len, dtype, device=device) \
+                + Hkv * self.k_norm.activation_bytes(seq_len, dtype, device=device) + H * D * c
+        elif self.cfg.qk_norm == "proj":  # whole rows, gathered under tensor parallelism
+            out += self.q_norm.activation_bytes(seq_len, dtype, device=device) \
+                + self.k_norm.activation_bytes(seq_len, dtype, device=device)
+        if self.cfg.softcap is not None and device != "cuda":  # the eager path: scores per key
+            out += H * seq_len * (c + 4 + (c if c != 4 else 0)) + H * D * c - 4 * H  # (a copy o_proj reads, no lse)
+        return out
+
     def parallelize(self, tp_mesh) -> None:
         """Tensor parallelism by heads: the sequence gathered, q/k/v sharded by their heads' rows (whole
         heads, each with its gate), o_proj by its columns and reduce-scattered back onto the sequence

@@ -138,6 +138,19 @@ class MLA(Mixer):
                 "v_head_dim": self.v_dim, "state_per_token": self.kv_lora_rank + self.rope,
                 "mha_state_per_token": self.n_heads * (self.qk_dim + self.v_dim), "decode": self.cfg.decode}
 
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token (the plain path training takes): the input the projections read (gathered under
+        tensor parallelism) and, whole on every process, the query latent and the key-value latent, each
+        with its norm's own; of this process's heads, the projected queries, the up-projected keys and
+        values, the concatenated queries and keys attention reads, its output and float32 log-sum-exp."""
+        c = dtype.itemsize
+        H = self.n_heads / tp
+        out = self.kv_a_proj.in_features * c + self.kv_lora_rank * c \
+            + self.kv_a_norm.activation_bytes(seq_len, dtype, device=device)
+        if self.cfg.q_lora_rank is not None:
+            out += self.cfg.q_lora_rank * c + self.q_a_norm.activation_bytes(seq_len, dtype, device=device)
+        return out + H * (c * (3 * self.qk_dim + self.nope + 2 * self.v_dim) + 4)
+
     def parallelize(self, tp_mesh) -> None:
         """Tensor parallelism by heads: the sequence gathered; the per-head projections (``q_proj`` or
         ``q_b_proj``, ``kv_b_proj``) sharded by their heads' rows, ``o_proj`` by its columns and

@@ -24,6 +24,17 @@ def add_parser(sub):
                    help="also print which backend (Triton, FlexAttention or plain PyTorch) each component would run "
                         "and why, on DEVICE (cuda or cpu; default: this machine's), honouring ZOO_KERNELS")
     p.add_argument("--json", action="store_true", help="print JSON (components and figures)")
+    m = p.add_argument_group("memory per device (zoo.tools.memory)")
+    m.add_argument("--parallel", default=None, metavar="dp_shard=N,tp=N,ep=N[,dp_replicate=N]",
+                   help="print what each process holds to train under this layout: its parameter shard, gradients, "
+                        "AdamW states, the FSDP2 block in flight, activations and logits (--dtype is then the compute "
+                        "dtype: bf16 mixed precision over float32 parameters, or fp32)")
+    m.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's max_seq_len)")
+    m.add_argument("--micro-batch", type=int, default=1, help="sequences per process per forward (default 1)")
+    m.add_argument("--ac", default="none", help="activation checkpointing: none, block, or N (every N-th block)")
+    m.add_argument("--processes", type=int, default=None, help="number of processes, for dp_shard=-1 (the rest)")
+    m.add_argument("--rank", type=int, default=0, help="the process to report (shards of uneven size differ; default 0)")
+    m.add_argument("--device-type", default="cuda", help="device the run uses, whose fast paths the parts count (default cuda)")
     return p
 
 
@@ -89,6 +100,8 @@ def run(args):
     if gguf.is_gguf(source):  # a GGUF file: its metadata is the spec (no tensor is read)
         source = config_to_spec(gguf.GGUFFile(gguf.gguf_file(source)).config())
     model = build(source, device="meta", overrides=parse_sets(args.set))
+    if args.parallel is not None:
+        return run_memory(model, args)
     figures = account(model, context=args.context, batch=args.batch, dtype=args.dtype)
     figures["name"] = args.name
     parts = components(model)
@@ -122,4 +135,49 @@ def backend_rows(model, args):
     rows = backend_table(model, device=device, dtype=dtype)
     for r in rows:
         r.update(device=device, dtype=str(dtype).removeprefix("torch."))
+    return rows
+
+
+def run_memory(model, args):
+    """``--parallel``: the memory of one process under the layout (zoo.tools.memory.plan)."""
+    import dataclasses
+
+    from zoo.tools.memory import parse_layout, plan
+
+    layout = dataclasses.replace(parse_layout(args.parallel), ac=args.ac)
+    seq_len = args.seq_len or model.spec.max_seq_len
+    dtype = args.dtype if args.dtype in ("bf16", "fp16", "fp32") else "bf16"
+    m = plan(model, layout, seq_len=seq_len, micro_batch=args.micro_batch, dtype=dtype, processes=args.processes,
+             rank=args.rank, device=args.device_type)
+    m["name"] = args.name
+    if args.json:
+        print(json.dumps(m, indent=2))
+        return 0
+    print_table(memory_rows(m), f"{args.name}: memory of process {m['rank']} of {m['processes']}")
+    return 0
+
+
+def memory_rows(m):
+    """The rows ``zoo describe --parallel`` prints."""
+    b, layout = m["bytes"], m["layout"]
+    per_layer = m["activation_bytes_per_token"]
+    flight = ", ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in m["in_flight_parts"].items() if v)
+    rows = [
+        ("layout", " x ".join(f"{k} {v}" for k, v in layout.items()) + f"  (mesh coordinates {m['coordinates']})"),
+        ("micro-batch", f"{m['micro_batch']} x {m['seq_len']:,} tokens, compute {m['dtype']}, ac {m['ac']}, "
+                        f"{'FSDP2' if m['fsdp'] else 'no FSDP2'}"),
+        ("parameters (fp32 shard)", f"{human(b['parameters'])}  ({m['local_parameters']:,} parameters)"),
+        ("gradients (fp32)", human(b["gradients"])),
+        ("AdamW moments (fp32)", human(b["optimizer"])),
+        ("in flight", f"{human(b['in_flight'])}" + (f"  ({flight})" if flight else "")),
+        ("activations", f"{human(b['activations'])}  (kept {human(m['activations_kept'])}, one block recomputed "
+                        f"{human(m['activations_recomputed'])})" if m["activations_recomputed"] else human(b["activations"])),
+        ("  per token and layer", f"{human(max(per_layer, default=0))} (largest), "
+                                  f"{human(sum(per_layer) / max(len(per_layer), 1))} (mean)"),
+        ("logits and loss", human(b["logits"])),
+        ("total", human(m["total"])),
+    ]
+    if m["not_reported"]:
+        rows.append(("  not counted", "parts that do not report activations: " + ", ".join(m["not_reported"][:4])
+                     + (f" and {len(m['not_reported']) - 4} more" if len(m["not_reported"]) > 4 else "")))
     return rows

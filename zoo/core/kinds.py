@@ -131,6 +131,18 @@ class Part(Kernels, nn.Module):
         """Called by ``zoo describe`` (``zoo.tools.accounting``): facts, name -> value, in display order."""
         return {}
 
+    def activation_bytes(self, seq_len: int, dtype: torch.dtype, *, tp: int = 1, device: str = "cuda") -> Optional[float]:
+        """Called by ``zoo.tools.memory`` (``zoo describe --parallel``): the bytes this part's forward keeps
+        for backward (the tensors autograd saves, its parts inside included, its parameters not), per
+        token of a sequence of ``seq_len`` tokens whose activations are ``dtype``, on one of ``tp``
+        tensor-parallel processes (local heads, the sequence slice it sees), on a ``device`` of that type
+        (its fast paths differ). Default None: the part does not say, and the figure names it."""
+        return None
+
+    #: Called by ``zoo.tools.memory``: names of this part's own parameters stacked by expert on dim 0 (a
+    #: mixture of experts' ``w_up``), which expert parallelism splits over the ``ep`` processes.
+    expert_parameters: ClassVar[tuple[str, ...]] = ()
+
     #: Called by ``zoo.core.precision``: attribute names of tensors that stay float32 when the model
     #: is cast to a narrower dtype (a router's selection bias).
     fp32_tensors: ClassVar[tuple[str, ...]] = ()
@@ -233,6 +245,19 @@ class Block(Part):
                 parallelize(child, tp_mesh, at)
             else:  # the block's norms
                 parallelize(child, tp_mesh, at, shard_dim=1)
+
+    def activation_bytes(self, seq_len: int, dtype: torch.dtype, *, tp: int = 1, device: str = "cuda") -> Optional[float]:
+        """What :meth:`Part.activation_bytes` says, for the block: by default the sum of what its parts
+        (mixer, FFN, norms) say, the residual additions keeping nothing; None when one of them does not say."""
+        total = 0.0
+        for child in self.children():
+            if not is_part(child):
+                continue
+            part = child.activation_bytes(seq_len, dtype, tp=tp, device=device)
+            if part is None:
+                return None
+            total += part
+        return total
 
 
 class PositionEncoding(Part):
