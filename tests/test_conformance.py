@@ -609,8 +609,8 @@ def test_moe_equals_the_sum_of_chosen_experts_by_hand():
     expected = torch.zeros_like(flat)
     for n in range(flat.shape[0]):
         for j, e in enumerate(top.indices[n].tolist()):
-            h = F.silu(m.w_gate[e] @ flat[n]) * (m.w_up[e] @ flat[n])
-            expected[n] += w[n, j] * (m.w_down[e] @ h)
+            h = F.silu(m.experts.w_gate[e] @ flat[n]) * (m.experts.w_up[e] @ flat[n])
+            expected[n] += w[n, j] * (m.experts.w_down[e] @ h)
     s = m.shared
     expected += torch.sigmoid(m.shared_gate(flat)) * s.down(F.silu(s.gate(flat)) * s.up(flat))
     torch.testing.assert_close(m(x).reshape(-1, D_MOE), expected.detach(), atol=1e-5, rtol=1e-5)

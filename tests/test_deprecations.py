@@ -230,6 +230,19 @@ def _old_parameter_names():
     assert rule("mtp.0", "mtp.layers.0.block.attention.o_proj.weight").zoo == ("mtp.layers.0.block.mixer.o_proj.weight",)
 
 
+def _moe_expert_attributes():
+    moe = zoo.build_model(zt.one_of_each("qwen3-30b-a3b"), seed=0).layers[0].ffn
+    assert moe.w_up is moe.experts.w_up
+
+
+def _old_expert_names():
+    from zoo.checkpoints.maps import bind, rule
+
+    model = zoo.build_model(zt.one_of_each("qwen3-30b-a3b"), seed=0)
+    bound = list(bind([rule("model.layers.{i}.mlp.up", "layers.{i}.ffn.w_up")], model))
+    assert [b.zoo for b in bound] == [(f"layers.{i}.ffn.experts.w_up",) for i in range(len(model.layers))]
+
+
 def _llama_style_flags():
     from zoo.checkpoints.formats.llama import TINY, LlamaStyle
 
@@ -267,6 +280,8 @@ EXERCISES = {
     "an FFN whose forward takes no ctx": _ctxless_ffn,
     "accounting key 'kv_cache'": _kv_cache_key,
     "zoo-side parameter names layers.{i}.attention.*": _old_parameter_names,
+    "zoo-side parameter names layers.{i}.ffn.w_gate, w_up, w_down (an moe FFN's experts)": _old_expert_names,
+    "MoE.w_gate, MoE.w_up, MoE.w_down": _moe_expert_attributes,
 }
 
 

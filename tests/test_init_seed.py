@@ -82,7 +82,7 @@ def test_experts_and_router_follow_the_spec_init_std():
     spec = one_of_each("qwen3-30b-a3b", d_model=64, d_ff=256).with_overrides(init_std=0.2)
     model = zoo.build_model(spec, seed=0)
     moe = model.layers[0].ffn
-    for what, w in (("w_up", moe.w_up), ("w_down", moe.w_down), ("w_gate", moe.w_gate),
+    for what, w in (("w_up", moe.experts.w_up), ("w_down", moe.experts.w_down), ("w_gate", moe.experts.w_gate),
                     ("router", moe.router.weight)):
         # n >= 512 normal draws: the sample std is within 10% of 0.2 with odds far beyond 1e-6
         assert w.numel() >= 512 and abs(w.std().item() / 0.2 - 1) < 0.1, (what, w.std().item())

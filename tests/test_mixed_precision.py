@@ -186,9 +186,9 @@ def reference_moe(moe, x):
     for t in range(x.shape[0]):
         for j in range(r.indices.shape[1]):
             e = int(r.indices[t, j])
-            h = F.linear(x[t], moe.w_up[e])
-            h = moe.act(F.linear(x[t], moe.w_gate[e])) * h if moe.gated else moe.act(h)
-            out[t] += r.weights[t, j] * F.linear(h, moe.w_down[e]).to(x.dtype)
+            h = F.linear(x[t], moe.experts.w_up[e])
+            h = moe.act(F.linear(x[t], moe.experts.w_gate[e])) * h if moe.gated else moe.act(h)
+            out[t] += r.weights[t, j] * F.linear(h, moe.experts.w_down[e]).to(x.dtype)
     if moe.shared is not None:
         s = moe.shared(x)
         out = out + (torch.sigmoid(moe.shared_gate(x)) * s if moe.shared_gate is not None else s)
@@ -202,7 +202,7 @@ def moe_outputs(moe, fn, x, cotangent, autocast):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         y = fn(moe, x)
     (y.to(cotangent.dtype) * cotangent).sum().backward()
-    return [y.detach(), x.grad] + [w.grad for w in (moe.w_up, moe.w_down, moe.w_gate) if w is not None]
+    return [y.detach(), x.grad] + [w.grad for w in (moe.experts.w_up, moe.experts.w_down, moe.experts.w_gate) if w is not None]
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"])

@@ -108,7 +108,7 @@ def test_accounting_sums_what_each_part_reports(toy):
     model = hybrid(toy)
     a = account(model, context=10, batch=3, dtype=torch.float32)
     moe = model.layers[0].ffn
-    per_expert = sum(w[0].numel() for w in (moe.w_gate, moe.w_up, moe.w_down))
+    per_expert = sum(w[0].numel() for w in (moe.experts.w_gate, moe.experts.w_up, moe.experts.w_down))
     assert a["params"]["total"] - a["params"]["active"] == 4 * 2 * per_expert  # 4 layers, 2 of 4 experts idle
     assert a["flops"]["forward_per_token_2n"] == 2 * (a["flops"]["matmul_params"] - 4 * 2 * per_expert)
     state = a["decode_state"]

@@ -83,7 +83,7 @@ def test_grouped_dispatch_equals_the_loop(dtype):
     (ya * g).sum().backward()
     (yb * g).sum().backward()
     torch.testing.assert_close(xb.grad, xa.grad, atol=tol, rtol=tol)
-    torch.testing.assert_close(grouped.w_down.grad, loop.w_down.grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(grouped.experts.w_down.grad, loop.experts.w_down.grad, atol=tol, rtol=tol)
 
 
 def test_top_k_above_n_experts_and_unknown_router_are_refused_by_name():
@@ -250,7 +250,7 @@ def test_experts_are_saved_per_key_and_bad_shapes_name_the_tensor(tiny_moe, tmp_
     saved = load_file(tmp_path / "out" / "model.safetensors")
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in saved
     assert not any("w_gate" in k for k in saved)
-    torch.testing.assert_close(saved["model.layers.2.mlp.experts.3.gate_proj.weight"], ours.layers[2].ffn.w_gate[3])
+    torch.testing.assert_close(saved["model.layers.2.mlp.experts.3.gate_proj.weight"], ours.layers[2].ffn.experts.w_gate[3])
     saved["model.layers.1.mlp.experts.5.up_proj.weight"] = torch.zeros(33, 64)
     save_file(saved, tmp_path / "out" / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.5\.up_proj\.weight"):
@@ -329,7 +329,7 @@ def test_upcycled_model_equals_the_dense_one_and_trains(shared, ffn):
     opt = torch.optim.SGD(moe_model.parameters(), lr=0.5)
     before = moe_model.loss(ids).loss
     before.backward()
-    assert moe_model.layers[0].ffn.w_down.grad.abs().sum() > 0
+    assert moe_model.layers[0].ffn.experts.w_down.grad.abs().sum() > 0
     opt.step()
     with torch.no_grad():
         assert moe_model.loss(ids).loss < before
@@ -372,7 +372,7 @@ def test_capacity_drops_the_latest_copies_and_counts_them():
                 dropped += 1
                 continue
             taken[e] += 1
-            one, _ = full.experts(flat[n : n + 1], r.indices[n : n + 1, j : j + 1], r.weights[n : n + 1, j : j + 1])
+            one, _ = full.routed(flat[n : n + 1], r.indices[n : n + 1, j : j + 1], r.weights[n : n + 1, j : j + 1])
             expected[n] += one[0]
     assert dropped > 0
     torch.testing.assert_close(y.reshape(-1, D), expected.detach(), atol=1e-5, rtol=1e-5)

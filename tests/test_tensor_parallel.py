@@ -8,15 +8,12 @@ weights and data (``||fp32 - fp64||``, plus fp32's half ulp of the tensor's norm
 computes exactly): measured at most 1.3 for gradients and 5.3 after three AdamW steps
 (whose first update is about ``lr * sign(g)``, so it magnifies tiny gradients' rounding)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 import zoo
 from zoo.train.config import ParallelConfig, TrainConfig
+
+from parallel_check import HELPERS, launch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,25 +56,7 @@ gen = torch.Generator().manual_seed(0)
 batches = [torch.randint(0, 256, (4, 16), generator=gen) for _ in range(3)]
 
 
-def whole(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def key(name):
-    return name.replace("_checkpoint_wrapped_module.", "")
-
-
-def compare(got, ref32, ref64):
-    """Per tensor: ||got - ref64|| / (||ref32 - ref64|| + 2^-24 ||ref64||): the parallel run's error in units
-    of the one-process float32 run's own (fp32's half ulp of the norm where that one is exact)."""
-    out = {}
-    for k in ref64:
-        r64 = ref64[k].double()
-        err = (got[k].double() - r64).norm().item()
-        noise = (ref32[k].double() - r64).norm().item() + 2 ** -24 * r64.norm().item()
-        out[k] = err / noise if noise > 0 else (0.0 if err == 0 else float("inf"))
-    return out
-
+''' + HELPERS + '''
 
 def one_process(spec, steps):
     """Loss and gradients of the first batch (float32 and float64), and the weights after ``steps`` AdamW steps."""
@@ -139,17 +118,8 @@ for lname, layout in layouts.items():
             after = {key(k): v for k, v in full_state_dict(net, sharded=True).items()}
             if rank == 0:
                 entry["after"] = compare(after, ref[torch.float32]["after"], ref[torch.float64]["after"])
-if rank == 0:
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1)
-# zoo.train itself on FSDP2 x TP (2 x 2): three optimizer steps.
-result = zoo.train("llama3-8b", parallel={"dp_shard": 2, "tp": 2}, save_every=2, **train)
-# Resumed from its step-2 checkpoint (each process's shards) into another directory: step 3 again.
-train.update(out_dir=train["out_dir"] + "-resumed", resume=train["out_dir"] + "/checkpoints/step-0000002")
-resumed = zoo.train("llama3-8b", parallel={"dp_shard": 2, "tp": 2}, **train)
-if rank == 0:
-    with open(out + ".train", "w") as f:
-        json.dump({"losses": result.losses, "resumed": resumed.losses}, f)
+# zoo.train itself on FSDP2 x TP (2 x 2)
+report_and_train(report, out, "llama3-8b", {"dp_shard": 2, "tp": 2}, train)
 '''
 
 DENSE = ["llama3-8b", "gemma2-2b", "qwen3", "olmo2-7b", "deepseek-v3"]
@@ -167,16 +137,7 @@ TRAIN = dict(overrides=SETS, steps=3, seq_len=32, global_batch=8, micro_batch=4,
 def report(tmp_path_factory):
     """One launch of four processes for every layout and model."""
     tmp = tmp_path_factory.mktemp("tp")
-    script, out = tmp / "tp_check.py", tmp / "report.json"
-    script.write_text(SCRIPT)
-    train = {**TRAIN, "out_dir": str(tmp / "train")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", str(script),
-           str(out), json.dumps(MODELS), json.dumps(LAYOUTS), json.dumps(train)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {"parts": json.loads(out.read_text()), "train": json.loads((tmp / "report.json.train").read_text()),
-            "tmp": tmp}
+    return launch(tmp, "tp_check", SCRIPT, MODELS, LAYOUTS, {**TRAIN, "out_dir": str(tmp / "train")})
 
 
 RUNS = [(layout, name) for layout, names in MODELS.items() for name in names
@@ -229,7 +190,5 @@ def test_a_run_on_fsdp_x_tp_resumes_exactly_from_its_shards(report):
     assert report["train"]["resumed"] == report["train"]["losses"][2:]
 
 
-def test_tp_is_accepted_and_ep_still_refused():
+def test_tp_is_accepted():
     TrainConfig(parallel=ParallelConfig(tp=2)).check()
-    with pytest.raises(NotImplementedError, match="ep = 4 is not supported yet.*docs/training.md"):
-        TrainConfig(parallel=ParallelConfig(ep=4)).check()

@@ -1,8 +1,9 @@
 """Mixture-of-Experts: the ``moe`` FFN and its routers (registry kind ``router``).
 
-An ``moe`` FFN holds ``n_experts`` experts stored stacked (``w_gate``, ``w_up``: E x d_ff x d_model;
-``w_down``: E x d_model x d_ff), a router that picks ``top_k`` of them per token, and optionally a
-shared expert every token uses (gated by a sigmoid, as in Qwen-MoE). The output is
+An ``moe`` FFN holds ``n_experts`` experts stored stacked in its ``experts`` module
+(:class:`GroupedExperts`: ``experts.w_gate``, ``experts.w_up``: E x d_ff x d_model; ``experts.w_down``:
+E x d_model x d_ff), a router that picks ``top_k`` of them per token, and optionally a shared expert
+every token uses (gated by a sigmoid, as in Qwen-MoE). The output is
 
     sum_{e in top-k} routed_scaling * w_e * expert_e(x)  +  [sigmoid(g . x)] * shared(x)
 
@@ -31,10 +32,13 @@ Balancing, each a named loss term weighted from the spec (0 = off), through the 
 Metrics: each MoE layer's load (the largest expert's share over the mean share, ``moe_load_max``,
 and per layer ``moe_load_max.<j>``) and the router's entropy (``router_entropy``).
 
-Dispatch sorts the token copies by expert and runs each expert on its contiguous run: as one
-grouped matmul (``torch._grouped_mm``) where torch has it for the device and dtype and the widths
-are 16-byte aligned, else expert by expert (the reference path, always available; ``dispatch =
-"loop"`` forces it).
+Dispatch sorts the token copies by expert and hands them, with each expert's count, to the experts
+module, which runs each expert on its contiguous run: as one grouped matmul (``torch._grouped_mm``)
+where torch has it for the device and dtype and the widths are 16-byte aligned, else expert by expert
+(the reference path, always available; ``dispatch = "loop"`` forces it). Under expert parallelism
+(``parallel.ep``, :meth:`MoE.parallelize_experts`) each process holds ``n_experts / ep`` of the experts,
+and the experts module sends the token copies to the process holding their expert and back
+(:class:`zoo.core.parallel.ExpertParallel`); router, shared expert, losses and metrics stay local.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ from zoo.core.spec import Part, SpecError, part_field, positive
 @functools.lru_cache(maxsize=None)
 def _grouped_mm_ok(device: torch.device, dtype: torch.dtype) -> bool:
     """``torch._grouped_mm`` runs on this device (not only its type: two GPUs of one machine may
-    differ) for this dtype (it needs rows aligned to 16 bytes: see :meth:`MoE.experts`)."""
+    differ) for this dtype (it needs rows aligned to 16 bytes: see :class:`GroupedExperts`)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
@@ -97,6 +101,49 @@ def _experts_loop(xs, counts, w_gate, w_up, w_down, act, gated):
         h = act(F.linear(chunk, gates[e])) * h if gated else act(h)
         outs.append(F.linear(h, downs[e]))
     return torch.cat(outs) if outs else xs.new_zeros(0, w_down.shape[1])
+
+
+def _local(w: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """This process's experts of ``w``: its local shard under expert parallelism (a DTensor), else ``w``."""
+    from torch.distributed.tensor import DTensor
+
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts of an :class:`MoE`, stacked: ``w_gate``, ``w_up`` (E x d_ff x d_model) and
+    ``w_down`` (E x d_model x d_ff). ``forward(xs, counts)`` takes token copies already grouped by
+    expert (``counts[e]`` rows for expert ``e``, in expert order) and returns each row's expert output,
+    in the same order: as one grouped matmul (``torch._grouped_mm``) where torch has it for the device
+    and dtype and the widths are 16-byte aligned, else expert by expert (the reference path;
+    ``dispatch = "loop"`` forces it). Routing, weighting and summing stay with the MoE, so an
+    expert-parallel style (:class:`zoo.core.parallel.ExpertParallel`) can wrap this module alone: under
+    it the parameters are this process's experts (DTensors sharded on dim 0) and ``counts`` theirs."""
+
+    def __init__(self, n_experts: int, d_model: int, d_ff: int, *, gated: bool, act: nn.Module,
+                 dispatch: str = "auto"):
+        super().__init__()
+        self.gated, self.act, self.dispatch, self.d_model, self.d_ff = gated, act, dispatch, d_model, d_ff
+        self.w_gate = nn.Parameter(torch.empty(n_experts, d_ff, d_model)) if gated else None
+        self.w_up = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
+        self.w_down = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
+        self.reset_parameters()
+
+    def reset_parameters(self, generator: Optional[torch.Generator] = None, std: float = 0.02) -> None:
+        """Each expert matrix Normal(0, ``std``) (the spec's ``init_std`` when the model initialises it)."""
+        with torch.no_grad():
+            for w in (self.w_gate, self.w_up, self.w_down):
+                if w is not None and not w.is_meta:
+                    w.normal_(0.0, std, generator=generator)
+
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w_gate, w_up, w_down = _local(self.w_gate), _local(self.w_up), _local(self.w_down)
+        aligned = all(n * xs.element_size() % 16 == 0 for n in (self.d_model, self.d_ff))
+        # Under torch.compile the loop path (the grouped kernel's fake-tensor rule wants bf16).
+        grouped_ok = not torch.compiler.is_compiling() and aligned and _grouped_mm_ok(xs.device, xs.dtype)
+        if self.dispatch == "grouped" or (self.dispatch == "auto" and grouped_ok):
+            return _experts_grouped(xs, counts, w_gate, w_up, w_down, self.act, self.gated)
+        return _experts_loop(xs, counts, w_gate, w_up, w_down, self.act, self.gated)
 
 
 # ----------------------------------------------------------------------------------- the FFN
@@ -169,9 +216,7 @@ class MoE(FFN):
         self.gated = bool(cfg.expert.cls.gated)
         self.act = build_part(cfg.expert.config.activation, "activation")
         self.router = cfg.router.build(d_model=d_model, n_experts=E, top_k=cfg.top_k)
-        self.w_gate = nn.Parameter(torch.empty(E, Fd, d_model)) if self.gated else None
-        self.w_up = nn.Parameter(torch.empty(E, Fd, d_model))
-        self.w_down = nn.Parameter(torch.empty(E, d_model, Fd))
+        self.experts = GroupedExperts(E, d_model, Fd, gated=self.gated, act=self.act, dispatch=cfg.dispatch)
         self.shared = None
         self.shared_gate = None
         if cfg.shared_d_ff is not None:
@@ -184,14 +229,15 @@ class MoE(FFN):
         self.reset_parameters()
 
     def reset_parameters(self, generator: Optional[torch.Generator] = None, std: float = 0.02) -> None:
-        """Each expert matrix Normal(0, ``std``) (the spec's ``init_std`` when the model initialises it);
-        the router and the shared expert initialise themselves."""
-        with torch.no_grad():
-            for w in (self.w_gate, self.w_up, self.w_down):
-                if w is not None and not w.is_meta:
-                    w.normal_(0.0, std, generator=generator)
-            if not self.load.is_meta:
-                self.load.zero_()
+        """The load counter to zero; the experts, the router and the shared expert initialise themselves
+        (each from its own generator)."""
+        if not self.load.is_meta:
+            self.load.zero_()
+
+    # zoo 0.2 held the stacked experts on the MoE itself: ``moe.w_up`` reads ``moe.experts.w_up``, and warns.
+    w_gate = property(lambda self: _old_expert(self, "w_gate"))
+    w_up = property(lambda self: _old_expert(self, "w_up"))
+    w_down = property(lambda self: _old_expert(self, "w_down"))
 
     # -- facts ----------------------------------------------------------------------------------
     @staticmethod
@@ -212,8 +258,9 @@ class MoE(FFN):
                 "d_ff": self.cfg.d_ff}
 
     def cost(self, context: int) -> Cost:
-        per_expert = sum(w[0].numel() for w in (self.w_gate, self.w_up, self.w_down) if w is not None)
-        rest = sum(p.numel() for n, p in self.named_parameters() if not n.startswith("w_"))
+        experts = self.experts
+        per_expert = sum(w[0].numel() for w in (experts.w_gate, experts.w_up, experts.w_down) if w is not None)
+        rest = sum(p.numel() for n, p in self.named_parameters() if not n.startswith("experts."))
         return Cost(active_params=rest + self.cfg.top_k * per_expert)
 
     #: The stacked experts, split by expert over the ``ep`` processes under expert parallelism.
@@ -249,10 +296,10 @@ class MoE(FFN):
             w = w * self.cfg.routed_scaling
         return Routing(r.logits, r.probs, r.indices, w)
 
-    def experts(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | int]:
+    def routed(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | int]:
         """Sum over each token's chosen experts of weight x expert(token): the token copies sorted
-        by expert, each expert run on its contiguous run, the results added back per token. With a
-        capacity factor, each expert takes at most ``ceil(factor * N * k / E)`` copies (the earliest
+        by expert, run by :class:`GroupedExperts` (``self.experts``), the results added back per token.
+        With a capacity factor, each expert takes at most ``ceil(factor * N * k / E)`` copies (the earliest
         tokens first); the rest are dropped (they add nothing: the residual carries the token).
         Returns the output and the number of dropped copies (a tensor with a capacity factor: read
         on the host only when logged, so the forward does not wait for the device)."""
@@ -269,15 +316,7 @@ class MoE(FFN):
             dropped = (~keep).sum()
             order, counts = order[keep], counts.clamp(max=capacity)
         token = order // k
-        xs = flat.index_select(0, token)
-        mode = self.cfg.dispatch
-        aligned = all(n * flat.element_size() % 16 == 0 for n in (self.d_model, self.cfg.d_ff))
-        # Under torch.compile the loop path (the grouped kernel's fake-tensor rule wants bf16).
-        grouped_ok = not torch.compiler.is_compiling() and aligned and _grouped_mm_ok(flat.device, flat.dtype)
-        if mode == "grouped" or (mode == "auto" and grouped_ok):
-            ys = _experts_grouped(xs, counts, self.w_gate, self.w_up, self.w_down, self.act, self.gated)
-        else:
-            ys = _experts_loop(xs, counts, self.w_gate, self.w_up, self.w_down, self.act, self.gated)
+        ys = self.experts(flat.index_select(0, token), counts)
         # Weighted and summed in the input's dtype: under autocast over float32 weights the expert
         # matmuls return bfloat16 and the tokens (and the residual) are float32.
         ys = ys.to(flat.dtype) * weights.reshape(-1)[order, None].to(flat.dtype)
@@ -287,7 +326,7 @@ class MoE(FFN):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         r = self.route(flat)
-        out, dropped = self.experts(flat, r.indices, r.weights)
+        out, dropped = self.routed(flat, r.indices, r.weights)
         if self.shared is not None:
             s = self.shared(flat)
             if self.shared_gate is not None:
@@ -301,6 +340,19 @@ class MoE(FFN):
             if self.cfg.capacity_factor is not None:
                 ctx.add_metric("moe_dropped", dropped / r.indices.numel())
         return out.reshape(shape)
+
+    # -- expert parallelism ---------------------------------------------------------------------
+    def parallelize_experts(self, ep_mesh) -> list[nn.Module]:
+        """Expert parallelism over ``ep_mesh`` (:class:`zoo.core.parallel.ExpertParallel` on
+        ``self.experts``): each process holds ``n_experts / ep`` experts and runs them on the token copies
+        every process of ``ep_mesh`` routes to them. The router, the shared expert, the losses, the
+        metrics and the load count for the selection bias run on this process's own tokens (each token
+        is counted once, by the process that holds it)."""
+        from zoo.core.parallel import ExpertParallel, expert_count
+
+        expert_count(self.cfg.n_experts, ep_mesh, self)
+        ExpertParallel().apply(self.experts, ep_mesh)
+        return [self.experts]
 
     # -- balancing ------------------------------------------------------------------------------
     def report(self, r: Routing, ctx, lead: torch.Size) -> None:
@@ -368,6 +420,13 @@ class MoE(FFN):
             step = step - step.mean()
         self.router.bias += step.to(self.router.bias.dtype)
         self.load.zero_()
+
+
+def _old_expert(moe: "MoE", name: str) -> Optional[torch.Tensor]:
+    from zoo.core.deprecations import warn
+
+    warn("MoE.w_gate, MoE.w_up, MoE.w_down", stacklevel=4)
+    return getattr(moe.experts, name)
 
 
 def _pooled_loss(ctx) -> None:

@@ -146,6 +146,18 @@ def current_name(name: str) -> str:
     return _OLD_MIXER.sub(r"\1mixer.", name)
 
 
+# zoo 0.2 stored an moe FFN's stacked experts on the FFN (``layers.{i}.ffn.w_up``); they are now its
+# ``experts`` module's. Renamed only where the model has the new name (a plugin FFN may own a ``w_up``).
+_OLD_EXPERTS = re.compile(r"^((?:mtp\.)?layers\.(?:\{i\}|\d+)\.(?:block\.)?ffn\.)(w_gate|w_up|w_down)$")
+OLD_EXPERT_NAMES = "zoo-side parameter names layers.{i}.ffn.w_gate, w_up, w_down (an moe FFN's experts)"
+
+
+def moved_expert_name(name: str) -> str:
+    """``layers.{i}.ffn.w_up`` (zoo 0.2's stacked experts) spelt ``layers.{i}.ffn.experts.w_up``;
+    any other name as it is."""
+    return _OLD_EXPERTS.sub(r"\1experts.\2", name)
+
+
 @dataclass(frozen=True)
 class Rule:
     """HF name(s) <-> zoo name(s), through ``transform``. Names may contain ``{i}`` (layer index)."""
@@ -190,6 +202,10 @@ def bind(rules: Sequence[Rule], model) -> Iterator[Bound]:
             fmt = (lambda n: n.replace("{i}", str(i))) if i is not None else (lambda n: n)
             zoo_names = tuple(fmt(n) for n in r.zoo)
             present = [n in names for n in zoo_names]
+            moved = tuple(moved_expert_name(n) for n in zoo_names)
+            if not all(present) and moved != zoo_names and all(n in names for n in moved):
+                warn(OLD_EXPERT_NAMES, stacklevel=3)  # a (plugin) format written against zoo 0.2's MoE
+                zoo_names, present = moved, [True] * len(moved)
             if not any(present):
                 continue
             if not all(present):
@@ -226,12 +242,13 @@ def gated_mlp(prefix: str, zoo: str = ZOO_LAYER + "ffn.", weights: Sequence[str]
             for r in linear(f"{prefix}{hf}", f"{zoo}{z}", weights=weights)]
 
 
-#: zoo's stacked expert tensors -> the HF name of each expert's projection (Llama-layout MoEs).
+#: zoo's stacked expert tensors (an moe FFN's ``experts.*``) -> the HF name of each expert's projection
+#: (Llama-layout MoEs).
 EXPERT_PROJECTIONS = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
 
 
 def stacked_experts(prefix: str, n: int, projections: dict[str, str] = EXPERT_PROJECTIONS,
-                    zoo: str = ZOO_LAYER + "ffn.") -> list[Rule]:
+                    zoo: str = ZOO_LAYER + "ffn.experts.") -> list[Rule]:
     """``n`` experts stored one tensor per expert (``{prefix}{j}.gate_proj.weight``) <-> zoo's stacked
     ``(n, ...)`` tensors, through :data:`STACK`."""
     return [rule([f"{prefix}{j}.{hf}.weight" for j in range(n)], f"{zoo}{z}", STACK) for z, hf in projections.items()]

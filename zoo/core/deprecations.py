@@ -43,6 +43,8 @@ ALIASES: dict[str, str] = {
     "an FFN whose forward takes no ctx": "forward(self, x, ctx) (ctx may be None)",
     "accounting key 'kv_cache'": "accounting key 'decode_state'",
     "zoo-side parameter names layers.{i}.attention.*": "layers.{i}.mixer.*",
+    "zoo-side parameter names layers.{i}.ffn.w_gate, w_up, w_down (an moe FFN's experts)": "layers.{i}.ffn.experts.w_*",
+    "MoE.w_gate, MoE.w_up, MoE.w_down": "MoE.experts.w_gate, .w_up, .w_down (GroupedExperts)",
     "LlamaStyle class flags": "the format's fields, template, windows and ropes (docs/checkpoints.md)",
 }
 

@@ -184,6 +184,15 @@ class FFN(Part):
 
     CONTEXT, FORWARD = ("d_model",), ("x",)
 
+    def parallelize_experts(self, ep_mesh: Any) -> list[nn.Module]:
+        """Called by ``Decoder.parallelize_experts`` (from ``zoo.train.loop.start_model`` on the meta device,
+        after tensor parallelism, before activation checkpointing and FSDP2) when ``parallel.ep`` > 1:
+        shard the routed experts over ``ep_mesh`` (:class:`zoo.core.parallel.ExpertParallel`) and return
+        the modules whose parameters are now sharded by expert (FSDP2 shards them over the remaining
+        data-parallel dimensions on their own). Default: nothing to shard (the part's parameters stay
+        whole and are data-parallel like any other); a model needs one part that shards."""
+        return []
+
 
 class Router(Part):
     """A mixture of experts' router: ``cls(config, d_model=, n_experts=, top_k=)``, called on ``x``."""

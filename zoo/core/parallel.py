@@ -58,3 +58,78 @@ def heads_out() -> Any:
     from torch.distributed.tensor.parallel import RowwiseParallel
 
     return RowwiseParallel(output_layouts=Shard(1))
+
+
+def expert_count(n_experts: int, ep_mesh: Any, part: nn.Module) -> int:
+    """``n_experts`` split over the ``ep`` processes of ``ep_mesh``; raises, naming the part, when they do not divide."""
+    ep = ep_mesh.size()
+    if n_experts % ep:
+        raise ValueError(f"{type(part).__name__}: n_experts = {n_experts} does not split over parallel.ep = {ep} "
+                         f"processes; choose an ep that divides {n_experts}")
+    return n_experts // ep
+
+
+class ExpertParallel:
+    """Expert parallelism for a module of stacked experts (:class:`zoo.components.ffn.moe.GroupedExperts`
+    or any module called as ``experts(xs, counts)``: the token copies ``xs`` grouped by expert,
+    ``counts[e]`` of them for expert ``e``, in expert order; the output row by row in the same order).
+
+    Its parameters are sharded by expert (``Shard(0)`` over ``ep_mesh``, so each of the ``ep`` processes
+    holds ``E / ep`` consecutive experts); around its forward:
+
+    - dispatch: the counts are exchanged first (``all_to_all_single`` of ``E / ep`` counts to each
+      process), then each process sends every token copy to the process that holds its expert
+      (``all_to_all_single`` with uneven splits) and regroups what arrives (by source, then expert)
+      by expert, then source, so the module runs its local experts on contiguous runs;
+    - combine: the outputs go back in the received order and return to the processes they came from.
+
+    Both exchanges are differentiable (``all_to_all_single_autograd``, as torchtitan's): the
+    gradient of a received token copy returns to the process that sent it, and each expert's
+    gradient sums over the tokens every process of ``ep_mesh`` routed to it. The router, the weights
+    of the experts' outputs, shared experts, losses and metrics are not touched: they run on each
+    process's own tokens. Apply it (``ExpertParallel().apply(experts, ep_mesh)``) on the meta device,
+    after tensor parallelism and before activation checkpointing and FSDP2."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[list[int], list[int], torch.Tensor]] = []
+
+    def apply(self, module: nn.Module, ep_mesh: Any) -> nn.Module:
+        """Shard ``module``'s parameters over ``ep_mesh`` and attach dispatch and combine to its forward."""
+        from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+
+        def shard(name, mod, mesh):
+            for n, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(n, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)], src_data_rank=None),
+                                                       requires_grad=p.requires_grad))
+
+        return distribute_module(module, ep_mesh, shard, self._dispatch, self._combine)
+
+    def _dispatch(self, module: nn.Module, inputs: tuple, ep_mesh: Any) -> tuple:
+        import torch.distributed as dist
+
+        xs, counts = inputs[0], inputs[1]
+        P, group = ep_mesh.size(), ep_mesh.get_group()
+        L = counts.numel() // P
+        with torch.no_grad():
+            received = torch.empty_like(counts)  # received[s * L + l]: copies from process s for local expert l
+            dist.all_to_all_single(received, counts.contiguous(), group=group)
+        sent = counts.view(P, L).sum(1).tolist()
+        got = received.view(P, L).sum(1).tolist()
+        rows = _all_to_all(xs, got, sent, group)
+        block = torch.repeat_interleave(torch.arange(P * L, device=xs.device), received)  # (source, expert) of each row
+        order = ((block % L) * P + block // L).argsort(stable=True)  # by expert, then source
+        self._pending.append((sent, got, order))
+        return (rows.index_select(0, order), received.view(P, L).sum(0), *inputs[2:])
+
+    def _combine(self, module: nn.Module, ys: torch.Tensor, ep_mesh: Any) -> torch.Tensor:
+        sent, got, order = self._pending.pop()
+        back = ys.index_select(0, order.argsort())  # the received order again
+        return _all_to_all(back, sent, got, ep_mesh.get_group())
+
+
+def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> torch.Tensor:
+    """Rows of ``x`` exchanged (``input_splits[p]`` rows to process ``p``, ``output_splits[p]`` from it);
+    differentiable: the gradient takes the way back."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group))

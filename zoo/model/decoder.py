@@ -151,6 +151,24 @@ class Decoder(_kinds.Kernels, nn.Module):
         elif self.head_bias is not None:  # tied: the embedding's rows are the head's; its bias follows them
             self.head_bias = nn.Parameter(distribute_tensor(self.head_bias, tp_mesh, [Shard(0)]))
 
+    def parallelize_experts(self, ep_mesh) -> list[nn.Module]:
+        """Expert parallelism over ``ep_mesh``, asked of each FFN (``parallelize_experts``, the MTP modules'
+        included): call it on the meta device after :meth:`parallelize` and before activation checkpointing
+        and FSDP2. Returns the modules whose parameters are now sharded by expert. A model with no part
+        that shards its experts (no ``moe`` FFN) is an error."""
+        sharded: list[nn.Module] = []
+        for name, module in self.named_modules():
+            if module is self or not (_kinds.is_part(module) and _kinds.implements(module, "parallelize_experts")):
+                continue
+            try:
+                sharded += module.parallelize_experts(ep_mesh)
+            except (ValueError, NotImplementedError) as exc:
+                raise type(exc)(f"{_module_name(name)}: {exc}") from None
+        if not sharded:
+            raise ValueError(f"parallel.ep = {ep_mesh.size()}: this model has no routed experts to shard (no FFN "
+                             "implements parallelize_experts, as the moe FFN does); set ep = 1")
+        return sharded
+
     # -- decoding ---------------------------------------------------------------------------------
     def _apply(self, fn, recurse=True):
         # .to(dtype), .half(), .bfloat16(): tensors a part declares float32 stay float32 (zoo/core/precision.py)

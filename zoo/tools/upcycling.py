@@ -64,13 +64,14 @@ def upcycle(dense: Any, *, n_experts: int, top_k: int, shared: bool = False, see
                 t.copy_(source[name])
         for old, new in zip(dense.layers, model.layers):
             ffn, moe = old.ffn, new.ffn
-            moe.w_up.copy_(ffn.up.weight)  # broadcast: every expert the same
-            if moe.w_gate is not None:
-                moe.w_gate.copy_(ffn.gate.weight)
+            experts = moe.experts
+            experts.w_up.copy_(ffn.up.weight)  # broadcast: every expert the same
+            if experts.w_gate is not None:
+                experts.w_gate.copy_(ffn.gate.weight)
             if shared:
                 moe.shared.load_state_dict(ffn.state_dict())
-                moe.w_down.zero_()
+                experts.w_down.zero_()
             else:
-                moe.w_down.copy_(ffn.down.weight)
+                experts.w_down.copy_(ffn.down.weight)
     model.train(dense.training)
     return model

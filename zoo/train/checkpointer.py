@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zoo.checkpoints.maps import current_name
+from zoo.checkpoints.maps import current_name, moved_expert_name
 from zoo.core.spec import ModelSpec, differences
 from zoo.train.config import TrainConfig
 from zoo.train.resume import fsync_dir, fsync_tree, step_of
@@ -122,6 +122,9 @@ class Checkpointer:
         weights = {current_name(k): v for k, v in load_file(str(path / self._files(sharded, "model"))).items()}
         with torch.no_grad():
             for name, t in model.state_dict(keep_vars=True).items():
+                old = name.replace(".experts.w_", ".w_") if name not in weights else name
+                if old != name and old in weights and moved_expert_name(old) == name:  # zoo 0.2's MoE names
+                    weights[name] = weights.pop(old)
                 if name not in weights:
                     raise KeyError(f"checkpoint {path} has no tensor {name!r}; it was written by another model")
                 _local(t).copy_(weights[name])

@@ -64,10 +64,25 @@ class ParallelConfig:
 
     def check(self) -> None:
         self.checkpointed(1)
-        if self.ep != 1:
-            raise NotImplementedError(
-                f"parallel: ep = {self.ep} is not supported yet: the experts' dispatch over an expert-parallel "
-                "dimension is still to come (docs/training.md); use dp_replicate, dp_shard and tp")
+
+    def check_model(self, spec: Any) -> None:
+        """Refuse, naming the field, an ``ep`` the model ``spec`` cannot split its experts over: ``ep`` > 1
+        needs an FFN that shards its experts (``parallelize_experts``, as the ``moe`` FFN does), and must
+        divide each such FFN's ``n_experts``."""
+        from zoo.core.kinds import implements
+
+        if self.ep == 1:
+            return
+        ffns = [(f"layers.{i}.ffn", spec.layer(i).ffn) for i in range(spec.n_layers) if spec.layer(i).ffn is not None]
+        moes = [(at, ffn) for at, ffn in ffns if implements(ffn.cls, "parallelize_experts")]
+        if not moes:
+            raise ValueError(f"parallel.ep = {self.ep}: the model has no FFN with routed experts to shard (an moe "
+                             f"FFN); its FFNs are {sorted({ffn.name for _, ffn in ffns})}; set ep = 1")
+        for at, ffn in moes:
+            n = getattr(ffn.config, "n_experts", None)
+            if isinstance(n, int) and n % self.ep:
+                raise ValueError(f"parallel.ep = {self.ep} does not divide {at}.n_experts = {n}; "
+                                 f"choose an ep that divides {n}")
 
 
 @dataclass

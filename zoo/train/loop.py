@@ -94,10 +94,14 @@ def _check_fsdp_launch(use_fsdp: bool) -> None:
                          "`torchrun`, or leave fsdp off for one process")
 
 
-def _shard(model: nn.Module, accelerator, mesh=None) -> None:
+def _shard(model: nn.Module, accelerator, mesh=None, experts: tuple = ()) -> None:
     """FSDP2, one unit per block and one for the root (embeddings, final norm, head), over the mesh's
     data-parallel dimensions: sharded over ``dp_shard`` (and ``ep``) and, with ``dp_replicate`` > 1,
-    replicated across it (HSDP)."""
+    replicated across it (HSDP). Each module of ``experts`` (sharded by expert over ``ep``) is a unit of
+    its own over ``dp_shard`` (and ``dp_replicate``) alone, its gradient divided by every data-parallel
+    process (``dp_replicate x dp_shard x ep``): each process's loss is its own tokens' mean, the
+    all-to-all already summed the ``ep`` processes' shares into the expert's gradient, and FSDP2 sums
+    the rest, so the gradient is one process's over the whole batch, as the dense parameters' is."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -120,6 +124,14 @@ def _shard(model: nn.Module, accelerator, mesh=None) -> None:
     }
     if plugin is not None and isinstance(getattr(plugin, "cpu_offload", None), CPUOffloadPolicy):
         kwargs["offload_policy"] = plugin.cpu_offload
+    if experts:
+        expert_kwargs = {**kwargs, "mesh": _data_parallel_mesh(mesh, experts=True)}
+        world = math.prod(mesh[n].size() for n in ("dp_replicate", "dp_shard", "ep"))
+        for module in experts:
+            fully_shard(module, **expert_kwargs)
+            module.set_gradient_divide_factor(float(world))
+            if mesh["dp_shard"].size() > 1:  # a plain sum, then the divide (gloo has no pre-multiplied sum)
+                module.set_force_sum_reduction_for_comms(True)
     for layer in model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
@@ -132,19 +144,25 @@ def start_model(spec: ModelSpec, accelerator, *, seed: int, sharded: bool,
     built on the meta device, sharded by tensor parallelism over the mesh's ``tp`` dimension
     (``Decoder.parallelize``), checkpointed, wrapped with FSDP2 per block over its data-parallel
     dimensions (torchtitan's order: TP, EP, activation checkpointing, FSDP), then each process allocates
-    and initialises only its shard (one module's whole parameters at a time)."""
+    and initialises only its shard (one module's whole parameters at a time). With ``parallel.ep`` > 1
+    (which needs ``sharded``) the routed experts are sharded by expert over the mesh's ``ep`` dimension
+    (``Decoder.parallelize_experts``) after tensor parallelism."""
     parallel = parallel or ParallelConfig()
-    if not sharded and parallel.tp == 1:
+    if not sharded and parallel.tp == 1 and parallel.ep == 1:
         net = build_model(spec, device=accelerator.device, seed=seed)
         checkpoint_blocks(net, parallel.checkpointed(len(net.layers)))
         return net
+    if parallel.ep > 1 and not sharded:
+        raise ValueError(f"parallel: ep = {parallel.ep} trains with FSDP2 (the parameters other than the experts "
+                         "are data-parallel over dp_shard x ep); turn fsdp on")
     net = build_model(spec, device="meta")
     mesh = device_mesh(parallel, accelerator)
     if parallel.tp > 1:
         net.parallelize(mesh["tp"])
+    experts = net.parallelize_experts(mesh["ep"]) if parallel.ep > 1 else []
     checkpoint_blocks(net, parallel.checkpointed(len(net.layers)))
     if sharded:
-        _shard(net, accelerator, mesh)
+        _shard(net, accelerator, mesh, tuple(experts))
     net.to_empty(device=accelerator.device)
     net.init_weights(seed=seed)
     return net
@@ -194,10 +212,17 @@ def checkpoint_blocks(model: nn.Module, blocks: list[int]) -> None:
                                              context_fn=lambda: (nullcontext(), recomputation()))
 
 
-def _data_parallel_mesh(mesh):
-    """FSDP2's mesh: ``dp_shard``, or ``(dp_replicate, dp_shard)`` for HSDP. (With expert parallelism
-    the dense parameters will shard over ``dp_shard x ep``: with the expert plans.)"""
-    return mesh["dp_shard"] if mesh["dp_replicate"].size() == 1 else mesh["dp_replicate", "dp_shard"]
+def _data_parallel_mesh(mesh, *, experts: bool = False):
+    """FSDP2's mesh: ``dp_shard``, or ``(dp_replicate, dp_shard)`` for HSDP. With expert parallelism the
+    parameters other than the experts shard over ``dp_shard x ep`` (the ``ep`` processes read different
+    data), the experts (``experts=True``, already sharded over ``ep``) over ``dp_shard`` alone."""
+    shard = "dp_shard"
+    if mesh["ep"].size() > 1 and not experts:
+        shard = "dp_shard_ep"
+        flat = mesh["dp_shard", "ep"]._flatten(shard)
+        if mesh["dp_replicate"].size() == 1:
+            return flat
+    return mesh[shard] if mesh["dp_replicate"].size() == 1 else mesh["dp_replicate", shard]
 
 
 def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides: Optional[dict[str, Any]] = None,
@@ -245,6 +270,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
         raise ValueError("train needs a model: a preset name, a recipe file or a spec, or init_from=a checkpoint")
     else:
         spec = get_spec(model, overrides)
+    config.parallel.check_model(spec)
     if config.z_loss is not None:
         spec = spec.with_overrides(z_loss=config.z_loss)
     if config.seq_len > spec.max_seq_len:
@@ -260,10 +286,12 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
         )
     out_dir = Path(config.out_dir)
     resume_from = resume_point(config, out_dir, checkpoints(out_dir))
-    sharding = config.parallel.dp_replicate > 1 or config.parallel.dp_shard > 1  # asked for HSDP or FSDP
+    # asked for HSDP or FSDP, or for expert parallelism (whose other parameters are data-parallel with FSDP2)
+    sharding = config.parallel.dp_replicate > 1 or config.parallel.dp_shard > 1 or layout["ep"] > 1
     if config.fsdp is False and sharding:
         raise ValueError(f"parallel: dp_replicate {config.parallel.dp_replicate} x dp_shard {config.parallel.dp_shard} "
-                         "shards with FSDP2, but fsdp is off; turn fsdp on or leave dp_replicate and dp_shard unset")
+                         f"x ep {layout['ep']} shards with FSDP2, but fsdp is off; turn fsdp on or leave dp_replicate, "
+                         "dp_shard and ep unset")
     use_fsdp = config.fsdp if config.fsdp is not None else (acc.distributed_type == DistributedType.FSDP or sharding)
     if tp > 1 and dp_size > 1 and not use_fsdp:
         raise ValueError(f"parallel: tp {tp} on {acc.num_processes} processes leaves {dp_size} data-parallel "
@@ -346,7 +374,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
                 acc.backward(out.loss / accum)  # outside autocast, as PyTorch advises
             for name, value in out.terms().items():
                 sums[name] = sums.get(name, 0.0) + value.detach().float() / accum
-        if tp > 1:  # gradients on several meshes (DTensors of tp, of dp x tp) and whole ones
+        if tp > 1 or layout["ep"] > 1:  # gradients on several meshes (DTensors of tp, dp x tp, dp x ep) and whole ones
             acc.unscale_gradients()
             grad_norm = clip_grad_norm(net.parameters(), config.grad_clip or math.inf)
         else:
