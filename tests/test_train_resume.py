@@ -78,14 +78,15 @@ def test_corrupt_last_checkpoint_and_torn_metrics_line_fall_back_to_the_last_com
     whole = T.train("llama3-8b", out_dir=str(tmp_path / "whole"), **KW)
     out = tmp_path / "broken"
     shutil.copytree(stopped_run, out)
-    opt = out / "checkpoints" / "step-0000004" / "optimizer.safetensors"
+    opt = out / "checkpoints" / "step-0000004" / "optimizer" / "shard-00001-model-00001-of-00001.safetensors"
     opt.write_bytes(opt.read_bytes()[:100])
     with (out / "metrics.jsonl").open("a") as f:
         f.write('{"step": 5, "lo')
     with pytest.warns(UserWarning) as caught:
         rest = T.train("llama3-8b", out_dir=str(out), save_every=2, **KW)
     messages = [str(w.message) for w in caught]
-    assert any("step-0000004 is incomplete or corrupt (optimizer.safetensors" in m for m in messages), messages
+    assert any("step-0000004 is incomplete or corrupt (optimizer/shard-00001-model-00001-of-00001.safetensors" in m
+               for m in messages), messages
     assert any("metrics.jsonl, line 5: not a complete record" in m for m in messages), messages
     assert rest.step == 8 and len(rest.losses) == 6  # from step 2
     assert [m["step"] for m in metrics(out)] == list(range(1, 9))
@@ -105,7 +106,7 @@ def test_explicit_resume_refuses_a_corrupt_checkpoint_or_a_directory_with_later_
     (out / "checkpoints" / "step-0000004" / "state.json").write_text('{"step": 4, "spe')
     with pytest.raises(ValueError, match=r"step-0000004 is incomplete or corrupt: state.json is unreadable"):
         T.train("llama3-8b", out_dir=str(out), resume=str(out / "checkpoints" / "step-0000004"), **KW)
-    (out / "checkpoints" / "step-0000002" / "model.safetensors").unlink()
+    (out / "checkpoints" / "step-0000002" / "model" / "shard-00001-model-00001-of-00001.safetensors").unlink()
     with pytest.warns(UserWarning) as caught, \
             pytest.raises(ValueError, match="no complete checkpoint in .*every one is corrupt"):
         T.train("llama3-8b", out_dir=str(out), **KW)
