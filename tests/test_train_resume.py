@@ -170,3 +170,41 @@ def test_a_checkpoint_of_the_old_layout_resumes_with_its_weights_under_the_new_n
     for k, v in stored.items():
         new = k.replace(".attention.", ".mixer.")
         assert (after3[new] - v).abs().max() <= 3.1e-3, new
+
+
+def test_a_checkpoint_is_safetensors_and_json_only(stopped_run):
+    """No pickle anywhere (DCP's default ``.metadata`` is one): every file is a safetensors file whose
+    header reads, or JSON."""
+    from safetensors import safe_open
+
+    ckpt = stopped_run / "checkpoints" / "step-0000004"
+    files = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
+    assert files == ["model/shard-00001-model-00001-of-00001.safetensors",
+                     "optimizer/shard-00001-model-00001-of-00001.safetensors", "rng-rank00000.safetensors",
+                     "state.json"]
+    for name in files:
+        data = (ckpt / name).read_bytes()
+        assert not data.startswith(b"\x80"), f"{name} is a pickle"  # every pickle protocol >= 2 starts so
+        if name.endswith(".json"):
+            assert json.loads(data)["format"] == 2
+        else:
+            with safe_open(str(ckpt / name), "pt") as f:
+                assert list(f.keys())
+
+
+def test_a_model_whose_tensors_differ_from_the_checkpoint_is_refused_naming_the_tensor(stopped_run):
+    """Past the spec check (a model changed under the same spec, as a plugin's part could be): the load
+    names the tensor and both shapes."""
+    import torch
+    from accelerate import Accelerator
+
+    from zoo.model.recipes import get_spec
+    from zoo.train.checkpointer import Checkpointer
+
+    ckpt = stopped_run / "checkpoints" / "step-0000004"
+    state = json.loads((ckpt / "state.json").read_text())
+    other = T.build_model(get_spec("llama3-8b", {**TINY, "layers.*.ffn.d_ff": 48}))
+    opt = torch.optim.AdamW(other.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    with pytest.raises(ValueError, match=r"model/ holds 'layers.0.ffn.\w+.weight' as \(\d+, \d+\), but the model's is"):
+        Checkpointer(Accelerator(cpu=True), stopped_run, 2).load(ckpt, state, model=other, optimizer=opt, scheduler=sched)

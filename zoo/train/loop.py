@@ -16,8 +16,10 @@ then the root are wrapped with ``fully_shard``, and only then is each process's 
 and initialised, so a model larger than one device can start.
 
 Checkpoints (``out_dir/checkpoints/step-NNNNNNN``) hold the model, optimizer, scheduler, RNG
-states, step and data position; tensors are in safetensors, the rest in JSON; each is written
-to a temporary directory and renamed into place. Under FSDP2 every process writes its own shard.
+states, step and data position; tensors are in safetensors (torch.distributed.checkpoint's Hugging
+Face storage: every process writes its own shards), the rest in JSON; each is written to a
+temporary directory and renamed into place, and any number of processes in any layout resumes it.
+The export at the end streams the weights from the last checkpoint, one tensor at a time.
 """
 
 from __future__ import annotations
