@@ -160,3 +160,15 @@ def test_an_export_holds_about_one_tensor_not_the_model(tmp_path):
     # Measured: 16 MB, flat over the layers: a 5 MB start (the format's tables, the meta model) and the
     # largest tensors in flight; the gathered export grows by several times the model.
     assert growth["streamed"] < 6 * largest, growth
+
+
+def test_a_checkpoint_of_the_earlier_layout_is_read_under_todays_names():
+    """zoo 0.1's one-process checkpoint (``model.safetensors``, the mixer named ``attention``): the
+    reader gives its tensors under today's names, so ``zoo export`` takes it too."""
+    old = os.path.join(os.path.dirname(__file__), "data", "train_run_0.1", "checkpoints", "step-0000002")
+    stored = load_file(os.path.join(old, "model.safetensors"))
+    reader = CheckpointWeights(old)
+    assert sorted(reader) == sorted(k.replace(".attention.", ".mixer.") for k in stored)
+    for k, v in stored.items():
+        new = k.replace(".attention.", ".mixer.")
+        assert torch.equal(reader[new], v) and reader.meta(new).shape == v.shape
