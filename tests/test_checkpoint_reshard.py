@@ -71,6 +71,8 @@ checkpointer.Checkpointer.save, checkpointer.Checkpointer.load = save, load
 if phase == "two":
     layout = "two"
     zoo.train("llama3-8b", out_dir=out + "/two", parallel={"dp_shard": 2}, save_every=3, export=False, **kw)
+    layout = "earlier"  # a run of zoo 0.2 stopped at step 2 of 4, its FSDP2 shards one file per process
+    zoo.train("llama3-8b", out_dir=out + "/earlier", **json.loads(sys.argv[4]))
 else:
     step3 = out + "/two/checkpoints/step-0000003"
     layout = "fsdp4"
@@ -81,11 +83,18 @@ else:
 '''
 
 
+EARLIER = os.path.join(os.path.dirname(__file__), "data", "train_run_fsdp_0.2")
+EARLIER_KW = dict(overrides={"n_layers": 1, "d_model": 16, "vocab_size": 256, "max_seq_len": 32,
+                             "layers.*.mixer.n_heads": 2, "layers.*.mixer.n_kv_heads": 1, "layers.*.ffn.d_ff": 32},
+                  steps=4, seq_len=16, global_batch=4, micro_batch=2, lr=3e-3, warmup_steps=1, seed=0, fsdp=True,
+                  cpu=True, progress=False, plot=False, export=False)
+
+
 def launch(tmp, phase, processes, kw):
     script = tmp / "reshard.py"
     script.write_text(SCRIPT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-           str(script), str(tmp), phase, json.dumps(kw)]
+           str(script), str(tmp), phase, json.dumps(kw), json.dumps(EARLIER_KW)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -97,6 +106,9 @@ def runs(tmp_path_factory):
     resumed from that checkpoint as FSDP2 and as FSDP2 x TP (with activation checkpointing)."""
     tmp = tmp_path_factory.mktemp("reshard")
     kw = {**RUN, "overrides": SETS}
+    import shutil
+
+    shutil.copytree(EARLIER, tmp / "earlier")
     launch(tmp, "two", 2, kw)
     launch(tmp, "four", 4, kw)
     return tmp
@@ -165,3 +177,12 @@ def test_the_export_streamed_from_shards_equals_the_export_of_the_gathered_model
         assert (final / name).read_bytes() == (gathered / name).read_bytes(), name
     back = zoo.from_pretrained(str(final))
     assert back.spec.n_layers == 2
+
+
+def test_a_sharded_checkpoint_of_the_earlier_layout_resumes_on_its_processes(runs):
+    """Written by zoo 0.2 (one model and optimizer file per process): resumed on its 2 processes, steps
+    3-4 are those of that version's uninterrupted run, and the checkpoint the run writes reshards."""
+    expected = [json.loads(line)["loss"] for line in open(os.path.join(EARLIER, "uninterrupted.jsonl"))]
+    assert [m["loss"] for m in metrics(runs / "earlier")] == pytest.approx(expected, rel=1e-6, abs=0)
+    state = json.loads((runs / "earlier" / "checkpoints" / "step-0000004" / "state.json").read_text())
+    assert state["format"] == 2 and state["step"] == 4
