@@ -241,6 +241,13 @@ def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[by
     return len(text).to_bytes(8, "little") + text, offsets, 8 + len(text) + start
 
 
+def create_shard(path: Path, header: bytes, size: int) -> None:
+    """A safetensors file of ``size`` bytes holding ``header``, its data still to be written in place."""
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(size)
+
+
 def stream_shards(layout: list[tuple[str, torch.dtype, tuple[int, ...]]], tensors: Iterator[tuple[str, torch.Tensor]],
                   directory: Path, max_shard_size: int | str) -> list[str]:
     """Write safetensors shards (one ``model.safetensors`` when they fit, else numbered shards and an
@@ -262,9 +269,7 @@ def stream_shards(layout: list[tuple[str, torch.dtype, tuple[int, ...]]], tensor
     place: dict[str, tuple[Path, int, torch.dtype, tuple[int, ...]]] = {}
     for fname, shard in zip(files, shards):
         header, offsets, total = _header(shard)
-        with open(directory / fname, "wb") as f:
-            f.write(header)
-            f.truncate(total)
+        create_shard(directory / fname, header, total)
         place.update({name: (directory / fname, offsets[name], dtype, shape) for name, dtype, shape in shard})
     for name, t in tensors:
         path, at, dtype, shape = place.pop(name)
