@@ -97,7 +97,7 @@ def test_failed_save_removes_only_a_directory_it_created(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr("zoo.checkpoints.io.save_file", boom)
+    monkeypatch.setattr("zoo.checkpoints.io.create_shard", boom)
     with pytest.raises(OSError, match="disk full"):
         zoo.save_pretrained(tiny(), tmp_path / "new" / "ckpt", model_type="llama")
     assert not (tmp_path / "new" / "ckpt").exists()
@@ -115,13 +115,13 @@ mode, target, seed, arg, shard = sys.argv[1:6]
 model = zoo.build_model(zoo.checkpoints.config_to_spec(json.loads(os.environ["ZOO_TEST_CONFIG"])), seed=int(seed))
 calls = [0]
 if mode == "kill-writing":  # killed while writing its second shard: before the commit
-    real_save = io.save_file
-    def save_file(*a, **k):
+    real_save = io.create_shard
+    def create_shard(*a, **k):
         calls[0] += 1
         if calls[0] == 2:
             os.kill(os.getpid(), signal.SIGKILL)
         return real_save(*a, **k)
-    io.save_file = save_file
+    io.create_shard = create_shard
 elif mode == "kill-applying":  # killed after the commit, with one new file moved in
     real_replace = os.replace
     def replace(a, b):
@@ -131,13 +131,13 @@ elif mode == "kill-applying":  # killed after the commit, with one new file move
             os.kill(os.getpid(), signal.SIGKILL)
     os.replace = replace
 elif mode == "hold":  # holds the save open until the file `arg` exists
-    real_save = io.save_file
-    def save_file(*a, **k):
+    real_save = io.create_shard
+    def create_shard(*a, **k):
         open(arg + ".started", "w").close()
         while not os.path.exists(arg):
             time.sleep(0.02)
         return real_save(*a, **k)
-    io.save_file = save_file
+    io.create_shard = create_shard
 zoo.save_pretrained(model, target, model_type="llama", max_shard_size=shard)
 """
 

@@ -176,7 +176,7 @@ def test_save_is_atomic(ckpt, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr("zoo.checkpoints.io.save_file", boom)
+    monkeypatch.setattr("zoo.checkpoints.io.create_shard", boom)
     with pytest.raises(OSError, match="disk full"):
         zoo.save_pretrained(other, d, model_type="llama")
     assert {p.name: p.read_bytes() for p in d.iterdir() if p.name != "tokenizer.json"} == before

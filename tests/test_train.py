@@ -10,6 +10,7 @@ import torch
 
 import zoo
 from zoo.cli import main as cli
+from zoo.train.checkpointer import CheckpointWeights
 from zoo.train.data import ByteTokenizer, TokenData, load_tokens, unigram_entropy
 
 T = importlib.import_module("zoo.train.loop")  # the module; `zoo.train` is the function
@@ -91,7 +92,7 @@ def test_loss_falls_well_below_unigram_entropy_and_z_loss_holds_log_partition_ne
 def test_interrupted_and_resumed_run_follows_the_uninterrupted_trajectory(tmp_path, monkeypatch):
     """Stopped after 2 steps, resumed, killed while writing the step-6 checkpoint, resumed again
     (from step 3): the 8 losses are those of a run never interrupted."""
-    import safetensors.torch
+    from zoo.train import checkpointer
 
     kw = dict(overrides=TINY, steps=8, seq_len=32, global_batch=8, micro_batch=4, lr=3e-3, warmup_steps=3,
               weight_decay=0.1, **QUIET)
@@ -100,20 +101,20 @@ def test_interrupted_and_resumed_run_follows_the_uninterrupted_trajectory(tmp_pa
     part = T.train("llama3-8b", out_dir=str(out), stop_after=2, **kw)
     assert part.step == 2 and part.checkpoint.name == "step-0000002"
 
-    real_save = safetensors.torch.save_file
+    real_save = checkpointer._dcp_save
 
-    def dies_writing_step_6(tensors, filename, metadata=None):
-        if ".tmp-step-0000006" in str(filename) and "optimizer" in str(filename):
-            open(filename, "wb").write(b"half a file")
+    def dies_writing_step_6(tensors, directory):
+        if ".tmp-step-0000006" in str(directory) and directory.name == "optimizer":
+            (directory / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"half a file")
             raise RuntimeError("killed while saving")
-        return real_save(tensors, filename, metadata=metadata)
+        return real_save(tensors, directory)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", dies_writing_step_6)
+    monkeypatch.setattr(checkpointer, "_dcp_save", dies_writing_step_6)
     with pytest.raises(RuntimeError, match="killed while saving"):
         T.train("llama3-8b", out_dir=str(out), save_every=3, **kw)
     assert [p.name for p in T.checkpoints(out)] == ["step-0000002", "step-0000003"]  # no step 6: it never completed
     assert (out / "checkpoints" / ".tmp-step-0000006").is_dir()
-    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    monkeypatch.setattr(checkpointer, "_dcp_save", real_save)
 
     rest = T.train("llama3-8b", out_dir=str(out), **kw)  # resume="auto": the latest complete checkpoint
     assert len(rest.losses) == 5 and rest.step == 8
@@ -124,7 +125,7 @@ def test_interrupted_and_resumed_run_follows_the_uninterrupted_trajectory(tmp_pa
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert ckpts == ["step-0000003", "step-0000008"]  # keep_last=2; the temporary directory is gone
     files = {p.name for p in (out / "checkpoints" / "step-0000008").iterdir()}
-    assert files == {"model.safetensors", "optimizer.safetensors", "rng-rank00000.safetensors", "state.json"}
+    assert files == {"model", "optimizer", "rng-rank00000.safetensors", "state.json"}
 
 
 def test_trains_on_user_files_with_a_tokenizer_json_and_writes_plot_and_export(tmp_path):
@@ -145,9 +146,7 @@ def test_trains_on_user_files_with_a_tokenizer_json_and_writes_plot_and_export(t
     back = zoo.from_pretrained(str(r.export))
     ids = torch.randint(0, 12, (1, 8))
     final = zoo.build_model(back.spec, device="meta")
-    from safetensors.torch import load_file
-
-    final.load_state_dict(load_file(str(r.checkpoint / "model.safetensors")), assign=True)
+    final.load_state_dict(dict(CheckpointWeights(r.checkpoint)), assign=True)
     torch.testing.assert_close(back(ids), final(ids))
 
 
@@ -159,9 +158,7 @@ def test_init_from_a_checkpoint_starts_from_its_weights(tmp_path):
     first = TokenData(load_tokens(), 16, seed=0).batch(0, 4)  # what step 1 read
     with torch.no_grad():
         assert r.losses[0] == pytest.approx(float(model.loss(first).loss), rel=1e-5)
-    from safetensors.torch import load_file
-
-    after = load_file(str(r.checkpoint / "model.safetensors"))  # lr 0: the weights did not move
+    after = CheckpointWeights(r.checkpoint)  # lr 0: the weights did not move
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(after[name], tensor, rtol=0, atol=0)
 

@@ -77,27 +77,29 @@ def test_fsdp2_on_two_processes_trains_and_resumes_from_sharded_checkpoints(tmp_
     losses = [m["loss"] for m in first]
     assert losses[-1] < losses[0] - 0.3
     ckpt = tmp_path / "a" / "checkpoints" / "step-0000003"
-    names = sorted(p.name for p in ckpt.iterdir())
-    assert names == ["model-rank00000-of-00002.safetensors", "model-rank00001-of-00002.safetensors",
-                     "optimizer-rank00000-of-00002.safetensors", "optimizer-rank00001-of-00002.safetensors",
-                     "rng-rank00000.safetensors", "rng-rank00001.safetensors", "state.json"]
+    names = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
+    assert names == [f"{part}/shard-0000{r}-model-00001-of-00001.safetensors" for part in ("model", "optimizer")
+                     for r in (1, 2)] + ["rng-rank00000.safetensors", "rng-rank00001.safetensors", "state.json"]
     state = json.loads((ckpt / "state.json").read_text())
-    assert state["step"] == 3 and state["data_position"] == 24 and state["sharded"]
+    assert state["step"] == 3 and state["data_position"] == 24 and state["sharded"] and state["format"] == 2
     assert [m["step"] for m in resumed] == [4, 5, 6]
     assert [m["loss"] for m in resumed] == pytest.approx(losses[3:], rel=1e-6, abs=0)
-    # The export gathers the shards: its weights are the two processes' halves, end to end.
+    # Each process wrote its half of every weight: FSDP2's dim-0 shards, with their offsets.
     from safetensors.torch import load_file
 
+    from zoo.train.checkpointer import CheckpointWeights
+
+    step6 = tmp_path / "a" / "checkpoints" / "step-0000006" / "model"
+    halves = [load_file(str(step6 / f"shard-0000{r}-model-00001-of-00001.safetensors")) for r in (1, 2)]
+    weights = CheckpointWeights(step6.parent)
     exported = zoo.from_pretrained(str(tmp_path / "a" / "final")).state_dict()
-    halves = [load_file(str(tmp_path / "a" / "checkpoints" / "step-0000006" / f"model-rank0000{r}-of-00002.safetensors"))
-              for r in (0, 1)]
-    assert set(exported) == set(halves[0])
+    assert set(exported) == set(halves[0]) == set(weights)
     for name, tensor in exported.items():
         torch.testing.assert_close(tensor, torch.cat([halves[0][name], halves[1][name]]), rtol=0, atol=0)
-    for r in (0, 1):
-        again = load_file(str(tmp_path / "c" / "checkpoints" / "step-0000001" / f"model-rank0000{r}-of-00002.safetensors"))
-        for name, tensor in again.items():
-            torch.testing.assert_close(tensor, halves[r][name], rtol=0, atol=0)
+    # Started from the export with lr 0, the weights come back out unchanged.
+    again = CheckpointWeights(tmp_path / "c" / "checkpoints" / "step-0000001")
+    for name, tensor in exported.items():
+        torch.testing.assert_close(again[name], tensor, rtol=0, atol=0)
 
 
 HOOK_SCRIPT = """
@@ -109,7 +111,17 @@ out = sys.argv[1]
 kw = dict(overrides={"vocab_size": 256}, steps=3, seq_len=16, global_batch=8, micro_batch=2, lr=3e-3, cpu=True,
           progress=False, plot=False, export=False, seed=1)
 zoo.train(toy_plugin.SPEC, out_dir=out + "/ddp", **kw)
-zoo.train(toy_plugin.SPEC, out_dir=out + "/fsdp", fsdp=True, **kw)
+
+
+def keep_bias(row, model):  # each process's own buffers: a checkpoint holds one copy of what all hold whole
+    if row["step"] == 3:
+        from safetensors.torch import save_file
+        import torch.distributed as dist
+        save_file({k: v.detach().clone() for k, v in model.state_dict().items() if k.endswith("expert_bias")},
+                  f"{out}/fsdp-bias-rank{dist.get_rank()}.safetensors")
+
+
+zoo.train(toy_plugin.SPEC, out_dir=out + "/fsdp", fsdp=True, on_step=keep_bias, **kw)
 """
 
 
@@ -135,10 +147,11 @@ def test_post_step_hooks_see_every_process_and_update_identically_under_ddp_and_
 
     one = zoo.train(toy_plugin.SPEC, overrides={"vocab_size": 256}, steps=3, seq_len=16, global_batch=8, micro_batch=4,
                     lr=3e-3, cpu=True, progress=False, plot=False, export=False, seed=1, out_dir=str(tmp_path / "one"))
-    ref = load_file(str(one.checkpoint / "model.safetensors"))
-    ddp = load_file(str(tmp_path / "ddp" / "checkpoints" / "step-0000003" / "model.safetensors"))
-    fsdp = [load_file(str(tmp_path / "fsdp" / "checkpoints" / "step-0000003" / f"model-rank0000{r}-of-00002.safetensors"))
-            for r in (0, 1)]
+    from zoo.train.checkpointer import CheckpointWeights
+
+    ref = CheckpointWeights(one.checkpoint)
+    ddp = CheckpointWeights(tmp_path / "ddp" / "checkpoints" / "step-0000003")
+    fsdp = [load_file(str(tmp_path / f"fsdp-bias-rank{r}.safetensors")) for r in (0, 1)]
     for i in range(4):
         name = f"layers.{i}.ffn.expert_bias"
         assert ref[name].abs().max() > 0 and fsdp[0][name].abs().max() > 0, "the hook never moved the bias"

@@ -78,14 +78,15 @@ def test_corrupt_last_checkpoint_and_torn_metrics_line_fall_back_to_the_last_com
     whole = T.train("llama3-8b", out_dir=str(tmp_path / "whole"), **KW)
     out = tmp_path / "broken"
     shutil.copytree(stopped_run, out)
-    opt = out / "checkpoints" / "step-0000004" / "optimizer.safetensors"
+    opt = out / "checkpoints" / "step-0000004" / "optimizer" / "shard-00001-model-00001-of-00001.safetensors"
     opt.write_bytes(opt.read_bytes()[:100])
     with (out / "metrics.jsonl").open("a") as f:
         f.write('{"step": 5, "lo')
     with pytest.warns(UserWarning) as caught:
         rest = T.train("llama3-8b", out_dir=str(out), save_every=2, **KW)
     messages = [str(w.message) for w in caught]
-    assert any("step-0000004 is incomplete or corrupt (optimizer.safetensors" in m for m in messages), messages
+    assert any("step-0000004 is incomplete or corrupt (optimizer/shard-00001-model-00001-of-00001.safetensors" in m
+               for m in messages), messages
     assert any("metrics.jsonl, line 5: not a complete record" in m for m in messages), messages
     assert rest.step == 8 and len(rest.losses) == 6  # from step 2
     assert [m["step"] for m in metrics(out)] == list(range(1, 9))
@@ -105,7 +106,7 @@ def test_explicit_resume_refuses_a_corrupt_checkpoint_or_a_directory_with_later_
     (out / "checkpoints" / "step-0000004" / "state.json").write_text('{"step": 4, "spe')
     with pytest.raises(ValueError, match=r"step-0000004 is incomplete or corrupt: state.json is unreadable"):
         T.train("llama3-8b", out_dir=str(out), resume=str(out / "checkpoints" / "step-0000004"), **KW)
-    (out / "checkpoints" / "step-0000002" / "model.safetensors").unlink()
+    (out / "checkpoints" / "step-0000002" / "model" / "shard-00001-model-00001-of-00001.safetensors").unlink()
     with pytest.warns(UserWarning) as caught, \
             pytest.raises(ValueError, match="no complete checkpoint in .*every one is corrupt"):
         T.train("llama3-8b", out_dir=str(out), **KW)
@@ -169,3 +170,41 @@ def test_a_checkpoint_of_the_old_layout_resumes_with_its_weights_under_the_new_n
     for k, v in stored.items():
         new = k.replace(".attention.", ".mixer.")
         assert (after3[new] - v).abs().max() <= 3.1e-3, new
+
+
+def test_a_checkpoint_is_safetensors_and_json_only(stopped_run):
+    """No pickle anywhere (DCP's default ``.metadata`` is one): every file is a safetensors file whose
+    header reads, or JSON."""
+    from safetensors import safe_open
+
+    ckpt = stopped_run / "checkpoints" / "step-0000004"
+    files = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
+    assert files == ["model/shard-00001-model-00001-of-00001.safetensors",
+                     "optimizer/shard-00001-model-00001-of-00001.safetensors", "rng-rank00000.safetensors",
+                     "state.json"]
+    for name in files:
+        data = (ckpt / name).read_bytes()
+        assert not data.startswith(b"\x80"), f"{name} is a pickle"  # every pickle protocol >= 2 starts so
+        if name.endswith(".json"):
+            assert json.loads(data)["format"] == 2
+        else:
+            with safe_open(str(ckpt / name), "pt") as f:
+                assert list(f.keys())
+
+
+def test_a_model_whose_tensors_differ_from_the_checkpoint_is_refused_naming_the_tensor(stopped_run):
+    """Past the spec check (a model changed under the same spec, as a plugin's part could be): the load
+    names the tensor and both shapes."""
+    import torch
+    from accelerate import Accelerator
+
+    from zoo.model.recipes import get_spec
+    from zoo.train.checkpointer import Checkpointer
+
+    ckpt = stopped_run / "checkpoints" / "step-0000004"
+    state = json.loads((ckpt / "state.json").read_text())
+    other = T.build_model(get_spec("llama3-8b", {**TINY, "layers.*.ffn.d_ff": 48}))
+    opt = torch.optim.AdamW(other.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    with pytest.raises(ValueError, match=r"model/ holds 'layers.0.ffn.\w+.weight' as \(\d+, \d+\), but the model's is"):
+        Checkpointer(Accelerator(cpu=True), stopped_run, 2).load(ckpt, state, model=other, optimizer=opt, scheduler=sched)

@@ -15,14 +15,14 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
 from zoo.checkpoints.format import CheckpointError, CheckpointFormat, ConfigError, collect_ignored, get_format, layout_of
 from zoo.core import kinds
 from zoo.checkpoints.hub import resolve
-from zoo.checkpoints.io import WeightFiles, reading, regular_file, replace_checkpoint, write_shards
+from zoo.checkpoints.io import WeightFiles, reading, regular_file, replace_checkpoint, stream_shards
 from zoo.checkpoints.maps import bind
 from zoo.checkpoints.quantized import read_quantization, without_quantization
 from zoo.model.decoder import Decoder, build_model
@@ -337,8 +337,14 @@ def _unstored(path: str, fmt: CheckpointFormat) -> bool:
 
 
 def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Optional[str] = None,
-                    max_shard_size: int | str = "2GB") -> Path:
+                    max_shard_size: int | str = "2GB", state: Optional[Mapping[str, torch.Tensor]] = None) -> Path:
     """Write ``model`` in the Hugging Face layout (config.json + safetensors shards + index).
+
+    The tensors are converted and written one rule at a time, so a save holds about one tensor
+    beyond the weights. ``state`` gives the weights by zoo name when they are not ``model``'s own
+    (which may then be on the meta device): a mapping that reads each tensor when it is asked for,
+    and gives its dtype and shape without reading it through ``meta(name)``, as
+    :class:`zoo.train.checkpointer.CheckpointWeights` does for a training checkpoint.
 
     Only the previous checkpoint's own files in ``directory`` are replaced; anything else there (a
     tokenizer, an adapter, a repository) is kept. A save killed at any point leaves the previous
@@ -369,13 +375,20 @@ def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Option
             f"this model cannot be written as {fmt.model_type}: its config would describe a different model "
             f"({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''})"
         )
-    state = model.state_dict()
-    config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    tensors: dict[str, torch.Tensor] = {}
-    for b in bind(fmt.rules(spec), model):
-        for name, t in zip(b.hf, b.transform.to_hf([state[z].detach() for z in b.zoo], b.heads)):
-            tensors[name] = t.contiguous().cpu()
+    state = model.state_dict() if state is None else state
+    meta = getattr(state, "meta", lambda name: state[name].to("meta"))  # dtype and shape, not the data
+    config["dtype"] = str(meta(next(iter(model.state_dict()))).dtype).removeprefix("torch.")
+    bound = list(bind(fmt.rules(spec), model))
+    # Each HF tensor's name, dtype and shape, from the transforms run on the meta device: the files'
+    # headers are written first, then each rule's tensors, converted as they are written.
+    layout = [(name, t.dtype, tuple(t.shape)) for b in bound
+              for name, t in zip(b.hf, b.transform.to_hf([meta(z) for z in b.zoo], b.heads))]
+
+    def converted():
+        for b in bound:
+            yield from zip(b.hf, b.transform.to_hf([state[z].detach() for z in b.zoo], b.heads))
+
     with replace_checkpoint(Path(directory)) as tmp:
-        write_shards(tensors, tmp, max_shard_size)
+        stream_shards(layout, converted(), tmp, max_shard_size)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return Path(directory)

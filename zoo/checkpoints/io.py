@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import mmap
 import os
 import re
@@ -16,7 +17,6 @@ from typing import Any, Iterator, Optional
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from zoo.checkpoints.format import CheckpointError
 
@@ -212,27 +212,79 @@ def parse_size(size: int | str) -> int:
 
 def write_shards(tensors: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str) -> list[str]:
     """Write ``tensors`` as safetensors shards (one ``model.safetensors`` when they fit) plus an index."""
+    layout = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    return stream_shards(layout, iter(tensors.items()), directory, max_shard_size)
+
+
+# The order in which safetensors' writer lays out a file's tensors: wider dtypes first, then by name.
+_WRITE_ORDER = ["U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16",
+                "F8_E8M0", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL"]
+_CODES = {dtype: code for code, dtype in DTYPES.items()}
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[bytes, dict[str, int], int]:
+    """A safetensors header for ``entries`` as safetensors writes it, each tensor's offset in the file,
+    and the file's size."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    start = 0
+    for name, dtype, shape in sorted(entries, key=lambda e: (_WRITE_ORDER.index(_CODES[e[1]]), e[0])):
+        end = start + _nbytes(dtype, shape)
+        header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [start, end]}
+        start = end
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    offsets = {name: 8 + len(text) + info["data_offsets"][0] for name, info in header.items() if name != "__metadata__"}
+    return len(text).to_bytes(8, "little") + text, offsets, 8 + len(text) + start
+
+
+def create_shard(path: Path, header: bytes, size: int) -> None:
+    """A safetensors file of ``size`` bytes holding ``header``, its data still to be written in place."""
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(size)
+
+
+def stream_shards(layout: list[tuple[str, torch.dtype, tuple[int, ...]]], tensors: Iterator[tuple[str, torch.Tensor]],
+                  directory: Path, max_shard_size: int | str) -> list[str]:
+    """Write safetensors shards (one ``model.safetensors`` when they fit, else numbered shards and an
+    index) one tensor at a time: ``layout`` names each tensor's dtype and shape, in order; ``tensors``
+    then yields them in that order, and each is written at its place in its file and let go, so a
+    save holds about one tensor in memory. The files are those safetensors' own writer makes, byte for byte."""
     limit = parse_size(max_shard_size)
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
     size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
+    for entry in layout:
+        n = _nbytes(entry[1], entry[2])
         if shards[-1] and size + n > limit:
-            shards.append({})
+            shards.append([])
             size = 0
-        shards[-1][name] = t
+        shards[-1].append(entry)
         size += n
-    files = []
+    files = [SINGLE] if len(shards) == 1 else [f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+                                               for k in range(1, len(shards) + 1)]
+    place: dict[str, tuple[Path, int, torch.dtype, tuple[int, ...]]] = {}
+    for fname, shard in zip(files, shards):
+        header, offsets, total = _header(shard)
+        create_shard(directory / fname, header, total)
+        place.update({name: (directory / fname, offsets[name], dtype, shape) for name, dtype, shape in shard})
+    for name, t in tensors:
+        path, at, dtype, shape = place.pop(name)
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise ValueError(f"tensor {name}: {t.dtype} {tuple(t.shape)}, but the layout says {dtype} {shape}")
+        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        with open(path, "r+b") as f:
+            f.seek(at)
+            f.write(memoryview(data))
+    if place:
+        raise ValueError(f"no data was given for the tensors {sorted(place)[:5]}")
     if len(shards) == 1:
-        save_file(shards[0], str(directory / SINGLE), metadata={"format": "pt"})
-        return [SINGLE]
-    weight_map = {}
-    for k, shard in enumerate(shards, 1):
-        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / fname), metadata={"format": "pt"})
-        files.append(fname)
-        weight_map.update({name: fname for name in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+        return files
+    weight_map = {name: fname for fname, shard in zip(files, shards) for name, _, _ in shard}
+    total = sum(_nbytes(dtype, shape) for _, dtype, shape in layout)
     (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return files + [INDEX]
 

@@ -16,8 +16,10 @@ then the root are wrapped with ``fully_shard``, and only then is each process's 
 and initialised, so a model larger than one device can start.
 
 Checkpoints (``out_dir/checkpoints/step-NNNNNNN``) hold the model, optimizer, scheduler, RNG
-states, step and data position; tensors are in safetensors, the rest in JSON; each is written
-to a temporary directory and renamed into place. Under FSDP2 every process writes its own shard.
+states, step and data position; tensors are in safetensors (torch.distributed.checkpoint's Hugging
+Face storage: every process writes its own shards), the rest in JSON; each is written to a
+temporary directory and renamed into place, and any number of processes in any layout resumes it.
+The export at the end streams the weights from the last checkpoint, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from zoo.train.checkpointer import Checkpointer, checkpoints, full_state_dict, load_full_state_dict, read_checkpoint_state
+from zoo.train.checkpointer import Checkpointer, checkpoints, load_full_state_dict, read_checkpoint_state
 from zoo.train.config import MESH_DIMS, ParallelConfig, TrainConfig, TrainResult
 from zoo.train.data import TokenData, builtin_corpus, get_tokenizer, read_texts, tokenize
 from zoo.core import kinds as _kinds
@@ -303,16 +305,17 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     ckpt_state = read_checkpoint_state(resume_from, spec, acc.num_processes) if resume_from else None
     if ckpt_state is not None:
         check_resumed_config(resume_from, ckpt_state, config, acc.print)
+    earlier = ckpt_state is not None and ckpt_state.get("format", 1) == 1  # per-process files: not resharded
     saved_layout = (ckpt_state or {}).get("config", {}).get("parallel")
-    if per_process and saved_layout is not None and ckpt_state["sharded"]:
+    if earlier and per_process and saved_layout is not None and ckpt_state["sharded"]:
         before = ParallelConfig(**saved_layout).sizes(ckpt_state["processes"])
         if before != layout:
-            raise ValueError(f"checkpoint {resume_from} holds shards for the layout {before}, not {layout}; "
-                             "resume with the same parallel sizes")
-    if ckpt_state is not None and ckpt_state["sharded"] != per_process:
+            raise ValueError(f"checkpoint {resume_from} holds shards of the earlier layout for {before}, not "
+                             f"{layout}; resume it with the same parallel sizes (its next checkpoint reshards)")
+    if earlier and ckpt_state["sharded"] != per_process:
         raise ValueError(
-            f"checkpoint {resume_from} was written {'with' if ckpt_state['sharded'] else 'without'} FSDP or TP; "
-            f"resume it the same way (fsdp={ckpt_state['sharded']}, or the same tp)"
+            f"checkpoint {resume_from} (of the earlier layout) was written {'with' if ckpt_state['sharded'] else 'without'}"
+            f" FSDP or TP; resume it the same way (fsdp={ckpt_state['sharded']}, or the same tp)"
         )
     data = TokenData(tokenize(texts, tokenizer), config.seq_len, seed=config.seed)
 
@@ -411,13 +414,16 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     if result.losses and (saved is None or not saved.name.endswith(f"{step:07d}")):
         saved = ckpt.save(model=net, optimizer=optimizer.optimizer, scheduler=schedule.scheduler, step=step,
                           data_position=position, spec=spec, sharded=per_process, config=config)
+    if saved is None and config.export and step >= config.steps and earlier:  # export reads this layout only
+        saved = ckpt.save(model=net, optimizer=optimizer.optimizer, scheduler=schedule.scheduler, step=step,
+                          data_position=position, spec=spec, sharded=per_process, config=config)
     result.checkpoint = saved or resume_from
     if step >= config.steps:
         if config.plot and acc.is_main_process:
             result.plot = plot_losses(metrics_file, out_dir / "loss.png")
-        if config.export:
-            result.export = export(net, spec, out_dir / "final", acc, sharded=per_process, tokenizer=tokenizer,
-                                   model_type=config.export_format or fmt)
+        if config.export and acc.is_main_process:
+            result.export = export(result.checkpoint, out_dir / "final", model_type=config.export_format or fmt,
+                                   tokenizer=tokenizer, log=acc.print)
     acc.wait_for_everyone()
     return result
 
@@ -450,27 +456,28 @@ def after_optimizer_step(model: nn.Module, accelerator) -> None:
         hook(reduce=reduce)
 
 
-def export(model: nn.Module, spec: ModelSpec, path: Path, accelerator, *, sharded: bool,
-           model_type: Optional[str] = None, tokenizer=None) -> Optional[Path]:
-    """Write the trained weights with ``zoo.save_pretrained`` (on the main process).
+def export(checkpoint: Path, path: Path, *, model_type: Optional[str] = None, tokenizer=None,
+           dtype: Optional[torch.dtype] = None, log: Callable[[str], None] = print) -> Optional[Path]:
+    """Write the weights of a training checkpoint with ``zoo.save_pretrained``, tensor by tensor: each
+    is assembled from the pieces the processes wrote, converted and written before the next is read,
+    so no host holds more than about one tensor (not the whole model).
 
-    Without ``model_type``, the first registered checkpoint format that describes this spec
-    exactly is used; when none does, the export is skipped (the training checkpoint keeps the
-    weights and the spec) and the reason printed.
+    Without ``model_type``, the first registered checkpoint format that describes the checkpoint's
+    spec exactly is used; when none does, the export is skipped (the training checkpoint keeps the
+    weights and the spec) and the reason logged.
     """
     from zoo.checkpoints import save_pretrained
     from zoo.checkpoints.format import CheckpointError
     from zoo.core.registry import list_components
+    from zoo.train.checkpointer import CheckpointWeights
 
-    state = full_state_dict(model, sharded)  # collective under FSDP2: every process takes part
-    if not accelerator.is_main_process:
-        return None
-    plain = build_model(spec, device="meta")
-    plain.load_state_dict(state, assign=True)
+    spec = ModelSpec.from_dict(json.loads((Path(checkpoint) / "state.json").read_text())["spec"])
+    weights = CheckpointWeights(checkpoint, dtype=dtype)
+    plain = build_model(spec, device="meta")  # names, shapes and heads for the weight-name map; no data
     errors = []
     for fmt in [model_type] if model_type else list_components("checkpoint_format"):
         try:
-            save_pretrained(plain, path, model_type=fmt)
+            save_pretrained(plain, path, model_type=fmt, state=weights)
         except CheckpointError as exc:  # this format cannot describe this spec
             if model_type:
                 raise
@@ -479,9 +486,8 @@ def export(model: nn.Module, spec: ModelSpec, path: Path, accelerator, *, sharde
         if getattr(tokenizer, "path", None) is not None:
             shutil.copy(tokenizer.path, Path(path) / "tokenizer.json")
         return Path(path)
-    accelerator.print("no checkpoint format describes this model, so it was not exported with "
-                      "zoo.save_pretrained; the training checkpoint holds its weights and spec "
-                      f"({'; '.join(errors[:3])})")
+    log("no checkpoint format describes this model, so it was not exported with zoo.save_pretrained; the "
+        f"training checkpoint holds its weights and spec ({'; '.join(errors[:3])})")
     return None
 
 

@@ -42,12 +42,16 @@ def checkpoint_problem(path: Path) -> Optional[str]:
         missing = [k for k in ("step", "data_position", "spec", "scheduler", "optimizer") if k not in state]
         if missing:
             return f"state.json lacks {', '.join(missing)}"
+        files = state["files"] if state.get("format", 1) >= 2 else None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"state.json is unreadable ({type(exc).__name__}: {exc})"
     names = [f"rng-rank{r:05d}.safetensors" for r in range(processes)]
-    for kind in ("model", "optimizer"):
-        names += ([f"{kind}-rank{r:05d}-of-{processes:05d}.safetensors" for r in range(processes)] if sharded
-                  else [f"{kind}.safetensors"])
+    if files is not None:  # torch.distributed.checkpoint's files, as state.json lists them
+        names += [f"{part}/{name}" for part, listed in files.items() for name in listed]
+    else:
+        for kind in ("model", "optimizer"):
+            names += ([f"{kind}-rank{r:05d}-of-{processes:05d}.safetensors" for r in range(processes)] if sharded
+                      else [f"{kind}.safetensors"])
     for name in names:
         try:
             with safe_open(str(Path(path) / name), "pt"):  # validates the header against the file's size
@@ -132,9 +136,11 @@ def metrics_up_to(metrics_file: Path, step: int) -> list[str]:
 
 
 def fsync_tree(directory: Path) -> None:
-    """Flush every file of ``directory`` and the directory itself to the disk."""
+    """Flush every file under ``directory``, and each directory, to the disk."""
     for p in directory.iterdir():
-        if p.is_file():
+        if p.is_dir():
+            fsync_tree(p)
+        elif p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
     fsync_dir(directory)
