@@ -37,7 +37,7 @@ from torch import nn
 
 from zoo.train.checkpointer import Checkpointer, checkpoints, full_state_dict, load_full_state_dict, read_checkpoint_state
 from zoo.train.config import MESH_DIMS, ParallelConfig, TrainConfig, TrainResult
-from zoo.train.data import TokenData, builtin_corpus, get_tokenizer, read_texts, tokenize
+from zoo.train.data import TokenData, bos_id, builtin_corpus, get_tokenizer, read_texts, tokenize
 from zoo.core import kinds as _kinds
 from zoo.model.decoder import build_model
 from zoo.model.recipes import get_spec
@@ -250,8 +250,11 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     if config.seq_len > spec.max_seq_len:
         raise ValueError(f"seq_len {config.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}")
     tok_source = config.tokenizer
-    if tok_source is None and config.init_from and (Path(config.init_from) / "tokenizer.json").is_file():
-        tok_source = config.init_from
+    if tok_source is None and config.init_from:
+        from zoo.checkpoints.native import checkpoint_dir
+
+        if (checkpoint_dir(config.init_from) / "tokenizer.json").is_file():  # a run directory: its export's
+            tok_source = checkpoint_dir(config.init_from)
     tokenizer = get_tokenizer(tok_source)
     if tokenizer.vocab_size > spec.vocab_size:
         raise ValueError(
@@ -286,12 +289,13 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
             f"checkpoint {resume_from} was written {'with' if ckpt_state['sharded'] else 'without'} FSDP or TP; "
             f"resume it the same way (fsdp={ckpt_state['sharded']}, or the same tp)"
         )
-    data = TokenData(tokenize(texts, tokenizer), config.seq_len, seed=config.seed)
+    data = TokenData(tokenize(texts, tokenizer), config.seq_len, seed=config.seed, bos=bos_id(tokenizer))
 
     # Model: meta first; FSDP2 shards before anything is allocated.
     torch.manual_seed(config.seed)
     net = start_model(spec, acc, seed=config.seed, sharded=use_fsdp, parallel=config.parallel)
     fmt = getattr(pretrained, "checkpoint_format", None)  # export in the format the weights came in
+    hf_config = dict(getattr(pretrained, "hf_config", {}))  # and with its token ids and kept config fields
     if pretrained is not None and ckpt_state is None:
         load_full_state_dict(net, pretrained.state_dict(), sharded=per_process)
     del pretrained
@@ -389,7 +393,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
             result.plot = plot_losses(metrics_file, out_dir / "loss.png")
         if config.export:
             result.export = export(net, spec, out_dir / "final", acc, sharded=per_process, tokenizer=tokenizer,
-                                   model_type=config.export_format or fmt)
+                                   model_type=config.export_format or fmt, hf_config=hf_config, source_format=fmt)
     acc.wait_for_everyone()
     return result
 
@@ -423,15 +427,19 @@ def after_optimizer_step(model: nn.Module, accelerator) -> None:
 
 
 def export(model: nn.Module, spec: ModelSpec, path: Path, accelerator, *, sharded: bool,
-           model_type: Optional[str] = None, tokenizer=None) -> Optional[Path]:
-    """Write the trained weights with ``zoo.save_pretrained`` (on the main process).
+           model_type: Optional[str] = None, tokenizer=None, hf_config: Optional[dict] = None,
+           source_format: Optional[str] = None) -> Optional[Path]:
+    """Write the trained weights with ``zoo.save_pretrained`` (on the main process), with the
+    tokenizer (its chat template and token ids) and, for a run started from a checkpoint
+    (``source_format``), that checkpoint's token ids and kept config fields (``hf_config``).
 
     Without ``model_type``, the first registered checkpoint format that describes this spec
-    exactly is used; when none does, the export is skipped (the training checkpoint keeps the
-    weights and the spec) and the reason printed.
+    exactly is used; when none does, the model is written in zoo's own layout (``spec.toml`` and
+    ``model.safetensors``, :mod:`zoo.checkpoints.native`), which ``zoo.from_pretrained`` loads.
     """
-    from zoo.checkpoints import save_pretrained
+    from zoo.checkpoints import save_pretrained, save_tokenizer
     from zoo.checkpoints.format import CheckpointError
+    from zoo.checkpoints.native import save_native
     from zoo.core.registry import list_components
 
     state = full_state_dict(model, sharded)  # collective under FSDP2: every process takes part
@@ -439,22 +447,22 @@ def export(model: nn.Module, spec: ModelSpec, path: Path, accelerator, *, sharde
         return None
     plain = build_model(spec, device="meta")
     plain.load_state_dict(state, assign=True)
+    plain.checkpoint_format, plain.hf_config = source_format, dict(hf_config or {})
+    tokenizer = tokenizer if hasattr(tokenizer, "save") else None
     errors = []
     for fmt in [model_type] if model_type else list_components("checkpoint_format"):
         try:
-            save_pretrained(plain, path, model_type=fmt)
+            return save_pretrained(plain, path, model_type=fmt, tokenizer=tokenizer)
         except CheckpointError as exc:  # this format cannot describe this spec
             if model_type:
                 raise
             errors.append(f"{fmt}: {str(exc)[:120]}")
-            continue
-        if getattr(tokenizer, "path", None) is not None:
-            shutil.copy(tokenizer.path, Path(path) / "tokenizer.json")
-        return Path(path)
-    accelerator.print("no checkpoint format describes this model, so it was not exported with "
-                      "zoo.save_pretrained; the training checkpoint holds its weights and spec "
-                      f"({'; '.join(errors[:3])})")
-    return None
+    save_native(plain, path)
+    save_tokenizer(plain, path, tokenizer)
+    accelerator.print(f"no Hugging Face checkpoint format describes this model ({'; '.join(errors[:2])}); "
+                      f"wrote it in zoo's own layout to {path} (spec.toml, model.safetensors), which "
+                      "zoo.from_pretrained loads")
+    return Path(path)
 
 
 def plot_losses(metrics_file: Path, png: Path) -> Path:
