@@ -104,15 +104,17 @@ class Tokenizer:
 
     def save(self, directory: str | Path) -> Path:
         """Write this tokenizer beside a checkpoint, as transformers lays it out: ``tokenizer.json``,
-        ``tokenizer_config.json`` (the original's fields, with the BOS/EOS tokens and whether to add
-        BOS), ``chat_template.jinja`` when there is a template, and ``generation_config.json`` (the
+        ``tokenizer_config.json`` (the original's fields, with the BOS/EOS tokens and
+        ``add_bos_token`` when BOS is added), ``chat_template.jinja`` when there is a template, and ``generation_config.json`` (the
         original's, with the BOS, end-of-sequence and padding ids)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.tok.save(str(directory / "tokenizer.json"))
         config = {k: v for k, v in self.config.items() if k != "chat_template"}
         if self.bos_token is not None:
-            config.update(bos_token=self.bos_token, add_bos_token=self.add_bos)
+            config["bos_token"] = self.bos_token
+        if self.add_bos:  # never written False: transformers would then drop a post-processor's BOS
+            config["add_bos_token"] = True
         if self.eos_token_ids and "eos_token" not in config:
             config["eos_token"] = self.tok.id_to_token(self.eos_token_ids[0])
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
