@@ -124,3 +124,18 @@ def test_init_from_exports_keep_the_chat_template_and_token_ids(tmp_path):
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 0)
     assert Tokenizer(r.export).chat_template == TEMPLATE
     assert json.loads((r.export / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_an_unfinished_run_says_how_to_get_its_export(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    T.train("llama3-8b", overrides={"n_layers": 1, "d_model": 32, "vocab_size": 256, "max_seq_len": 32,
+                                    "layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 4,
+                                    "layers.*.ffn.d_ff": 64}, out_dir=str(out), stop_after=1, **RUN)
+    assert (out / "checkpoints").is_dir() and not (out / "final").exists()
+    with pytest.raises(Exception, match="without its final/ export yet"):
+        zoo.from_pretrained(out)
+    assert main(["describe", str(out)]) == 2
+    assert "finish it with the same zoo train command" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llama3-8b").mkdir()  # a folder is read as a checkpoint only when it holds one
+    assert zoo.build("llama3-8b", device="meta").spec == zoo.get_spec("llama3-8b")

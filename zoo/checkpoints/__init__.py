@@ -285,6 +285,8 @@ def from_pretrained(
         return gguf.load(path_or_repo_id, dtype=_float_dtype(dtype), device=device, strict=strict, progress=progress)
     if Path(path_or_repo_id).is_dir():  # a training run's directory: its export
         path_or_repo_id = native.checkpoint_dir(path_or_repo_id)
+        if not (Path(path_or_repo_id) / "config.json").exists() and (Path(path_or_repo_id) / "checkpoints").is_dir():
+            raise CheckpointError(native.unfinished_run(Path(path_or_repo_id)))
         if native.is_native(path_or_repo_id):  # zoo's own layout: a model no HF format describes
             model = native.load_native(path_or_repo_id, dtype=_float_dtype(dtype), device=device)
             model.source = Path(path_or_repo_id)

@@ -29,6 +29,13 @@ def checkpoint_dir(directory: str | Path) -> Path:
     return directory
 
 
+def unfinished_run(directory: Path) -> str:
+    """What to say about a training run directory that has checkpoints but no export yet."""
+    return (f"{directory} is a training run without its {RUN_EXPORT}/ export yet (the run has not finished): "
+            f"finish it with the same zoo train command (it resumes from {directory / 'checkpoints'}), which "
+            f"exports at the end")
+
+
 def is_native(directory: str | Path) -> bool:
     """Whether ``directory`` holds zoo's own layout (a spec.toml and no HF config.json)."""
     directory = Path(directory)
@@ -100,8 +107,9 @@ def spec_of(source: Any) -> Optional[ModelSpec]:
             return ModelSpec.from_file(path / SPEC_FILE)
         if (path / "config.json").exists():
             return config_to_spec(read_config(path))
-        raise FileNotFoundError(f"{source} is a directory without config.json or {SPEC_FILE} (nor a training run's "
-                                f"{RUN_EXPORT}/ export holding one)")
+        if (path / "checkpoints").is_dir():
+            raise FileNotFoundError(unfinished_run(path))
+        return None  # a folder that happens to share a preset's name, say
     if _is_hf_config(path):
         return config_to_spec(read_config(path.parent) if path.name == "config.json" else json.loads(path.read_text()))
     return None
