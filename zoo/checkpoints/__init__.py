@@ -275,12 +275,22 @@ def from_pretrained(
     with ``quant_method: "fp8"``, as DeepSeek-V3 ships) are dequantised tensor by tensor as they are
     read (:mod:`zoo.checkpoints.quantized`); other quantization methods are refused by name. A GGUF
     file (or a directory holding one) is read by :mod:`zoo.checkpoints.gguf`, dequantised to ``dtype``
-    (default float32).
+    (default float32). A directory in zoo's own layout (``spec.toml`` + ``model.safetensors``: what
+    ``zoo train`` exports for a model no HF format describes) loads too, and so does a training run's
+    directory (its ``final/`` export); see :mod:`zoo.checkpoints.native`.
     """
-    from zoo.checkpoints import gguf
+    from zoo.checkpoints import gguf, native
 
     if gguf.is_gguf(path_or_repo_id):  # a llama.cpp file: metadata, tokenizer and (quantised) tensors in one
         return gguf.load(path_or_repo_id, dtype=_float_dtype(dtype), device=device, strict=strict, progress=progress)
+    if Path(path_or_repo_id).is_dir():  # a training run's directory: its export
+        path_or_repo_id = native.checkpoint_dir(path_or_repo_id)
+        if not (Path(path_or_repo_id) / "config.json").exists() and (Path(path_or_repo_id) / "checkpoints").is_dir():
+            raise CheckpointError(native.unfinished_run(Path(path_or_repo_id)))
+        if native.is_native(path_or_repo_id):  # zoo's own layout: a model no HF format describes
+            model = native.load_native(path_or_repo_id, dtype=_float_dtype(dtype), device=device)
+            model.source = Path(path_or_repo_id)
+            return model
     directory = resolve(path_or_repo_id, revision=revision, token=token, cache_dir=cache_dir)
     dtype = _float_dtype(dtype)
     with reading(directory):  # no save replaces the files while they are read
@@ -299,6 +309,7 @@ def from_pretrained(
     model.eval()
     model.checkpoint_format = fmt.model_type
     model.hf_config = {k: inner[k] for k in (*CARRIED, *ignored) if k in inner}
+    model.source = directory
     return model
 
 
@@ -337,7 +348,8 @@ def _unstored(path: str, fmt: CheckpointFormat) -> bool:
 
 
 def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Optional[str] = None,
-                    max_shard_size: int | str = "2GB", state: Optional[Mapping[str, torch.Tensor]] = None) -> Path:
+                    max_shard_size: int | str = "2GB", state: Optional[Mapping[str, torch.Tensor]] = None,
+                    tokenizer: Any = None) -> Path:
     """Write ``model`` in the Hugging Face layout (config.json + safetensors shards + index).
 
     The tensors are converted and written one rule at a time, so a save holds about one tensor
@@ -345,6 +357,13 @@ def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Option
     (which may then be on the meta device): a mapping that reads each tensor when it is asked for,
     and gives its dtype and shape without reading it through ``meta(name)``, as
     :class:`zoo.train.checkpointer.CheckpointWeights` does for a training checkpoint.
+
+    The tokenizer goes with it, so that ``zoo generate`` and transformers run the result:
+    ``tokenizer`` (a :class:`zoo.inference.tokenizer.Tokenizer`, a tokenizer.json or a directory
+    holding one), else the one of the checkpoint or GGUF file the model was loaded from. It writes
+    ``tokenizer.json``, ``tokenizer_config.json``, the chat template and ``generation_config.json``
+    (BOS, end-of-sequence and padding ids); without a tokenizer, ``generation_config.json`` carries
+    the config's token ids.
 
     Only the previous checkpoint's own files in ``directory`` are replaced; anything else there (a
     tokenizer, an adapter, a repository) is kept. A save killed at any point leaves the previous
@@ -391,4 +410,29 @@ def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Option
     with replace_checkpoint(Path(directory)) as tmp:
         stream_shards(layout, converted(), tmp, max_shard_size)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_tokenizer(model, directory, tokenizer, ids=config)
     return Path(directory)
+
+
+def save_tokenizer(model: Decoder, directory: str | Path, tokenizer: Any = None, *, ids: Any = None) -> None:
+    """Beside a saved checkpoint: ``tokenizer`` (see :func:`save_pretrained`), or the tokenizer of
+    the checkpoint the model came from when it has one; else a ``generation_config.json`` of the token
+    ids in ``ids`` (the config written)."""
+    from zoo.inference.tokenizer import Tokenizer
+
+    directory = Path(directory)
+    if tokenizer is None and getattr(model, "source", None) is not None:
+        source = Path(model.source)
+        if source.resolve() != directory.resolve() and (source.is_file() or (source / "tokenizer.json").is_file()):
+            try:
+                tokenizer = Tokenizer(source)
+            except (CheckpointError, ValueError):  # a GGUF file without a tokenizer, one that cannot be built
+                tokenizer = None
+    if isinstance(tokenizer, (str, Path)):
+        tokenizer = Tokenizer(tokenizer)
+    if tokenizer is not None and hasattr(tokenizer, "save"):
+        tokenizer.save(directory)
+    elif not (directory / "generation_config.json").exists():
+        gen = {k: ids[k] for k in CARRIED if (ids or {}).get(k) is not None}
+        if gen:
+            (directory / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

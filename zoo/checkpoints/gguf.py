@@ -526,7 +526,7 @@ def load(path: str | Path, *, dtype: Optional[torch.dtype] = None, device=None, 
     model.eval()
     model.checkpoint_format = fmt.model_type
     model.hf_config = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
-    model.gguf_path = file.path
+    model.gguf_path = model.source = file.path
     return model
 
 

@@ -15,7 +15,8 @@ def add_parser(sub):
                     "KV-cache bytes per token and for --context x --batch in --dtype, aspect ratio, d_ff/d_model, "
                     "and the memory to train it with AdamW in mixed precision.",
     )
-    p.add_argument("name", help="a preset name (see `zoo list`), an HF repo id of a preset, a recipe file or a GGUF file")
+    p.add_argument("name", help="a preset name (see `zoo list`), an HF repo id of a preset, a recipe file, a GGUF file, "
+                   "a checkpoint directory or its config.json, or a training run's directory")
     p.add_argument("--context", type=int, default=None, help="context length for KV cache and attention FLOPs (default: the model's max_seq_len)")
     p.add_argument("--batch", type=int, default=1, help="batch size for the KV cache (default 1)")
     p.add_argument("--dtype", default="bf16", help="storage dtype of weights and cache: bf16, fp16, fp32, fp8, int8, int4 (default bf16)")
@@ -94,11 +95,10 @@ def run(args):
 
     from zoo.model.recipes import build
 
-    from zoo.checkpoints import config_to_spec, gguf
+    from zoo.checkpoints.native import spec_of
 
-    source = args.name
-    if gguf.is_gguf(source):  # a GGUF file: its metadata is the spec (no tensor is read)
-        source = config_to_spec(gguf.GGUFFile(gguf.gguf_file(source)).config())
+    # a GGUF file, a checkpoint or training run directory, an HF config.json: its spec (no tensor is read)
+    source = spec_of(args.name) or args.name
     model = build(source, device="meta", overrides=parse_sets(args.set))
     if args.parallel is not None:
         return run_memory(model, args)

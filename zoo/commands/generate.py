@@ -22,6 +22,9 @@ def add_parser(sub):
     p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set reaching this probability")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling")
     p.add_argument("--dtype", default=None, help="load weights as this dtype (float32, bfloat16, float16); default as stored")
+    p.add_argument("--tokenizer", default=None, metavar="TOKENIZER",
+                   help="a tokenizer.json, a directory holding one, or 'bytes' (a byte-level run of zoo train: "
+                        "token ids are UTF-8 bytes); default: the checkpoint's own")
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--compile", action="store_true",
                    help="decode with a torch.compile'd step over a static cache (compiling takes a while; pays on long outputs)")
@@ -46,8 +49,20 @@ def run(args):
     from zoo.checkpoints import gguf, resolve
 
     # a GGUF file, a local directory, or the hub repo's cached snapshot
-    directory = args.checkpoint if gguf.is_gguf(args.checkpoint) else resolve(args.checkpoint)
-    tokenizer = Tokenizer(directory)
+    from zoo.checkpoints.native import checkpoint_dir
+
+    directory = args.checkpoint if gguf.is_gguf(args.checkpoint) else checkpoint_dir(resolve(args.checkpoint))
+    if args.tokenizer is None:
+        from pathlib import Path
+
+        if Path(directory).is_dir() and not (Path(directory) / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{directory} holds no tokenizer.json; pass --tokenizer FILE_OR_DIRECTORY, or "
+                                    "--tokenizer bytes for a model trained on bytes (zoo train's default corpus)")
+        tokenizer = Tokenizer(directory)
+    else:
+        from zoo.train.data import get_tokenizer
+
+        tokenizer = get_tokenizer(args.tokenizer)
     model = from_pretrained(directory, dtype=args.dtype)
     ids = torch.tensor([tokenizer.encode(args.prompt)])
     stream = TextStream(tokenizer)
@@ -68,7 +83,7 @@ def run(args):
             out.flush()
 
     generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                 seed=args.seed, stop=None if args.no_stop else (tokenizer.eos_token_ids or None), callback=show,
+                 seed=args.seed, stop=None if args.no_stop else (getattr(tokenizer, "eos_token_ids", None) or None), callback=show,
                  compile=args.compile)
     show_prompt()
     out.write("\n")

@@ -131,6 +131,8 @@ def generate(
     cache: Optional[DecodeState] = None,
     speculative: Optional[str] = None,
     stats=None,
+    do_sample: Optional[bool] = None,
+    eos_token_id: Union[None, int, Iterable[int]] = None,
 ) -> torch.Tensor:
     """Continue ``input_ids`` (B, T) by up to ``max_new_tokens``; returns (B, T + n) token ids.
 
@@ -144,7 +146,19 @@ def generate(
     greedy self-speculative decoding, the model's multi-token prediction module drafting and the
     main model verifying (one sequence at a time; same tokens as plain greedy); ``stats`` (a
     :class:`zoo.inference.speculative.SpeculationStats`) then receives the drafts made and accepted.
+
+    transformers' spellings work too: ``eos_token_id`` (an id or ids) adds to ``stop``;
+    ``do_sample=False`` decodes greedily whatever ``temperature`` says, ``do_sample=True`` samples,
+    at ``temperature`` or, when that is 0, at transformers' default of 1.0.
     """
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise ValueError(f"do_sample must be True or False, got {do_sample!r}")
+    if do_sample is False:
+        temperature = 0.0
+    elif do_sample and temperature == 0:
+        temperature = 1.0
+    if eos_token_id is not None:
+        stop = list(dict.fromkeys(_stop_ids(stop) + _stop_ids(eos_token_id)))
     if cache is not None:
         warn("the cache= keyword")
     state = state if state is not None else cache

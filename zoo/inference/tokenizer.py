@@ -48,6 +48,7 @@ class Tokenizer:
             self.bos_token, self.add_bos = parts["bos_token"], parts["add_bos"]
             self.eos_token_ids, self.pad_token_id = parts["eos_token_ids"], parts["pad_token_id"]
             self.chat_template = parts["chat_template"]
+            self.config, self.generation = {}, {}
             return
         path = directory / "tokenizer.json" if directory.is_dir() else directory
         if not path.is_file():
@@ -60,7 +61,8 @@ class Tokenizer:
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         folder = path.parent
         config = _read_json(folder / "tokenizer_config.json")
-        gen = {**_read_json(folder / "config.json"), **_read_json(folder / "generation_config.json")}
+        self.config, self.generation = config, _read_json(folder / "generation_config.json")
+        gen = {**_read_json(folder / "config.json"), **self.generation}
         self.bos_token = self._token(config.get("bos_token"))
         self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_token is not None
         eos = gen.get("eos_token_id")
@@ -89,6 +91,45 @@ class Tokenizer:
             if bos is not None and (not ids or ids[0] != bos):
                 ids = [bos] + ids
         return ids
+
+    @property
+    def bos_id(self) -> Optional[int]:
+        """The token this tokenizer's own rule puts before a text: what ``encode`` adds in front
+        (tokenizer.json's post-processor, ``add_bos_token`` of tokenizer_config.json, a GGUF file's
+        ``add_bos``); None when it adds nothing there."""
+        plain, full = self.encode("a", add_special_tokens=False), self.encode("a")
+        if len(full) > len(plain) and full[1:1 + len(plain)] == plain:
+            return full[0]
+        return None
+
+    def save(self, directory: str | Path) -> Path:
+        """Write this tokenizer beside a checkpoint, as transformers lays it out: ``tokenizer.json``,
+        ``tokenizer_config.json`` (the original's fields, with the BOS/EOS tokens and
+        ``add_bos_token`` when BOS is added), ``chat_template.jinja`` when there is a template, and ``generation_config.json`` (the
+        original's, with the BOS, end-of-sequence and padding ids)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.tok.save(str(directory / "tokenizer.json"))
+        config = {k: v for k, v in self.config.items() if k != "chat_template"}
+        if self.bos_token is not None:
+            config["bos_token"] = self.bos_token
+        if self.add_bos:  # never written False: transformers would then drop a post-processor's BOS
+            config["add_bos_token"] = True
+        if self.eos_token_ids and "eos_token" not in config:
+            config["eos_token"] = self.tok.id_to_token(self.eos_token_ids[0])
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if self.chat_template:
+            (directory / "chat_template.jinja").write_text(self.chat_template, encoding="utf-8")
+        gen = dict(self.generation)
+        bos = self.tok.token_to_id(self.bos_token) if self.bos_token is not None else None
+        for key, value in (("bos_token_id", bos), ("pad_token_id", self.pad_token_id),
+                           ("eos_token_id", self.eos_token_ids[0] if len(self.eos_token_ids) == 1
+                            else self.eos_token_ids or None)):
+            if value is not None:
+                gen.setdefault(key, value)
+        if gen:
+            (directory / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        return directory
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

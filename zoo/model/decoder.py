@@ -8,6 +8,7 @@ specific norm, attention or family. Data flows: ids -> embeddings (+ absolute po
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
@@ -28,6 +29,25 @@ from zoo.core.spec import ModelSpec
 from zoo.core.state import DecodeState, step_layout
 
 
+@dataclass
+class CausalLMOutput:
+    """What ``model(ids, return_dict=True)`` returns: the fields of transformers' ``CausalLMOutput``
+    that zoo computes, plus the auxiliary losses and metrics the parts added (with ``labels``)."""
+
+    logits: torch.Tensor
+    loss: Optional[torch.Tensor] = None
+    hidden_states: Optional[tuple[torch.Tensor, ...]] = None
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __getitem__(self, key):
+        """``out["logits"]``, and ``out[0]`` over (loss, logits, hidden_states) less the unset ones,
+        as transformers' outputs allow."""
+        if isinstance(key, str):
+            return getattr(self, key)
+        return tuple(v for v in (self.loss, self.logits, self.hidden_states) if v is not None)[key]
+
+
 class Decoder(_kinds.Kernels, nn.Module):
     """A decoder-only language model built from a spec."""
 
@@ -38,6 +58,8 @@ class Decoder(_kinds.Kernels, nn.Module):
     # fields a save carries over. None and empty for a model built from a recipe.
     checkpoint_format: Optional[str] = None
     hf_config: Mapping[str, Any] = MappingProxyType({})
+    # The directory or GGUF file the weights were read from (its tokenizer is the model's); None when built.
+    source: Optional[Any] = None
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -302,16 +324,35 @@ class Decoder(_kinds.Kernels, nn.Module):
         *,
         labels: Optional[torch.Tensor] = None,
         cache: Optional[DecodeState] = None,
+        return_dict: bool = False,
+        output_hidden_states: bool = False,
     ):
         """Logits of shape (batch, seq, vocab); with ``labels``, the :meth:`loss` instead (so a
         wrapper that only sees ``forward`` — DDP, FSDP — still gets the fused loss path).
-        ``state`` (``cache`` is its old name) continues a decode state."""
+        ``state`` (``cache`` is its old name) continues a decode state.
+
+        ``return_dict=True`` answers as a transformers causal LM does: a :class:`CausalLMOutput`
+        with ``.logits``, ``.loss`` (with ``labels``, unshifted as in transformers) and, with
+        ``output_hidden_states=True``, ``.hidden_states`` (the embeddings, then each layer's output,
+        the last one after the final norm). Without it the return value is what it always was."""
         if cache is not None:
             _deprecations.warn("the cache= keyword")
+        state = state if state is not None else cache
+        if not return_dict:
+            if output_hidden_states:
+                raise ValueError("output_hidden_states=True needs return_dict=True (or call model.hidden_states)")
+            if labels is not None:
+                return self.loss(input_ids, labels, attention_mask)
+            return self.logits_from_hidden(self.hidden_states(input_ids, attention_mask, position_ids, state))
         if labels is not None:
-            return self.loss(input_ids, labels, attention_mask)
-        return self.logits_from_hidden(self.hidden_states(input_ids, attention_mask, position_ids,
-                                                          state if state is not None else cache))
+            if state is not None or position_ids is not None or output_hidden_states:
+                raise ValueError("labels: the loss is computed over whole sequences; pass no state, position_ids "
+                                 "or output_hidden_states with labels")
+            out = self.loss(input_ids, labels, attention_mask, return_logits=True)
+            return CausalLMOutput(logits=out.logits, loss=out.loss, aux=out.aux, metrics=out.metrics)
+        final, hidden = self.hidden_states(input_ids, attention_mask, position_ids, state, output_hidden_states=True)
+        hidden = tuple(hidden[:-1]) + (final,) if output_hidden_states else None
+        return CausalLMOutput(logits=self.logits_from_hidden(final), hidden_states=hidden)
 
     def loss(
         self,

@@ -73,6 +73,14 @@ def get_spec(name_or_spec: Any, overrides: Optional[dict[str, Any]] = None, **kw
         return name_or_spec.with_overrides(overrides) if overrides else name_or_spec
     if isinstance(name_or_spec, dict):
         return _overridden(name_or_spec, overrides)
+    if isinstance(name_or_spec, (str, Path)) and (Path(name_or_spec).is_dir() or str(name_or_spec).endswith(".json")):
+        # a checkpoint directory, a training run or an HF config.json: its spec, read by the checkpoint
+        # layer (above this one, hence the lazy import), without its weights
+        from zoo.checkpoints.native import spec_of
+
+        spec = spec_of(name_or_spec)
+        if spec is not None:
+            return spec.with_overrides(overrides) if overrides else spec
     if isinstance(name_or_spec, Path) or (
         isinstance(name_or_spec, str) and name_or_spec.endswith((".toml", ".json"))
     ):
@@ -99,7 +107,8 @@ def build(
     **kw: Any,
 ):
     """Build a model from a preset name (``"gemma2-2b"``), an HF repo id, a recipe file, a dict
-    or a :class:`ModelSpec`.
+    or a :class:`ModelSpec`; or the architecture of a checkpoint directory, a training run's directory
+    or an HF ``config.json``, with fresh weights (``zoo.from_pretrained`` loads its weights).
 
     Keyword overrides set spec fields by dotted path: ``n_layers=2``, or
     ``overrides={"layers.local.mixer.window": 64}`` (``__`` may stand for ``.``; ``*``

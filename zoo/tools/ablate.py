@@ -421,8 +421,9 @@ def sweep(ablation: Ablation, out_dir: str | Path, *, log_with: Sequence[str] = 
             echo(f"  {variant} lr={lr:g} seed={seed}: the stored result was made with other settings; running again")
         r = train_one(ablation, specs[variant], variant, lr, seed, out, facts=facts[variant],
                       log_with=log_with, logging_dir=out_dir / "logs")
-        last = r["history"][-1]["loss"] if r["history"] else float("nan")
-        state = f"diverged at step {r['diverged_step']}" if r["status"] == "diverged" else f"loss {last:.4f}"
+        # the number the summary's table shows for this run, and what it is
+        state = (f"diverged at step {r['diverged_step']}" if r["status"] == "diverged" else
+                 f"final loss {final_loss(r['history']):.4f} ({FINAL_LOSS})" if r["history"] else "no steps")
         echo(f"  [{i}/{len(todo)}] {variant} lr={lr:g} seed={seed}: {state}")
         results.append(r)
     summary = summarise(ablation, results)
@@ -433,8 +434,11 @@ def sweep(ablation: Ablation, out_dir: str | Path, *, log_with: Sequence[str] = 
 
 # -- summary --------------------------------------------------------------------------------------
 
+FINAL_LOSS = "cross-entropy, mean of the last tenth of the steps"
+
+
 def final_loss(history: list[dict[str, Any]]) -> float:
-    """Cross-entropy averaged over the last tenth of the steps (at least one)."""
+    """Cross-entropy averaged over the last tenth of the steps (at least one): :data:`FINAL_LOSS`."""
     tail = history[-max(1, len(history) // 10):]
     return sum(r["ce"] for r in tail) / len(tail)
 
@@ -575,12 +579,28 @@ def _mean_curve(runs: list[dict[str, Any]], key: str, reduce=None) -> tuple[list
     return steps, values
 
 
+LEGEND = 9  # points: legends and panel titles that read at the saved size
+DPI = 110
+
+
+def _title(fig, name: str, claim: str, what: str) -> None:
+    """The figure's title: the claim the ablation tests (wrapped), then what the figure shows."""
+    import textwrap
+
+    head = textwrap.fill(claim, 110) if claim else name
+    fig.suptitle(f"{head}\n{what} ({name})", fontsize=LEGEND + 1)
+
+
+def _seeds(seeds) -> str:
+    return f"{len(seeds)} seeds" if len(seeds) != 1 else "1 seed"
+
+
 def curves_figure(ablation: Ablation, results: list[dict[str, Any]], key: str, ylabel: str, *, reduce=None,
                   log_y: bool = False):
     """One panel per variant, one line per learning rate (mean over seeds) of ``key`` against step."""
     plt = _pyplot()
     n = len(ablation.variants)
-    fig, axes = plt.subplots(1, n, figsize=(3.2 * n + 0.8, 3.0), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(4.2 * n + 1.0, 4.2), sharey=True, squeeze=False)
     colours = plt.get_cmap("viridis")
     for ax, variant in zip(axes[0], ablation.variants):
         for j, lr in enumerate(ablation.lrs):
@@ -591,13 +611,15 @@ def curves_figure(ablation: Ablation, results: list[dict[str, Any]], key: str, y
             diverged = any(r["status"] == "diverged" for r in runs)
             ax.plot(steps, values, color=colours(j / max(1, len(ablation.lrs) - 1)),
                     label=f"lr={lr:g}" + (" (diverged)" if diverged else ""), linewidth=1.2)
-        ax.set_title(variant, fontsize=9)
+        ax.set_title(variant, fontsize=LEGEND + 1)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if log_y:
             ax.set_yscale("log")
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=LEGEND)
     axes[0][0].set_ylabel(ylabel)
+    _title(fig, ablation.name, ablation.claim, f"{ylabel} against step, each line the mean over "
+           f"{_seeds(ablation.seeds)}")
     fig.tight_layout()
     return fig
 
@@ -607,14 +629,17 @@ def lr_figure(summary: dict[str, Any]):
     seeds (a diverged learning rate is an x at the loss at initialisation), the largest attention logit
     and the RMS of log Z at the end."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.3))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.8))
     panels = [("final_loss", "final loss (cross-entropy)"), ("attn_logit_max", "largest attention logit"),
               ("log_z_rms", "RMS log Z (output)")]
+    titles = [f"final loss: {FINAL_LOSS}", "at the last step", "at the last step"]
+    seeds = summary.get("seeds") or []
     for name, v in summary["variants"].items():
         ok = [p for p in v["per_lr"] if p["final_loss"] is not None and not p["diverged"]]
         line = axes[0].plot([p["lr"] for p in ok], [p["final_loss"] for p in ok], marker="o", label=name)[0]
-        axes[0].fill_between([p["lr"] for p in ok], [p["min"] for p in ok], [p["max"] for p in ok],
-                             color=line.get_color(), alpha=0.2)
+        if len(seeds) != 1:
+            axes[0].fill_between([p["lr"] for p in ok], [p["min"] for p in ok], [p["max"] for p in ok],
+                                 color=line.get_color(), alpha=0.2)
         bad = [p["lr"] for p in v["per_lr"] if p["diverged"]]
         if bad:
             axes[0].plot(bad, [v["initial_loss"]] * len(bad), linestyle="none", marker="x", markersize=8,
@@ -623,13 +648,16 @@ def lr_figure(summary: dict[str, Any]):
             pts = [p for p in v["per_lr"] if p[key] is not None]
             ax.plot([p["lr"] for p in pts], [p[key] for p in pts], marker="o", color=line.get_color(), label=name)
     axes[1].set_yscale("log")  # logit growth spans orders of magnitude
-    for ax, (_, label) in zip(axes, panels):
+    for ax, (_, label), title in zip(axes, panels, titles):
         ax.set_xscale("log")
         ax.set_xlabel("learning rate")
         ax.set_ylabel(label)
+        ax.set_title(title, fontsize=LEGEND)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(summary["name"], fontsize=10)
+    band = (f"line: mean over {_seeds(seeds)}; band: min to max" if len(seeds) > 1 else
+            "one seed (no band)" if seeds else "line: mean over seeds; band: min to max")
+    axes[0].legend(fontsize=LEGEND, title=band, title_fontsize=LEGEND)
+    _title(fig, summary["name"], summary.get("claim", ""), "against learning rate")
     fig.tight_layout()
     return fig
 
@@ -645,7 +673,7 @@ def plot_all(ablation: Ablation, summary: dict[str, Any], results: list[dict[str
     }
     paths = []
     for name, fig in figures.items():
-        fig.savefig(out_dir / name, dpi=80)
+        fig.savefig(out_dir / name, dpi=DPI)
         plt.close(fig)
         paths.append(out_dir / name)
     return paths

@@ -117,7 +117,7 @@ class TrainConfig:
     cpu: bool = False  # train on the CPU even when a GPU is present
     # output
     out_dir: str = "runs/zoo"
-    save_every: int = 0  # steps between checkpoints; 0: only at the end
+    save_every: int = 100  # steps between checkpoints (and one at the end); 0: only at the end
     keep_last: int = 2  # checkpoints kept
     resume: Optional[str] = "auto"  # auto: latest checkpoint in out_dir; a path; None: start fresh
     stop_after: Optional[int] = None  # stop (and checkpoint) after this many steps in this invocation

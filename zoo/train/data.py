@@ -39,6 +39,27 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
+    def save(self, directory: str | Path) -> Path:
+        """Write this tokenizer as a ``tokenizer.json`` (byte-level, no merges: token id = byte value),
+        so that a byte-level run's export reads and writes text like any checkpoint."""
+        from tokenizers import Tokenizer as _HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+
+        tok = _HFTokenizer(models.BPE(vocab={ch: b for b, ch in _byte_chars().items()}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        tok.save(str(Path(directory) / "tokenizer.json"))
+        return Path(directory)
+
+
+def _byte_chars() -> dict[int, str]:
+    """The printable character byte-level tokenizers stand for each byte (printable Latin-1 bytes
+    stand for themselves, the others for 256, 257, ... in byte order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    shifted = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
+
 
 def get_tokenizer(tokenizer: Optional[str | Path] = None):
     """``None`` or ``"bytes"``: :class:`ByteTokenizer`; otherwise a tokenizer.json or a directory holding one."""
@@ -73,22 +94,37 @@ def read_texts(files: Sequence[str | Path]) -> list[str]:
     return texts
 
 
+def bos_id(tokenizer) -> Optional[int]:
+    """The token a sequence starts with by the tokenizer's own rule (``Tokenizer.bos_id``: its
+    post-processor, ``add_bos_token``, a GGUF file's ``add_bos``); None for bytes and for tokenizers
+    that put nothing before a text."""
+    return getattr(tokenizer, "bos_id", None)
+
+
 @dataclass
 class TokenData:
-    """A token stream cut into non-overlapping sequences of ``seq_len`` tokens, shuffled per epoch."""
+    """A token stream cut into non-overlapping sequences of ``seq_len`` tokens, shuffled per epoch.
+    With ``bos``, each sequence is that token followed by ``seq_len - 1`` tokens of the stream, as
+    the tokenizer would begin a text (a model trained with BOS at position 0, Gemma's say, expects it)."""
 
     tokens: torch.Tensor  # 1-D int64
     seq_len: int
     seed: int = 0
+    bos: Optional[int] = None
 
     def __post_init__(self) -> None:
-        self.n_seqs = int(self.tokens.numel()) // self.seq_len
+        chunk = self.seq_len - (self.bos is not None)
+        if chunk < 1:
+            raise ValueError(f"seq_len {self.seq_len} leaves no room for text after BOS; use seq_len >= 2")
+        self.n_seqs = int(self.tokens.numel()) // chunk
         if self.n_seqs < 1:
             raise ValueError(
-                f"the corpus has {self.tokens.numel()} tokens, fewer than one sequence of seq_len={self.seq_len}; "
-                "give more text or a shorter seq_len"
+                f"the corpus has {self.tokens.numel()} tokens, fewer than one sequence of seq_len={self.seq_len}"
+                f"{' (BOS, then seq_len - 1 tokens)' if self.bos is not None else ''}; give more text or a shorter seq_len"
             )
-        self._seqs = self.tokens[: self.n_seqs * self.seq_len].view(self.n_seqs, self.seq_len)
+        self._seqs = self.tokens[: self.n_seqs * chunk].view(self.n_seqs, chunk)
+        if self.bos is not None:
+            self._seqs = torch.cat([torch.full((self.n_seqs, 1), self.bos, dtype=self._seqs.dtype), self._seqs], 1)
         self._perms: dict[int, torch.Tensor] = {}
 
     def _perm(self, epoch: int) -> torch.Tensor:

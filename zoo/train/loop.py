@@ -39,7 +39,7 @@ from torch import nn
 
 from zoo.train.checkpointer import Checkpointer, checkpoints, load_full_state_dict, read_checkpoint_state
 from zoo.train.config import MESH_DIMS, ParallelConfig, TrainConfig, TrainResult
-from zoo.train.data import TokenData, builtin_corpus, get_tokenizer, read_texts, tokenize
+from zoo.train.data import TokenData, bos_id, builtin_corpus, get_tokenizer, read_texts, tokenize
 from zoo.core import kinds as _kinds
 from zoo.model.decoder import build_model
 from zoo.model.recipes import get_spec
@@ -278,8 +278,11 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     if config.seq_len > spec.max_seq_len:
         raise ValueError(f"seq_len {config.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}")
     tok_source = config.tokenizer
-    if tok_source is None and config.init_from and (Path(config.init_from) / "tokenizer.json").is_file():
-        tok_source = config.init_from
+    if tok_source is None and config.init_from:
+        from zoo.checkpoints.native import checkpoint_dir
+
+        if (checkpoint_dir(config.init_from) / "tokenizer.json").is_file():  # a run directory: its export's
+            tok_source = checkpoint_dir(config.init_from)
     tokenizer = get_tokenizer(tok_source)
     if tokenizer.vocab_size > spec.vocab_size:
         raise ValueError(
@@ -317,12 +320,13 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
             f"checkpoint {resume_from} (of the earlier layout) was written {'with' if ckpt_state['sharded'] else 'without'}"
             f" FSDP or TP; resume it the same way (fsdp={ckpt_state['sharded']}, or the same tp)"
         )
-    data = TokenData(tokenize(texts, tokenizer), config.seq_len, seed=config.seed)
+    data = TokenData(tokenize(texts, tokenizer), config.seq_len, seed=config.seed, bos=bos_id(tokenizer))
 
     # Model: meta first; FSDP2 shards before anything is allocated.
     torch.manual_seed(config.seed)
     net = start_model(spec, acc, seed=config.seed, sharded=use_fsdp, parallel=config.parallel)
     fmt = getattr(pretrained, "checkpoint_format", None)  # export in the format the weights came in
+    hf_config = dict(getattr(pretrained, "hf_config", {}))  # and with its token ids and kept config fields
     if pretrained is not None and ckpt_state is None:
         load_full_state_dict(net, pretrained.state_dict(), sharded=per_process)
     del pretrained
@@ -423,7 +427,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
             result.plot = plot_losses(metrics_file, out_dir / "loss.png")
         if config.export and acc.is_main_process:
             result.export = export(result.checkpoint, out_dir / "final", model_type=config.export_format or fmt,
-                                   tokenizer=tokenizer, log=acc.print)
+                                   tokenizer=tokenizer, hf_config=hf_config, source_format=fmt, log=acc.print)
     acc.wait_for_everyone()
     return result
 
@@ -457,38 +461,44 @@ def after_optimizer_step(model: nn.Module, accelerator) -> None:
 
 
 def export(checkpoint: Path, path: Path, *, model_type: Optional[str] = None, tokenizer=None,
-           dtype: Optional[torch.dtype] = None, log: Callable[[str], None] = print) -> Optional[Path]:
+           dtype: Optional[torch.dtype] = None, hf_config: Optional[dict] = None,
+           source_format: Optional[str] = None, log: Callable[[str], None] = print) -> Path:
     """Write the weights of a training checkpoint with ``zoo.save_pretrained``, tensor by tensor: each
     is assembled from the pieces the processes wrote, converted and written before the next is read,
-    so no host holds more than about one tensor (not the whole model).
+    so no host holds more than about one tensor (not the whole model). The tokenizer (its chat
+    template and token ids) goes with it and, for a run started from a checkpoint
+    (``source_format``), that checkpoint's token ids and kept config fields (``hf_config``).
 
     Without ``model_type``, the first registered checkpoint format that describes the checkpoint's
-    spec exactly is used; when none does, the export is skipped (the training checkpoint keeps the
-    weights and the spec) and the reason logged.
+    spec exactly is used; when none does, the model is written in zoo's own layout (``spec.toml`` and
+    ``model.safetensors``, :mod:`zoo.checkpoints.native`), which ``zoo.from_pretrained`` loads.
     """
-    from zoo.checkpoints import save_pretrained
+    from zoo.checkpoints import save_pretrained, save_tokenizer
     from zoo.checkpoints.format import CheckpointError
+    from zoo.checkpoints.native import save_native
     from zoo.core.registry import list_components
     from zoo.train.checkpointer import CheckpointWeights
 
     spec = ModelSpec.from_dict(json.loads((Path(checkpoint) / "state.json").read_text())["spec"])
     weights = CheckpointWeights(checkpoint, dtype=dtype)
     plain = build_model(spec, device="meta")  # names, shapes and heads for the weight-name map; no data
+    plain.checkpoint_format, plain.hf_config = source_format, dict(hf_config or {})
+    tokenizer = tokenizer if hasattr(tokenizer, "save") else None
     errors = []
     for fmt in [model_type] if model_type else list_components("checkpoint_format"):
         try:
-            save_pretrained(plain, path, model_type=fmt, state=weights)
+            return save_pretrained(plain, path, model_type=fmt, state=weights, tokenizer=tokenizer)
         except CheckpointError as exc:  # this format cannot describe this spec
             if model_type:
                 raise
             errors.append(f"{fmt}: {str(exc)[:120]}")
-            continue
-        if getattr(tokenizer, "path", None) is not None:
-            shutil.copy(tokenizer.path, Path(path) / "tokenizer.json")
-        return Path(path)
-    log("no checkpoint format describes this model, so it was not exported with zoo.save_pretrained; the "
-        f"training checkpoint holds its weights and spec ({'; '.join(errors[:3])})")
-    return None
+    # zoo's own layout is one safetensors file of the whole model: assembled here, on this host
+    plain.load_state_dict({name: weights[name] for name in plain.state_dict()}, assign=True)
+    save_native(plain, path)
+    save_tokenizer(plain, path, tokenizer)
+    log(f"no Hugging Face checkpoint format describes this model ({'; '.join(errors[:2])}); "
+        f"wrote it in zoo's own layout to {path} (spec.toml, model.safetensors), which zoo.from_pretrained loads")
+    return Path(path)
 
 
 def plot_losses(metrics_file: Path, png: Path) -> Path:
