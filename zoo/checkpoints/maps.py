@@ -82,9 +82,9 @@ def fused_experts(n: int, transposed: bool = False) -> Transform:
     <-> zoo's stacked ``(n, rows, cols)``; ``transposed``: each expert's block is the transpose of
     zoo's matrix (DBRX's ``w2`` holds the down projections as ``(d_ff, d_model)`` blocks)."""
 
-    def to_zoo(ts, h):
+    def to_zoo(ts, h):  # a tensor of its own (not a view into the file's buffer), as STACK gives
         t = ts[0].reshape(n, -1, ts[0].shape[-1])
-        return [t.transpose(1, 2).contiguous() if transposed else t]
+        return [t.transpose(1, 2).contiguous() if transposed else t.clone()]
 
     def to_hf(ts, h):
         t = ts[0].transpose(1, 2) if transposed else ts[0]
