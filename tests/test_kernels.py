@@ -171,6 +171,23 @@ def test_fused_loss_scales_with_the_incoming_gradient_and_skips_work_without_gra
     close(loss, F.cross_entropy(h.detach() @ w.detach().T, labels))
 
 
+def test_fused_loss_applies_the_head_logit_scale():
+    """Grok-1's output multiplier scales the logits before the loss: the fused loss (which never
+    forms them) takes it too, in the loss and in every gradient."""
+    from zoo.components.kernels.cross_entropy import decoder_loss
+
+    model = tiny("grok-1", **{"layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.n_experts": 4})
+    assert model.spec.head.scale == 3 ** -0.5
+    h = torch.randn(2, 7, 32, requires_grad=True)
+    labels = torch.randint(0, 150, (2, 7))
+    fast = decoder_loss(model, h, labels, z_loss=1e-3)[0]
+    ref = lm_loss(model.logits_from_hidden(h), labels, z_loss=1e-3).loss
+    close(fast, ref)
+    w = model.embed.weight
+    for a, b in zip(torch.autograd.grad(fast, [h, w]), torch.autograd.grad(ref, [h, w])):
+        close(a, b)
+
+
 def tiny(name, **over):
     base = {"layers.*.mixer.head_dim": 16, "layers.*.ffn.d_ff": 72}
     return zoo.build(name, n_layers=2, d_model=32, vocab_size=150, seed=0, overrides={**base, **over})

@@ -174,11 +174,15 @@ def fused_linear_cross_entropy(h, weight, labels, *, bias=None, softcap=None, z_
 
 
 def decoder_loss(model, hidden, labels, *, z_loss, ignore_index=-100):
-    """The fused loss for a ``zoo.Decoder``: its head weight/bias, padded vocab and soft-cap."""
+    """The fused loss for a ``zoo.Decoder``: its head weight/bias, padded vocab, logit scale and soft-cap."""
     weight, bias = model.head()
     vocab = model.spec.vocab_size
     if weight.shape[0] != vocab:
         weight = weight[:vocab]
         bias = bias[:vocab] if bias is not None else None
+    scale = model.spec.head.scale
+    if scale is not None:  # scale * (h W^T + b) = (scale h) W^T + scale b
+        hidden = hidden * scale
+        bias = bias * scale if bias is not None else None
     return fused_linear_cross_entropy(hidden, weight, labels, bias=bias, softcap=model.spec.head.softcap,
                                       z_loss=z_loss, ignore_index=ignore_index)

@@ -2,7 +2,8 @@
 
 head_dim is independent of d_model; the score scale can be set (Gemma's
 ``query_pre_attn_scalar``); a causal sliding window; QK-norm per head (Gemma 3) or over the whole
-projection (OLMo 2); tanh soft-capping of scores (Gemma 2). Runs on
+projection (OLMo 2); tanh soft-capping of scores (Gemma 2, Grok-1); q, k and v clamped to
+``[-clip_qkv, clip_qkv]`` as they leave their projections (DBRX). Runs on
 ``scaled_dot_product_attention`` (GQA without repeating K/V) whenever the semantics allow, and on
 the eager path (the reference) when they do not (soft-capping) or when asked.
 """
@@ -58,6 +59,9 @@ class Attention(Mixer):
         # q_proj gives each head its query and a gate; the output is multiplied by sigmoid(gate) before
         # o_proj (Qwen3-Next's gated attention).
         output_gate: bool = False
+        # q, k and v clamped to [-clip_qkv, clip_qkv] as they leave their projections, before any
+        # QK-norm and RoPE (DBRX clamps its fused Wqkv output; the clamp is elementwise, so it is one).
+        clip_qkv: Optional[float] = None
 
         def check(self):
             if self.n_heads <= 0:
@@ -69,7 +73,7 @@ class Attention(Mixer):
                     raise SpecError(
                         "n_kv_heads", f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}"
                     )
-            for name in ("head_dim", "window", "softcap", "scale_dim"):
+            for name in ("head_dim", "window", "softcap", "scale_dim", "clip_qkv"):
                 positive(name, getattr(self, name))
 
     @staticmethod
@@ -151,7 +155,8 @@ class Attention(Mixer):
     def facts(self) -> dict:
         return {"attention": attention_kind(self.n_heads, self.n_kv_heads), "n_heads": self.n_heads,
                 "n_kv_heads": self.n_kv_heads, "head_dim": self.head_dim, "window": self.window,
-                **({"output gate": "sigmoid, from q_proj"} if self.cfg.output_gate else {})}
+                **({"output gate": "sigmoid, from q_proj"} if self.cfg.output_gate else {}),
+                **({"qkv clamp": self.cfg.clip_qkv} if self.cfg.clip_qkv is not None else {})}
 
     def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
         """Per token: the input the projections read (the whole sequence, gathered under tensor
@@ -200,6 +205,9 @@ class Attention(Mixer):
     def forward(self, x, ctx, pos):
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.cfg.clip_qkv is not None:
+            c = self.cfg.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         if self.cfg.output_gate:  # per head: its query, then its gate
             q, gate = q.view(B, T, -1, 2 * self.head_dim).chunk(2, dim=-1)
             q = q.reshape(B, T, -1)

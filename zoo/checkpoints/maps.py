@@ -77,6 +77,22 @@ def compose(*transforms: Transform) -> Transform:
     return Transform("+".join(t.name for t in transforms), to_zoo, to_hf, any(t.needs_heads for t in transforms))
 
 
+def fused_experts(n: int, transposed: bool = False) -> Transform:
+    """``n`` experts' matrices stored as one ``(n * rows, cols)`` tensor (DBRX's ``experts.mlp.w1``)
+    <-> zoo's stacked ``(n, rows, cols)``; ``transposed``: each expert's block is the transpose of
+    zoo's matrix (DBRX's ``w2`` holds the down projections as ``(d_ff, d_model)`` blocks)."""
+
+    def to_zoo(ts, h):  # a tensor of its own (not a view into the file's buffer), as STACK gives
+        t = ts[0].reshape(n, -1, ts[0].shape[-1])
+        return [t.transpose(1, 2).contiguous() if transposed else t.clone()]
+
+    def to_hf(ts, h):
+        t = ts[0].transpose(1, 2) if transposed else ts[0]
+        return [t.reshape(-1, t.shape[-1]).contiguous()]
+
+    return Transform(f"fused_experts{'_transposed' if transposed else ''}({n})", to_zoo, to_hf)
+
+
 def _qkv(name: str, split, fuse) -> Transform:
     return Transform(name, lambda ts, h: split(ts[0], h), lambda ts, h: [fuse(ts, h)], needs_heads=True)
 

@@ -306,13 +306,16 @@ class EmbeddingSpec:
 
 @dataclass(frozen=True)
 class HeadSpec:
-    """The LM head: tied to the embeddings or not, with an optional final-logit soft-cap."""
+    """The LM head: tied to the embeddings or not, the logits multiplied by ``scale`` (Grok-1's output
+    multiplier; None: by nothing), then an optional final-logit soft-cap."""
 
     tied: bool = False
     bias: bool = False
+    scale: Optional[float] = None
     softcap: Optional[float] = None
 
     def check(self) -> None:
+        positive("scale", self.scale)
         positive("softcap", self.softcap)
 
 

@@ -311,6 +311,8 @@ class Decoder(_kinds.Kernels, nn.Module):
             logits = _tied_logits(x, weight, bias)
         if self.spec.embedding.padded_vocab_size:
             logits = logits[..., : self.spec.vocab_size]
+        if self.spec.head.scale is not None:
+            logits = logits * self.spec.head.scale
         if self.spec.head.softcap is not None:
             logits = self._softcap(logits, self.spec.head.softcap)
         return logits

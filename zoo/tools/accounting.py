@@ -266,7 +266,8 @@ def components(model_or_name: Any, overrides: Optional[dict[str, Any]] = None) -
     rows += [
         ("final norm", render(spec.final_norm)),
         ("head", f"{'tied' if spec.head.tied else 'untied'}"
-                 f"{', bias' if spec.head.bias else ''}{f', softcap {spec.head.softcap}' if spec.head.softcap else ''}"),
+                 f"{', bias' if spec.head.bias else ''}{f', logits x {spec.head.scale:g}' if spec.head.scale else ''}"
+                 f"{f', softcap {spec.head.softcap}' if spec.head.softcap else ''}"),
         ("dropout", str(spec.dropout)),
         ("z-loss", str(spec.z_loss)),
     ]
