@@ -4,7 +4,7 @@ import importlib
 
 from zoo.core.hooks import hookimpl
 
-MODULES = ("llama", "moe", "gpt2", "gpt_neox", "gptj", "falcon", "deepseek", "deepseek_v32", "deepseek_moe", "minimax", "mamba2", "qwen3_next", "nemotron_h")
+MODULES = ("llama", "moe", "gpt2", "gpt_neox", "gptj", "falcon", "deepseek", "deepseek_v32", "deepseek_moe", "minimax", "minimax_m2", "mamba2", "qwen3_next", "nemotron_h")
 
 
 @hookimpl
