@@ -148,3 +148,26 @@ def test_specs_minimax_cannot_hold_are_refused_on_saving(pair, tmp_path):
         spec = ours.spec.with_overrides(over)
         with pytest.raises(ValueError, match=message):
             zoo.checkpoints.format.get_format("minimax").spec_to_config(spec)
+
+
+@pytest.mark.parametrize("preset", ["minimax-m1-80k", "minimax-m1-40k"])
+def test_minimax_m1_is_text_01s_architecture_at_its_size(preset):
+    """MiniMax-M1 (40k and 80k thinking budgets) has MiniMax-Text-01's config: the same spec under
+    another name, the count transformers builds from its config, and MiniMax's "456B"."""
+    from test_released_configs import same_as_transformers
+
+    model = zoo.build(preset, device="meta")
+    assert model.num_parameters() == 456_089_655_296
+    text01 = zoo.build("minimax-text-01", device="meta").spec
+    assert zoo.core.spec.differences(text01.to_dict(), model.spec.to_dict()) == [("label", "minimax-text-01", preset)]
+    config = {**zoo.checkpoints.format.get_format("minimax").spec_to_config(model.spec), "model_type": "minimax"}
+    same_as_transformers(config)
+    # The release config's sizes (github.com/MiniMax-AI/MiniMax-M1, config.json, remote-code layout).
+    release = {"hidden_size": 6144, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+               "head_dim": 128, "intermediate_size": 9216, "num_local_experts": 32, "num_experts_per_tok": 2,
+               "vocab_size": 200064, "max_position_embeddings": 10240000, "full_attn_alpha_factor": 3.5565588200778455,
+               "linear_attn_alpha_factor": 3.5565588200778455, "mlp_alpha_factor": 3.5565588200778455}
+    assert {k: config[k] for k in release} == release
+    attn_type_list = ([0] * 7 + [1]) * 10  # the release's schedule: 0 lightning, 1 softmax
+    assert config["layer_types"] == [["linear_attention", "full_attention"][t] for t in attn_type_list]
+    assert config["rope_parameters"]["rope_theta"] == 1e7
