@@ -254,7 +254,8 @@ def positive(path: str, value: Any, allow_none: bool = True) -> None:
 
 # Upper bounds on a model's sizes, far beyond any published model, so that a typo
 # (n_layers=10**9) is an error at once rather than minutes of building.
-MAX_SIZES = {"vocab_size": 1 << 22, "d_model": 1 << 16, "n_layers": 1 << 12, "max_seq_len": 1 << 24}
+MAX_SIZES = {"vocab_size": 1 << 22, "d_model": 1 << 16, "n_layers": 1 << 12, "max_seq_len": 1 << 24,
+             "head_dim": 1 << 16, "mtp.depth": 64}
 
 
 def at_most(path: str, value: Optional[int], limit: int) -> None:
@@ -351,6 +352,7 @@ class MTPSpec:
     def check(self) -> None:
         if self.depth < 1:
             raise SpecError("depth", f"must be at least 1 (leave out mtp for none), got {self.depth}")
+        at_most("depth", self.depth, MAX_SIZES["mtp.depth"])
         if self.weight < 0:
             raise SpecError("weight", f"must be >= 0, got {self.weight}")
 
