@@ -210,6 +210,23 @@ def parse_size(size: int | str) -> int:
     return int(s)
 
 
+def new_file_mode() -> int:
+    """The mode ``open()`` gives a new file: 0666 less the umask. (safetensors writes its file through a
+    temporary one, mode 0600, whatever the umask.) Read from /proc where it can be, without changing it."""
+    try:
+        with open("/proc/self/status") as f:
+            mask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, new_file_mode())
+
+
 def write_shards(tensors: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str) -> list[str]:
     """Write ``tensors`` as safetensors shards (one ``model.safetensors`` when they fit) plus an index."""
     limit = parse_size(max_shard_size)
@@ -224,12 +241,12 @@ def write_shards(tensors: dict[str, torch.Tensor], directory: Path, max_shard_si
         size += n
     files = []
     if len(shards) == 1:
-        save_file(shards[0], str(directory / SINGLE), metadata={"format": "pt"})
+        _save(shards[0], directory / SINGLE)
         return [SINGLE]
     weight_map = {}
     for k, shard in enumerate(shards, 1):
         fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / fname), metadata={"format": "pt"})
+        _save(shard, directory / fname)
         files.append(fname)
         weight_map.update({name: fname for name in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
