@@ -7,7 +7,7 @@ import math
 import os
 import signal
 import stat
-import threading
+import subprocess
 import types
 from contextlib import contextmanager
 from pathlib import Path
@@ -307,7 +307,7 @@ def test_mamba2_and_nemotron_h_errors_name_the_config_field(model_type, key, val
 
 def test_resume_auto_skips_a_fifo_among_the_checkpoint_files(tmp_path):
     """A FIFO named like a checkpoint's weights would block the open forever; it is refused unopened.
-    (Should the check be missing, a writer opens the FIFO after 20 s so that the test fails, not hangs.)"""
+    (Should the check be missing, a writer opens the FIFO after 20 s, so that the test fails, not hangs.)"""
     from zoo.train.checkpointer import checkpoints
     from zoo.train.resume import resume_point
 
@@ -320,20 +320,15 @@ def test_resume_auto_skips_a_fifo_among_the_checkpoint_files(tmp_path):
     fifo = step / "model.safetensors"
     os.mkfifo(fifo)
 
-    def unblock():
-        try:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError:  # no reader: nothing blocks
-            pass
-
-    timer = threading.Timer(20, unblock)
-    timer.start()
+    # Another process, since a blocked open may hold the GIL.
+    writer = subprocess.Popen(["sh", "-c", f"sleep 20; : > '{fifo}'"])
     try:
         with pytest.warns(UserWarning, match=r"model\.safetensors.*is a FIFO, not a regular file"), \
                 pytest.raises(ValueError, match="no complete checkpoint"):
             resume_point(TrainConfig(resume="auto", out_dir=str(tmp_path)), tmp_path, checkpoints(tmp_path))
     finally:
-        timer.cancel()
+        writer.kill()
+        writer.wait()
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o002], ids=["022", "002"])
