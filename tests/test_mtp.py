@@ -3,6 +3,7 @@ transformers' MTP layer, checkpoints in DeepSeek's layout (layer n_layers), and 
 decoding (greedy output identical to plain greedy, with a rolled-back decode state)."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -398,6 +399,19 @@ def test_deepseek_v3_mtp_loads_matches_transformers_and_saves_back(tmp_path):
     for name, t in tensors.items():
         torch.testing.assert_close(back[name], t, atol=0, rtol=0, msg=name)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+@pytest.mark.parametrize("copy", ["embed_tokens", "shared_head.head"])
+def test_deepseek_v3_mtp_copies_that_differ_from_the_main_tensors_are_refused_naming_them(tmp_path, copy):
+    """zoo keeps one embedding and one head; a stored copy that differs would be dropped unread."""
+    from safetensors.torch import save_file
+
+    hf, _, tensors = deepseek_v3_with_mtp(tmp_path)
+    name = f"model.layers.{hf.config.num_hidden_layers}.{copy}.weight"
+    tensors[name] = tensors[name] + 0.5
+    save_file(tensors, tmp_path / "main" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)}.*both fill zoo's .*and they differ"):
+        zoo.from_pretrained(tmp_path / "main", progress=False)
 
 
 def test_deepseek_v3_written_by_transformers_loads_without_mtp_and_saves_a_config_that_says_so(tmp_path):

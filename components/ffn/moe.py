@@ -57,7 +57,7 @@ from zoo.core.kinds import FFN, Cost
 from zoo.core.spec import build_part
 from zoo.components.ffn.routers import Routing
 from zoo.core.registry import register
-from zoo.core.spec import Part, SpecError, part_field, positive
+from zoo.core.spec import Part, SpecError, finite, part_field, positive
 
 
 
@@ -187,6 +187,16 @@ class MoE(FFN):
                 positive(name, getattr(self, name), allow_none=name in ("shared_d_ff", "capacity_factor"))
             if self.top_k > self.n_experts:
                 raise SpecError("top_k", f"top_k = {self.top_k} is more than n_experts = {self.n_experts}")
+            positive("routed_scaling", self.routed_scaling, allow_none=False)  # 0 or less: no expert contributes
+            finite("bias_rate", self.bias_rate)
+            if self.bias_rate < 0:
+                raise SpecError("bias_rate", f"must be >= 0 (a negative rate moves the bias toward the busiest "
+                                             f"experts), got {self.bias_rate}")
+            # At n_experts / top_k every token copy fits (an expert sees each token at most once).
+            if self.capacity_factor is not None and self.capacity_factor > self.n_experts / self.top_k:
+                raise SpecError("capacity_factor", f"{self.capacity_factor} is beyond its limit n_experts / top_k = "
+                                f"{self.n_experts / self.top_k:g}, where no token is dropped; set it at most that, or "
+                                "leave it unset (None) for no limit")
             if self.shared_gate and self.shared_d_ff is None:
                 raise SpecError("shared_gate", "gates a shared expert: set shared_d_ff too")
             for name in LOSSES:

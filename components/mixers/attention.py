@@ -18,7 +18,7 @@ from torch import nn
 from zoo.core import kernels
 from zoo.core.kinds import Cost, Mixer
 from zoo.core.registry import register
-from zoo.core.spec import SpecError, positive
+from zoo.core.spec import MAX_HEAD_DIM, SpecError, at_most, positive
 from zoo.core.state import KVState
 
 from zoo.components.mixers._masks import causal_mask, dense_mask  # noqa: F401  (causal_mask: importable from its old home)
@@ -75,6 +75,7 @@ class Attention(Mixer):
                     )
             for name in ("head_dim", "window", "softcap", "scale_dim", "clip_qkv"):
                 positive(name, getattr(self, name))
+            at_most("head_dim", self.head_dim, MAX_HEAD_DIM)
 
     @staticmethod
     def head_dim_for(cfg, d_model: int) -> int:

@@ -10,7 +10,7 @@ from torch import nn
 from zoo.core import kernels
 from zoo.core.kinds import PositionEncoding, rotary_dim_of
 from zoo.core.registry import register
-from zoo.core.spec import Part, SpecError, part_field, positive
+from zoo.core.spec import MAX_HEAD_DIM, Part, SpecError, part_field, positive
 
 from zoo.components.positions.rope_scaling import default_inv_freq
 
@@ -112,6 +112,9 @@ class RoPE(PositionEncoding):
         if hd is None:  # this layer's mixer takes no rotation
             return
         rd = cls.rotary_dim_for(cfg, hd)
+        if rd > MAX_HEAD_DIM:  # its frequency table is built on the CPU, even for a model on meta
+            raise SpecError("rotary_dim", f"{rd} (of head_dim {hd}) is beyond zoo's limit of {MAX_HEAD_DIM:,} "
+                                          "(larger than any model it describes); check the head_dim")
         if rd % 2 or rd <= 0:
             raise SpecError("rotary_fraction", f"gives an odd or empty rotary dimension {rd} of head_dim {hd}")
         if rd > hd:

@@ -109,22 +109,28 @@ def _names(fmt: CheckpointFormat, files: WeightFiles, renames: Optional[dict[str
     return {_rename(n, renames): n for n in files.names()}
 
 
+_NUMBER = re.compile(r"\d+")
+
+
 def check_layers(spec: ModelSpec, fmt: CheckpointFormat, files: WeightFiles,
                  renames: Optional[dict[str, str]] = None) -> None:
     """Compare the config's layer count with the layers the weights hold, before anything is built
     (a config claiming 20,000 layers over a small file would otherwise allocate them all first)."""
     rules = fmt.rules(spec)
-    patterns = {re.escape(h).replace(re.escape("{i}"), r"(\d+)") for r in rules for h in r.hf if "{i}" in h}
-    if not patterns:
+    templates = {h for r in rules for h in r.hf if "{i}" in h}
+    if not templates:
         return
     # Names a rule claims for itself (a multi-token prediction module stored as layer n_layers) are no main layer.
     claimed = {h for r in rules if not r.per_layer for h in r.hf}
-    layered = re.compile("|".join(f"(?:{p})" for p in sorted(patterns)))
     found = set()
     for name in _names(fmt, files, renames):
-        m = layered.fullmatch(name) if name not in claimed else None
-        if m:
-            found.add(int(next(g for g in m.groups() if g is not None)))
+        if name not in claimed:
+            # A name is layer i's when putting {i} for one of its numbers gives a template: a set look-up
+            # per number, so 16,000 experts cost what 16 do (one regex over every template was quadratic).
+            for m in _NUMBER.finditer(name):
+                if f"{name[:m.start()]}{{i}}{name[m.end():]}" in templates:
+                    found.add(int(m.group()))
+                    break
     if found != set(range(spec.n_layers)):
         held = f"layers {min(found)}..{max(found)} ({len(found)} in all)" if found else "no layers"
         raise CheckpointError(
@@ -192,6 +198,7 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
             "dtype= to convert every weight to one dtype on load."
         )
     state: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}  # zoo name -> the HF tensor it was read from
     from tqdm.auto import tqdm
 
     # The bar appears only for loads that take over a second (a big checkpoint, a dtype conversion).
@@ -203,7 +210,7 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
                       for h in b.hf]
         try:
             zoo_tensors = b.transform.to_zoo(hf_tensors, b.heads)
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:
             raise CheckpointError(
                 f"{files.directory}: tensor(s) {', '.join(b.hf)} of shape(s) "
                 f"{[tuple(t.shape) for t in hf_tensors]} do not fit {b.transform.name} for {', '.join(b.zoo)} ({exc})"
@@ -222,7 +229,13 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
             target_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
             if zname in fp32 and narrower(target_dtype):
                 target_dtype = torch.float32
-            state[zname] = t.to(device=device or "cpu", dtype=target_dtype)
+            t = t.to(device=device or "cpu", dtype=target_dtype)
+            if zname in state and not torch.equal(state[zname], t):  # a stored copy (an MTP module's embedding, head)
+                raise CheckpointError(
+                    f"{files.directory}: tensors {names[source[zname]]!r} and {', '.join(map(repr, (names[h] for h in b.hf)))} "
+                    f"both fill zoo's {zname}, which holds one copy, and they differ; the checkpoint's copies must "
+                    "be equal for zoo to load it without changing what it computes")
+            state[zname], source[zname] = t, b.hf[0]
         del hf_tensors, zoo_tensors
     model.load_state_dict(state, strict=True, assign=True)
     _reset_transient_buffers(model, device or "cpu")

@@ -132,6 +132,14 @@ class Fields:
             raise self.error(key, "is required and missing")
         return self.get(key, kind=kind)
 
+    def positive(self, key: str, default: Any = None) -> int:
+        """An integer that must be at least 1 (a count, a period, a divisor): ``require`` it when
+        ``default`` is None, else ``get`` it; 0 or less is an error naming ``key``."""
+        value = self.require(key) if default is None else self.get(key, default, kind=int)
+        if value < 1:
+            raise self.error(key, f"must be a positive integer, got {value}")
+        return value
+
     def expect(self, key: str, allowed: Any, why: str = "") -> Any:
         """Read ``key`` (absent counts as its default ``allowed[0]``) and fail unless it is allowed."""
         allowed = allowed if isinstance(allowed, (tuple, list)) else (allowed,)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any, Optional
 
@@ -153,7 +153,9 @@ def save_gguf(model, path: str | Path, *, dtype: str = "f16", tokenizer: Optiona
         del tensors["output.weight"]  # llama.cpp reads a missing output as the tied embedding
 
     path = Path(path)
-    tmp = Path(tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")[1])
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+    with open(tmp, "xb"):  # made as any new file: mode 0666 less the umask (a mkstemp file would be 0600)
+        pass
     try:
         writer = gguf.GGUFWriter(tmp, arch.name)
         # (not "mistral": transformers reads a llama file so named as Mistral, with a 4096 window)

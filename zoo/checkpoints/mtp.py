@@ -68,9 +68,14 @@ def mtp_rules(rules: list, spec, layout: MTPLayout = DEEPSEEK, *, hf_layer: str 
 def read_mtp(f, key: str = "num_nextn_predict_layers") -> Optional[dict[str, Any]]:
     """The spec's ``mtp`` table from an HF config's count of MTP modules (``f`` a
     :class:`~zoo.checkpoints.format.Fields`), or None when it is absent or 0."""
-    depth = f.get(key, 0)
+    from zoo.core.spec import MAX_MTP_DEPTH
+
+    depth, limit = f.get(key, 0), MAX_MTP_DEPTH
     if depth < 0:
         raise f.error(key, f"must be >= 0, got {depth}")
+    if depth > limit:  # each module is a layer's worth of names and rules, before the file is read
+        raise f.error(key, f"{depth} is beyond zoo's limit of {limit} multi-token prediction modules "
+                           "(more than any model it describes); check the value")
     return {"depth": depth} if depth else None
 
 

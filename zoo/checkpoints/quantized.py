@@ -125,6 +125,7 @@ class DequantizedFiles:
         self.scale_of = {n[: -len(SCALE_SUFFIX)]: n for n in names if n.endswith(SCALE_SUFFIX)}
         for weight, scale in self.scale_of.items():
             self._check_pair(weight, scale)
+        self._check_block()
         for name in names:
             if files.dtype(name) in FP8 and name not in self.scale_of:
                 raise CheckpointError(
@@ -160,6 +161,20 @@ class DequantizedFiles:
                 + (f"{want}" if want else "a weight of at least two dimensions")
                 + "; the scales do not belong to this weight or the block size is wrong")
 
+    def _check_block(self) -> None:
+        """A block larger than every quantized weight (``[1e9, 1e9]``) matches any one-entry scale
+        grid, yet would widen each scale to the block's size: the config does not describe these weights."""
+        shapes = {w: self.files.shape(w)[-2:] for w in self.scale_of}
+        for axis, what in enumerate(("rows", "columns")):
+            if not shapes:
+                return
+            largest = max(shapes, key=lambda w: shapes[w][axis])
+            if self.block[axis] > shapes[largest][axis]:
+                raise CheckpointError(
+                    f"{self.files.where[largest]}: quantization_config.weight_block_size {list(self.block)} has blocks of "
+                    f"{self.block[axis]} {what}, more than the largest quantized weight has ({largest!r}, "
+                    f"{shapes[largest][axis]}); the block size must be at most the weights' size")
+
     def names(self) -> list[str]:
         return self._names
 
@@ -172,4 +187,12 @@ class DequantizedFiles:
     def get(self, name: str, *, mapped: bool = False) -> torch.Tensor:
         if name not in self.scale_of:
             return self.files.get(name, mapped=mapped)
-        return dequantize_blocks(self.files.get(name), self.files.get(self.scale_of[name]), self.block, self.target)
+        scale = self.files.get(self.scale_of[name])
+        bad = ~torch.isfinite(scale) | (scale < 0)
+        if bad.any():
+            value = scale[bad][0].item()
+            raise CheckpointError(
+                f"{self.files.where[self.scale_of[name]]}: scale {self.scale_of[name]!r} holds {value} ({int(bad.sum())} "
+                "entries NaN, infinite or negative): a block scale is a finite number >= 0, so the weight "
+                f"{name!r} cannot be read; the checkpoint is corrupt")
+        return dequantize_blocks(self.files.get(name), scale, self.block, self.target)

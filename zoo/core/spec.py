@@ -255,6 +255,8 @@ def positive(path: str, value: Any, allow_none: bool = True) -> None:
 # Upper bounds on a model's sizes, far beyond any published model, so that a typo
 # (n_layers=10**9) is an error at once rather than minutes of building.
 MAX_SIZES = {"vocab_size": 1 << 22, "d_model": 1 << 16, "n_layers": 1 << 12, "max_seq_len": 1 << 24}
+MAX_HEAD_DIM = 1 << 16  # an attention head's width (RoPE's tables are computed on the CPU, even on meta)
+MAX_MTP_DEPTH = 64  # multi-token prediction modules
 
 
 def at_most(path: str, value: Optional[int], limit: int) -> None:
@@ -354,6 +356,7 @@ class MTPSpec:
     def check(self) -> None:
         if self.depth < 1:
             raise SpecError("depth", f"must be at least 1 (leave out mtp for none), got {self.depth}")
+        at_most("depth", self.depth, MAX_MTP_DEPTH)
         if self.weight < 0:
             raise SpecError("weight", f"must be >= 0, got {self.weight}")
 

@@ -90,6 +90,25 @@ def _where(path: Optional[Path]) -> str:
     return f"{path}: " if path else ""
 
 
+def _folder_name(value: Any, field: str, where: str) -> str:
+    """``value`` if it is one plain folder name (a variant, the ablation's name): nothing that leads out
+    of the output directory (``..``, a path, an absolute path) or hides there (a leading dot)."""
+    if not isinstance(value, str) or not value or value.startswith(".") or "/" in value or "\\" in value \
+            or Path(value).is_absolute() or Path(value).name != value:
+        raise AblationError(f"{where}{field} {value!r}: must be a plain folder name (no '/', no leading '.'): "
+                            "the runs are written in a folder of that name under the output directory")
+    return value
+
+
+def _distinct(values: list, field: str, where: str) -> None:
+    """Refuse a grid that lists one value twice (each run would be counted twice)."""
+    seen = set()
+    for v in values:
+        if v in seen:
+            raise AblationError(f"{where}{field} lists {v!r} twice ({values}); give each value once")
+        seen.add(v)
+
+
 def load(path: str | Path, *, larger: bool = False) -> Ablation:
     """Read an ablation file; ``larger`` applies its ``[larger]`` table. Checks the layout only;
     :func:`check` checks that every variant builds."""
@@ -133,25 +152,32 @@ def from_dict(data: dict[str, Any], *, path: Optional[Path] = None) -> Ablation:
         raise AblationError(f"{where}[ablation].lrs: every learning rate must be a positive number, got {lrs}")
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise AblationError(f"{where}[ablation].seeds: give a non-empty list of integer seeds, got {seeds!r}")
+    _distinct([float(x) for x in lrs], "[ablation].lrs", where)
+    _distinct(seeds, "[ablation].seeds", where)
+    diverge = head.get("diverge_loss", 10.0)
+    if isinstance(diverge, bool) or not isinstance(diverge, (int, float)) or not (math.isfinite(diverge) and diverge > 0):
+        raise AblationError(f"{where}[ablation].diverge_loss: must be a positive finite loss (nats), got {diverge!r}")
+    name = _folder_name(head["name"], "[ablation].name", where) if "name" in head else None
     if not data.get("variants"):
         raise AblationError(f"{where}[variants] is empty: give at least one variant table")
     variants, variant_train = {}, {}
-    for name, table in data.get("variants", {}).items():
+    for variant, table in data.get("variants", {}).items():
+        _folder_name(variant, "variant", where)
         if not isinstance(table, dict):
-            raise AblationError(f"{where}variant {name!r}: must be a table of overrides, got {table!r}")
-        variants[name] = {k: v for k, v in table.items() if k != "train"}
+            raise AblationError(f"{where}variant {variant!r}: must be a table of overrides, got {table!r}")
+        variants[variant] = {k: v for k, v in table.items() if k != "train"}
         if "train" in table:
-            variant_train[name] = _train_table(table["train"], f"{where}variant {name!r}: train", path)
+            variant_train[variant] = _train_table(table["train"], f"{where}variant {variant!r}: train", path)
     train = _train_table(data.get("train", {}), f"{where}[train]", path)
     base = head["base"]
     if path is not None and base.endswith((".toml", ".json")) and not Path(base).is_absolute():
         base = str(path.parent / base)
     return Ablation(
-        name=head.get("name") or (path.stem if path else "ablation"), base=base, variants=variants,
+        name=name or (path.stem if path else "ablation"), base=base, variants=variants,
         lrs=tuple(float(x) for x in lrs), seeds=tuple(seeds), shared=dict(data.get("set", {})), train=train,
         variant_train=variant_train,
         claim=head.get("claim", ""), source=head.get("source", ""),
-        diverge_loss=float(head.get("diverge_loss", 10.0)), path=path,
+        diverge_loss=float(diverge), path=path,
     )
 
 
@@ -168,6 +194,8 @@ def _train_table(table: Any, where: str, path: Optional[Path]) -> dict[str, Any]
             raise AblationError(f"{where}.{key}: set by the sweep (the grid, the output directory), not the file")
     table = dict(table)
     if "data" in table:  # relative to the ablation file
+        if not isinstance(table["data"], list) or not all(isinstance(d, str) for d in table["data"]):
+            raise AblationError(f"{where}.data: must be a list of file paths, got {table['data']!r}")
         table["data"] = tuple(str(path.parent / d if path and not Path(d).is_absolute() else d) for d in table["data"])
     return table
 
@@ -308,7 +336,9 @@ def is_main_process() -> bool:
 
 
 def run_dir(out_dir: Path, variant: str, lr: float, seed: int) -> Path:
-    return Path(out_dir) / "runs" / variant / f"lr={lr:g}" / f"seed={seed}"
+    """Where a run's files go. The learning rate is spelt exactly (``repr``): two that print alike
+    with ``%g`` (1e-3 and 1.0000001e-3) are two runs."""
+    return Path(out_dir) / "runs" / variant / f"lr={float(lr)!r}" / f"seed={seed}"
 
 
 def run_settings(ablation: Ablation, variant: str, spec: ModelSpec, lr: float, seed: int) -> dict[str, Any]:
@@ -359,6 +389,9 @@ def train_one(ablation: Ablation, spec: ModelSpec, variant: str, lr: float, seed
             raise Diverged(row["step"], row["loss"])
 
     diverged = None
+    # Without result.json the run is not done: what a killed attempt left (its last checkpoint, written
+    # before the sweep removes it) would make the fresh run refuse the folder.
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
     try:
         with probe:
             train(ablation.base, overrides=ablation.overrides(variant), on_step=on_step, **ablation.train_for(variant),

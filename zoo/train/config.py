@@ -4,12 +4,45 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "ep", "tp")
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether ``value`` (from a TOML file or keyword) has the annotated type ``hint``: an int where an
+    int is meant (not a bool), a number where a float is, a bool where a bool is (not the string "no")."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:
+        return any(_fits(value, a) for a in args)
+    if origin is tuple:
+        return isinstance(value, (tuple, list)) and all(_fits(v, args[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:  # a path may be a Path
+        return isinstance(value, (str, os.PathLike))
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def check_types(config: Any) -> None:
+    """Refuse a field whose value is not of its declared type, naming it (``cpu = "no"`` is no bool)."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if not _fits(value, hints[f.name]):
+            want = str(hints[f.name]).replace("typing.", "").replace("<class '", "").replace("'>", "")
+            raise ValueError(f"{type(config).__name__}.{f.name} must be {want}, got {value!r}")
 
 
 @dataclass
@@ -154,6 +187,7 @@ class TrainConfig:
         return cls(**{**data, **fields})
 
     def check(self) -> None:
+        check_types(self)
         self.parallel.check()
         for f in dataclasses.fields(self):  # NaN passes every comparison below: refuse it first
             value = getattr(self, f.name)

@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from zoo.checkpoints.io import fsync_dir
+from zoo.checkpoints.io import fsync_dir, regular_file
 
 
 def step_of(path: Path) -> int:
@@ -53,10 +53,10 @@ def checkpoint_problem(path: Path) -> Optional[str]:
             names += ([f"{kind}-rank{r:05d}-of-{processes:05d}.safetensors" for r in range(processes)] if sharded
                       else [f"{kind}.safetensors"])
     for name in names:
-        try:
-            with safe_open(str(Path(path) / name), "pt"):  # validates the header against the file's size
+        try:  # a FIFO (or device) named like the file would block the open: refused first
+            with safe_open(str(regular_file(Path(path) / name, "checkpoint file")), "pt"):  # checks the header against the size
                 pass
-        except Exception as exc:  # missing (OSError) or torn (SafetensorError)
+        except Exception as exc:  # missing, not a regular file (CheckpointError) or torn (SafetensorError)
             return f"{name}: {exc}"
     return None
 

@@ -108,8 +108,8 @@ class Mamba2Format(CheckpointFormat):
     def config_to_spec(self, config, *, strict=False):
         config = self.unwrap(config)[0]
         f = Fields(config, self.model_type, self.defaults)
-        d, heads, head_dim = f.require("hidden_size"), f.require("num_heads"), f.require("head_dim")
-        expand = f.require("expand")
+        d, heads, head_dim = f.positive("hidden_size"), f.positive("num_heads"), f.positive("head_dim")
+        expand = f.positive("expand")
         if heads * head_dim != expand * d:
             raise f.error("num_heads", f"num_heads * head_dim = {heads} * {head_dim} must equal expand * hidden_size "
                                        f"= {expand} * {d} (transformers refuses it too)")
@@ -202,13 +202,15 @@ def ssm_layout_to_config(config: dict[str, Any]) -> dict[str, Any]:
     """The transformers ``mamba2`` config of a ``mamba_ssm`` config.json, as transformers' conversion
     script writes it; every field read, what zoo cannot express refused by name."""
     f = Fields({k: v for k, v in config.items() if k != "model_type"}, "mamba_ssm", LAYOUT_DEFAULTS)
-    d = f.require("d_model")
+    d = f.positive("d_model")
     s = _SsmCfg(f.get("ssm_cfg", {}, kind=dict), "mamba_ssm", SSM_DEFAULTS)
     s.expect("layer", ("Mamba2",), "zoo reads Mamba-2 checkpoints (Mamba-1 has another mixer)")
     s.expect("rmsnorm", (True,), "Mamba-2's gated norm is an RMSNorm")
     s.expect("norm_before_gate", (False,), "zoo's gated norm gates, then normalises")
     s.expect("D_has_hdim", (False,), "zoo's D skip has one value per head")
-    expand, headdim = s.require("expand"), s.require("headdim")
+    expand, headdim = s.positive("expand"), s.positive("headdim")
+    if expand * d % headdim:  # mamba_ssm asserts it: the inner width splits into heads of headdim
+        raise s.error("headdim", f"{headdim} does not divide expand * d_model = {expand} * {d} = {expand * d}")
     d_ssm = s.get("d_ssm", kind=int)
     if d_ssm is not None and d_ssm != expand * d:
         raise s.error("d_ssm", f"{d_ssm} differs from expand * d_model = {expand * d}: zoo's Mamba-2 layer "
@@ -220,13 +222,13 @@ def ssm_layout_to_config(config: dict[str, Any]) -> dict[str, Any]:
     f.get("attn_cfg", {}, kind=dict)  # configures the attention layers, of which there are none
     f.expect("rms_norm", (True,), "Mamba-2 models use RMSNorm")
     f.get("fused_add_norm")  # a kernel choice: the same function
-    multiple = f.get("pad_vocab_size_multiple", 8)
+    multiple = f.positive("pad_vocab_size_multiple", 8)
     vocab = f.require("vocab_size")
     inner = {
         "model_type": "mamba2", "hidden_size": d, "num_hidden_layers": f.require("n_layer"),
         "vocab_size": vocab + (-vocab) % multiple, "num_heads": expand * d // headdim, "head_dim": headdim,
-        "expand": expand, "state_size": s.require("d_state"), "n_groups": s.require("ngroups"),
-        "conv_kernel": s.require("d_conv"), "chunk_size": s.require("chunk_size"),
+        "expand": expand, "state_size": s.positive("d_state"), "n_groups": s.positive("ngroups"),
+        "conv_kernel": s.positive("d_conv"), "chunk_size": s.positive("chunk_size"),
         "use_bias": s.get("bias", False), "use_conv_bias": s.get("conv_bias", True),
         "time_step_min": s.get("dt_min", 0.001), "time_step_max": s.get("dt_max", 0.1),
         "time_step_floor": s.get("dt_init_floor", 1e-4),
@@ -236,7 +238,21 @@ def ssm_layout_to_config(config: dict[str, Any]) -> dict[str, Any]:
     }
     s.finish()
     f.finish()
+    try:  # a value the mamba2 reading refuses is named by its mamba_ssm field
+        Mamba2Format().config_to_spec(inner)
+    except ConfigError as exc:
+        field = SSM_NAMES.get(exc.field, exc.field)
+        raise ConfigError(field, str(exc).split(": ", 1)[1], "mamba_ssm") from None
     return inner
+
+
+#: The transformers mamba2 field -> the mamba_ssm field it is converted from.
+SSM_NAMES = {"hidden_size": "d_model", "num_hidden_layers": "n_layer", "num_heads": "ssm_cfg.headdim",
+             "head_dim": "ssm_cfg.headdim", "expand": "ssm_cfg.expand", "state_size": "ssm_cfg.d_state",
+             "n_groups": "ssm_cfg.ngroups", "conv_kernel": "ssm_cfg.d_conv", "chunk_size": "ssm_cfg.chunk_size",
+             "use_bias": "ssm_cfg.bias", "use_conv_bias": "ssm_cfg.conv_bias", "time_step_min": "ssm_cfg.dt_min",
+             "time_step_max": "ssm_cfg.dt_max", "time_step_floor": "ssm_cfg.dt_init_floor",
+             "time_step_limit": "ssm_cfg.dt_limit", "tie_word_embeddings": "tie_embeddings"}
 
 
 FORMATS = [Mamba2Format()]

@@ -52,7 +52,16 @@ def slopes(block: int) -> Transform:
         column = ts[0].reshape(-1, 1, 1).clone()
         return [column, *decay_tables(column, block)]
 
-    return Transform("slope_column", lambda ts, h: [ts[0].reshape(-1)], to_hf)
+    def to_zoo(ts, h):
+        column, tables = ts[0], ts[1:]
+        want = [tuple(t.shape) for t in decay_tables(torch.zeros(column.shape, device="meta"), block)]
+        for name, t, shape in zip(DECAY_TABLES, tables, want):
+            if tuple(t.shape) != shape:  # the file's tables were made for another block_size
+                raise ValueError(f"the stored {name} has the shape {tuple(t.shape)}, but block_size {block} in "
+                                 f"config.json gives {shape}; set block_size to the one the tables were made with")
+        return [column.reshape(-1)]
+
+    return Transform("slope_column", to_zoo, to_hf)
 
 
 class MiniMax(Mixtral):

@@ -58,7 +58,7 @@ class MoEStyle(LlamaStyle):
     def is_sparse(self, f: Fields, i: int) -> bool:
         if not self.sparse_layers:
             return True
-        step = f.get("decoder_sparse_step", 1)
+        step = f.positive("decoder_sparse_step", 1)  # every step-th layer is sparse
         return i not in (f.get("mlp_only_layers") or []) and self.n_experts(f) > 0 and (i + 1) % step == 0
 
     def n_experts(self, f: Fields) -> int:

@@ -41,7 +41,7 @@ from zoo.checkpoints.common import activation, activation_name, pattern
 from zoo.checkpoints.format import CheckpointFormat, Fields
 from zoo.checkpoints.formats.mamba2 import MIXER_TENSORS, Mamba2Format
 from zoo.checkpoints.maps import ZOO_LAYER, ZOO_MIXER, rule
-from zoo.core.spec import ModelSpec
+from zoo.core.spec import ModelSpec, SpecError
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
@@ -60,6 +60,17 @@ UNUSED = ("expand", "time_step_limit", "mamba_proj_bias", "attention_bias", "sli
           "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob", "mtp_layers_block_type",
           "mtp_hybrid_override_pattern", "num_hidden_layers")
 KINDS = {MAMBA: "mamba", ATTENTION: "attention", MLP: "mlp"}
+#: Spec paths (under ``layers.``, or within any layer kind) -> the config field they are read from.
+SPEC_FIELDS = {
+    **{f"mamba.mixer.{k}": v for k, v in {
+        "n_heads": "mamba_num_heads", "head_dim": "mamba_head_dim", "state_size": "ssm_state_size",
+        "n_groups": "n_groups", "conv_kernel": "conv_kernel", "chunk_size": "chunk_size",
+        "norm_eps": "layer_norm_epsilon", "dt_min": "time_step_min", "dt_limit_min": "time_step_min",
+        "dt_max": "time_step_max", "dt_floor": "time_step_floor"}.items()},
+    "attention.mixer.n_heads": "num_attention_heads", "attention.mixer.n_kv_heads": "num_key_value_heads",
+    "attention.mixer.head_dim": "head_dim", "mlp.ffn.d_ff": "intermediate_size",
+    "vocab_size": "vocab_size", "d_model": "hidden_size", "max_seq_len": "max_position_embeddings",
+}
 H = "backbone.layers.{i}."
 
 
@@ -169,7 +180,11 @@ class NemotronH(CheckpointFormat):
             "head": {"tied": f.get("tie_word_embeddings", False)},
         }
         f.finish(strict)
-        return ModelSpec.from_dict(spec)
+        try:
+            return ModelSpec.from_dict(spec)
+        except SpecError as exc:  # a value out of range: name the config field behind it
+            field = SPEC_FIELDS.get(exc.path.removeprefix("layers."), "config")
+            raise f.error(field, str(exc)) from None
 
     # -- spec -> config ---------------------------------------------------------------------------
     def spec_to_config(self, spec):

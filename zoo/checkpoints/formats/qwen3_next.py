@@ -106,6 +106,7 @@ class Qwen3Next(MoEStyle):
         interval = f.get("full_attention_interval", kind=int)
         types = f.get("layer_types", kind=list)
         if types is None:
+            interval = f.positive("full_attention_interval")  # every interval-th layer is full attention
             types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
         if len(types) != n_layers:
             raise f.error("layer_types", f"has {len(types)} entries for {n_layers} layers")
