@@ -4,7 +4,7 @@ import importlib
 
 from zoo.core.hooks import hookimpl
 
-MODULES = ("llama", "moe", "gpt2", "gpt_neox", "gptj", "falcon", "deepseek", "deepseek_v32", "minimax", "mamba2", "qwen3_next", "nemotron_h")
+MODULES = ("llama", "moe", "gpt2", "gpt_neox", "gptj", "falcon", "deepseek", "deepseek_v32", "glm_moe_dsa", "minimax", "mamba2", "qwen3_next", "nemotron_h")
 
 
 @hookimpl
