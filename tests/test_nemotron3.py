@@ -91,3 +91,32 @@ def test_biased_experts_are_refused_naming_the_field():
     config = {**tiny.tiny_config("nemotron_h"), **MOE, "mlp_bias": True, "model_type": "nemotron_h"}
     with pytest.raises(ConfigError, match=r"mlp_bias"):
         config_to_spec(config)
+
+
+NANO = {"model_type": "nemotron_h", "vocab_size": 131072, "hidden_size": 2688,
+        "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 1856,
+        "mamba_num_heads": 64, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4,
+        "chunk_size": 128, "max_position_embeddings": 262144, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False,
+        "n_routed_experts": 128, "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712,
+        "num_experts_per_tok": 6, "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+        "mlp_hidden_act": "relu2"}
+
+
+def test_the_nano_preset_is_transformers_build_of_its_sizes():
+    """Nemotron 3 Nano 30B-A3B's sizes (Megatron-Bridge's Nemotron3NanoProvider; its config.json is not
+    stored here): the preset is the spec zoo reads from them, with transformers' count on the meta device,
+    about 3B active per token under each of the three conventions."""
+    from zoo.tools.accounting import account
+
+    spec = zoo.model.recipes.get_spec("nemotron-3-nano-30b-a3b")
+    assert spec.with_overrides({"label": None}) == config_to_spec(NANO)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**NANO))
+    model = zoo.build("nemotron-3-nano-30b-a3b", device="meta")
+    assert model.num_parameters() == sum(p.numel() for p in hf.parameters()) == 31_577_937_344
+    idle = 23 * (128 - 6) * 2 * 1856 * 2688  # the experts a token does not use, in each MoE layer
+    embed = 131072 * 2688
+    assert account(model, context=4096)["params"]["active_conventions"] == {
+        "with_embeddings_and_head": 31_577_937_344 - idle, "without_input_embedding": 31_577_937_344 - idle - embed,
+        "without_embeddings_and_head": 31_577_937_344 - idle - 2 * embed}
