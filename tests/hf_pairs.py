@@ -101,3 +101,17 @@ def assert_several_tokens_continue_the_full_forward(hf, ours, *, cache: str, ato
     torch.testing.assert_close(theirs, full[:, 7:19], atol=atol, rtol=0)
     torch.testing.assert_close(mine, full[:, 7:19], atol=atol, rtol=0)
     torch.testing.assert_close(ours(ids[:, 19:], state=state), full[:, 19:], atol=atol, rtol=0)
+
+
+def assert_dsa_state_is_the_cache(state, cache, seen: int) -> None:
+    """zoo's decode state of a DSA model equals transformers' cache over the first ``seen`` slots:
+    per layer the normed latent and the rotated key part, and the indexer keys where the layer has an
+    indexer (a layer sharing another's selection holds none, in zoo as in transformers)."""
+    for i, (mine, theirs) in enumerate(zip(state.layers, cache.layers)):
+        torch.testing.assert_close(mine.kv.k[:, :, :seen], theirs.keys, atol=1e-5, rtol=0, msg=f"layer {i} latent")
+        torch.testing.assert_close(mine.kv.v[:, :, :seen], theirs.values, atol=1e-5, rtol=0, msg=f"layer {i} k_rope")
+        held = getattr(theirs, "indexer_keys", None)
+        if mine.keys is None:
+            assert held is None, f"layer {i}: transformers holds indexer keys where zoo's layer shares a selection"
+        else:
+            torch.testing.assert_close(mine.keys.k[:, :seen], held, atol=1e-5, rtol=0, msg=f"layer {i} indexer keys")

@@ -9,6 +9,11 @@ every token uses (gated by a sigmoid, as in Qwen-MoE). The output is
 
 where the routing weights ``w_e`` are renormalised to sum to one when ``norm_topk_prob``.
 
+A *latent* MoE (``latent_dim``, Nemotron 3) routes on the token as it is, then runs the routed
+experts on ``up(sum_e w_e expert_e(down(x)))``: ``latent_down`` projects the token to ``latent_dim``
+values before the experts (so a token copy sent to an expert is that narrow) and ``latent_up``
+projects their weighted sum back; the shared expert sees the whole token.
+
 Routers run in float32 whatever the model's dtype. Each is a registered part (a plugin may add
 one): ``softmax_topk`` (Qwen, OLMoE), ``topk_softmax`` (Mixtral, DBRX), ``sigmoid_group``
 (DeepSeek-V3: sigmoid scores, a selection bias, group-limited top-k) and ``greedy_group``
@@ -181,10 +186,13 @@ class MoE(FFN):
         # forward; the rest are dropped (None: no limit). A batch-level rule: tokens then depend on
         # their neighbours in the batch, so incremental decoding no longer equals the full forward.
         capacity_factor: Optional[float] = None
+        # The routed experts' width (None: d_model), between a down- and an up-projection of the token.
+        latent_dim: Optional[int] = None
+        latent_bias: bool = False  # biases on latent_down and latent_up
 
         def check(self):
-            for name in ("n_experts", "top_k", "d_ff", "shared_d_ff", "n_devices", "capacity_factor"):
-                positive(name, getattr(self, name), allow_none=name in ("shared_d_ff", "capacity_factor"))
+            for name in ("n_experts", "top_k", "d_ff", "shared_d_ff", "n_devices", "capacity_factor", "latent_dim"):
+                positive(name, getattr(self, name), allow_none=name in ("shared_d_ff", "capacity_factor", "latent_dim"))
             if self.top_k > self.n_experts:
                 raise SpecError("top_k", f"top_k = {self.top_k} is more than n_experts = {self.n_experts}")
             positive("routed_scaling", self.routed_scaling, allow_none=False)  # 0 or less: no expert contributes
@@ -219,14 +227,24 @@ class MoE(FFN):
             if self.bias_update != "none" and not getattr(self.router.config, "selection_bias", False):
                 raise SpecError("bias_update", "moves the router's selection bias: set router.selection_bias = true")
 
+    @classmethod
+    def check_in_model(cls, cfg, *, spec, layer):
+        if cfg.latent_dim is not None and cfg.latent_dim >= spec.d_model:
+            raise SpecError("latent_dim", f"{cfg.latent_dim} does not fit: the latent the routed experts run on "
+                                          f"projects the token down, so it is narrower than d_model {spec.d_model}")
+
     def __init__(self, cfg, *, d_model: int):
         super().__init__()
         self.cfg, self.d_model = cfg, d_model
         E, Fd = cfg.n_experts, cfg.d_ff
+        width = self.width = cfg.latent_dim or d_model  # what the routed experts read and write
         self.gated = bool(cfg.expert.cls.gated)
         self.act = build_part(cfg.expert.config.activation, "activation")
         self.router = cfg.router.build(d_model=d_model, n_experts=E, top_k=cfg.top_k)
-        self.experts = GroupedExperts(E, d_model, Fd, gated=self.gated, act=self.act, dispatch=cfg.dispatch)
+        self.experts = GroupedExperts(E, width, Fd, gated=self.gated, act=self.act, dispatch=cfg.dispatch)
+        if cfg.latent_dim is not None:
+            self.latent_down = nn.Linear(d_model, width, bias=cfg.latent_bias)
+            self.latent_up = nn.Linear(width, d_model, bias=cfg.latent_bias)
         self.shared = None
         self.shared_gate = None
         if cfg.shared_d_ff is not None:
@@ -264,7 +282,8 @@ class MoE(FFN):
 
     def facts(self) -> dict:
         shared = f" + shared {self.cfg.shared_d_ff}" if self.shared is not None else ""
-        return {"experts": f"top-{self.cfg.top_k} of {self.cfg.n_experts} ({self.cfg.router.name}){shared}",
+        latent = f" on a {self.cfg.latent_dim}-wide latent" if self.cfg.latent_dim is not None else ""
+        return {"experts": f"top-{self.cfg.top_k} of {self.cfg.n_experts} ({self.cfg.router.name}){latent}{shared}",
                 "d_ff": self.cfg.d_ff}
 
     def cost(self, context: int) -> Cost:
@@ -336,7 +355,11 @@ class MoE(FFN):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         r = self.route(flat)
-        out, dropped = self.routed(flat, r.indices, r.weights)
+        if self.cfg.latent_dim is None:
+            out, dropped = self.routed(flat, r.indices, r.weights)
+        else:
+            out, dropped = self.routed(self.latent_down(flat), r.indices, r.weights)
+            out = self.latent_up(out)
         if self.shared is not None:
             s = self.shared(flat)
             if self.shared_gate is not None:

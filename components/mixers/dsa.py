@@ -8,17 +8,25 @@ uses), and the score of key ``s`` for query ``t`` is
 
     I[t, s] = sum_h  w_h(x_t) * relu(q_{t,h} . k_s / sqrt(head_dim)),   w(x) = W_w x / sqrt(n_heads)
 
-computed in float32. Selection is the top ``topk`` of ``I[t, :]`` among the keys the query may see
+computed in float32 (``index_rope_layout = "pairs_to_half"``: the rotated dimensions are read as
+interleaved pairs and written half-split first, as GLM-5's indexer does). Selection is the top ``topk`` of ``I[t, :]`` among the keys the query may see
 (causal, not padding); ties at the cut (ReLU makes exact zeros common) go to the earlier key.
 
 Its decode state, :class:`IndexKeys`, holds one ``head_dim``-wide key per token per layer beside
 the attention's own cache.
+
+A layer may also share its selection (GLM-5's IndexShare, arXiv:2603.12201): with ``indexer =
+"shared"`` it has no indexer of its own and attends to the keys the nearest earlier ``"full"`` layer
+selected for the same queries (through a chain of shared layers). That selection crosses layers in
+the forward context (``ctx.shared["dsa_topk"]``, one entry per full layer a shared layer reads), so
+a decode step carries it from the full layer to its sharers exactly as a full forward does; the
+shared layer's decode state is MLA's alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -49,11 +57,14 @@ class LightningIndexer(nn.Module):
     """The indexer of one layer: ``n_heads`` heads of ``head_dim``, a key per token, top-``topk``.
 
     Weights (DeepSeek's names): ``wq_b`` (q latent -> heads), ``wk`` (hidden -> key), ``k_norm``
-    (a LayerNorm with bias, eps 1e-6), ``weights_proj`` (hidden -> one weight per head).
+    (a LayerNorm with bias, eps 1e-6), ``weights_proj`` (hidden -> one weight per head). With
+    ``interleaved`` the rotated dimensions pair (2i, 2i + 1) and come out half-split.
     """
 
-    def __init__(self, *, d_model: int, q_dim: int, n_heads: int, head_dim: int, rope_dim: int, topk: int):
+    def __init__(self, *, d_model: int, q_dim: int, n_heads: int, head_dim: int, rope_dim: int, topk: int,
+                 interleaved: bool = False):
         super().__init__()
+        self.interleaved = interleaved
         check_topk(topk)
         if not 0 < rope_dim <= head_dim or rope_dim % 2:
             raise SpecError("index_head_dim", f"{head_dim} must hold the rotated part of {rope_dim} dims (even)")
@@ -68,7 +79,13 @@ class LightningIndexer(nn.Module):
 
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """(B, T, d_model) -> the keys (B, T, head_dim); ``cos``/``sin`` per pair, (B, T, rope_dim/2)."""
-        return rotate_half_pairs(self.k_norm(self.wk(x)), cos, sin)
+        return self.rotate(self.k_norm(self.wk(x)), cos, sin)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:  # pairs (2i, 2i + 1) of the rotated part, written half-split
+            r = self.rope_dim
+            x = torch.cat([x[..., 0:r:2], x[..., 1:r:2], x[..., r:]], dim=-1)
+        return rotate_half_pairs(x, cos, sin)
 
     def scores(self, x: torch.Tensor, q_latent: torch.Tensor, keys: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -76,7 +93,7 @@ class LightningIndexer(nn.Module):
         (B, Tk, head_dim), before any mask."""
         B, T, _ = x.shape
         q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim)
-        q = rotate_half_pairs(q, cos[:, :, None], sin[:, :, None])
+        q = self.rotate(q, cos[:, :, None], sin[:, :, None])
         logits = torch.einsum("bthd,bsd->bths", q.float(), keys.float()) * self.head_dim ** -0.5
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5  # (B, T, H)
         return torch.einsum("bth,bths->bts", w, F.relu(logits))
@@ -145,16 +162,30 @@ class IndexKeys:
 
 class DSAState(LayerState):
     """A DSA layer's decode state: MLA's (the latent and the rotated key part per token) and the
-    indexer's keys beside it. Opaque to everything but the layer."""
+    indexer's keys beside it (None in a layer that shares another's selection). Opaque to everything
+    but the layer."""
 
-    def __init__(self, kv, keys: IndexKeys):
+    def __init__(self, kv, keys: Optional[IndexKeys]):
         self.kv, self.keys = kv, keys
 
     def nbytes(self) -> int:
-        return self.kv.nbytes() + self.keys.nbytes()
+        return self.kv.nbytes() + (self.keys.nbytes() if self.keys is not None else 0)
 
     def to_static(self, max_len: int) -> "DSAState":
-        return DSAState(self.kv.to_static(max_len), self.keys.to_static(max_len))
+        return DSAState(self.kv.to_static(max_len), self.keys.to_static(max_len) if self.keys is not None else None)
+
+
+def selection_source(spec, index: int) -> int:
+    """The layer whose indexer a ``"shared"`` DSA layer ``index`` reuses: the nearest earlier layer
+    with ``indexer = "full"``, reached through DSA layers only."""
+    j = index - 1
+    while j >= 0 and spec.layer(j).mixer.name == "dsa" and spec.layer(j).mixer.config.indexer == "shared":
+        j -= 1
+    if j < 0 or spec.layer(j).mixer.name != "dsa":
+        before = "no layer comes before it" if j < 0 else f"layer {j} before it is not DSA"
+        raise SpecError("indexer", f"'shared' at layer {index} reuses the top-k selection of an earlier DSA layer "
+                                   f"with indexer 'full', but {before}: make the first DSA layer 'full'")
+    return j
 
 
 def keys_seen(context: int, topk: int, mean: bool = False) -> float:
@@ -192,6 +223,10 @@ class DSA(MLA):
         index_head_dim: int = 128
         index_topk: int = 2048
         indexer_loss: float = 1.0  # weight of the dsa_indexer_kl term in training (0: not computed)
+        # "full": this layer's own indexer selects; "shared": reuse the nearest earlier full layer's selection
+        indexer: Literal["full", "shared"] = "full"
+        # how the indexer's rotated dims pair: "half" (i, i + d/2), DeepSeek-V3.2; "pairs_to_half", GLM-5
+        index_rope_layout: Literal["half", "pairs_to_half"] = "half"
 
         def check(self):
             super().check()
@@ -206,6 +241,14 @@ class DSA(MLA):
             if self.indexer_loss < 0:
                 raise SpecError("indexer_loss", f"must be >= 0, got {self.indexer_loss}")
 
+    @classmethod
+    def check_in_model(cls, cfg, *, spec, layer):
+        super().check_in_model(cfg, spec=spec, layer=layer)
+        if cfg.indexer == "shared":
+            for i in range(spec.n_layers):
+                if spec.layer(i) is layer:
+                    selection_source(spec, i)
+
     @staticmethod
     def shrink(cfg, *, head_dim: int = 8, **sizes) -> dict:
         """MLA's tiny copy plus 2 indexer heads of ``head_dim`` and a top-4 selection, so that short
@@ -217,31 +260,43 @@ class DSA(MLA):
 
     def __init__(self, cfg, *, d_model: int, layer, spec, index: int = 0):
         super().__init__(cfg, d_model=d_model, layer=layer, spec=spec, index=index)
-        self.indexer = LightningIndexer(d_model=d_model, q_dim=cfg.q_lora_rank, n_heads=cfg.index_n_heads,
-                                        head_dim=cfg.index_head_dim, rope_dim=cfg.qk_rope_head_dim,
-                                        topk=cfg.index_topk)
+        # The layer whose selection this one reuses (None: its own indexer selects), and whether a later
+        # layer reuses this one's (then the forward keeps it in ctx.shared).
+        self.source = selection_source(spec, index) if cfg.indexer == "shared" else None
+        later = spec.layer(index + 1).mixer if index + 1 < spec.n_layers else None
+        self.shares = later is not None and later.name == "dsa" and later.config.indexer == "shared"
+        if self.source is None:
+            self.indexer = LightningIndexer(d_model=d_model, q_dim=cfg.q_lora_rank, n_heads=cfg.index_n_heads,
+                                            head_dim=cfg.index_head_dim, rope_dim=cfg.qk_rope_head_dim,
+                                            topk=cfg.index_topk, interleaved=cfg.index_rope_layout == "pairs_to_half")
 
     # -- what this part states about itself ---------------------------------------------------------
     def new_state(self, batch, max_len, *, dtype=None, device=None) -> DSAState:
-        return DSAState(super().new_state(batch, max_len, dtype=dtype, device=device), IndexKeys(max_len))
+        keys = IndexKeys(max_len) if self.source is None else None
+        return DSAState(super().new_state(batch, max_len, dtype=dtype, device=device), keys)
 
     def cost(self, context: int) -> Cost:
         """MLA's attention over ``min(context, index_topk)`` keys, plus the indexer's scores over
         every key (``2 index_n_heads index_head_dim`` FLOPs per key for the dot products and
-        ``2 index_n_heads`` for weighting the heads); the state adds ``index_head_dim`` per token."""
+        ``2 index_n_heads`` for weighting the heads); the state adds ``index_head_dim`` per token.
+        A layer sharing another's selection has neither the indexer's FLOPs nor its keys."""
         dense = super().cost(context)
         per_key = dense.flops / context
-        index_per_key = 2 * self.indexer.n_heads * (self.indexer.head_dim + 1)
+        own = self.source is None
+        index_per_key = 2 * self.cfg.index_n_heads * (self.cfg.index_head_dim + 1) if own else 0
         topk = self.cfg.index_topk
-        D = self.indexer.head_dim
+        D = self.cfg.index_head_dim if own else 0
         return Cost(flops=per_key * keys_seen(context, topk) + index_per_key * context,
                     flops_mean=per_key * keys_seen(context, topk, mean=True) + index_per_key * (context + 1) / 2,
                     state_per_token=dense.state_per_token + D, state_at_context=dense.state_at_context + D * context)
 
     def facts(self) -> dict:
-        out = {**super().facts(), "attention": "MLA + DSA", "index_n_heads": self.indexer.n_heads,
-               "index_head_dim": self.indexer.head_dim, "index_topk": self.cfg.index_topk}
-        out["state_per_token"] += self.indexer.head_dim
+        out = {**super().facts(), "attention": "MLA + DSA", "index_n_heads": self.cfg.index_n_heads,
+               "index_head_dim": self.cfg.index_head_dim, "index_topk": self.cfg.index_topk}
+        if self.source is None:
+            out["state_per_token"] += self.cfg.index_head_dim
+        else:
+            out["indexer"] = f"shared: layer {self.source}'s selection"
         rows = []
         for context in (4096, 32768, 131072):
             dsa, mla = self.cost(context).flops, MLA.cost(self, context).flops
@@ -263,31 +318,44 @@ class DSA(MLA):
         else:
             cos = x.new_ones(B, T, self.rope // 2)
             sin = x.new_zeros(B, T, self.rope // 2)
-        # The indexer reads detached inputs: only its own loss trains it.
-        xi, qi = x.detach(), q_latent.detach()
-        keys = self.indexer.keys(xi, cos, sin)
+        own = self.source is None
+        if own:  # the indexer reads detached inputs: only its own loss trains it
+            xi, qi = x.detach(), q_latent.detach()
+            keys = self.indexer.keys(xi, cos, sin)
         q_idx = k_idx = ctx.slots
         if ctx.state is not None:
             state = ctx.state.layers[self.index]
             c, k_rope, k_idx = state.kv.update(c, k_rope, q_idx)
-            keys = state.keys.update(keys, q_idx)
+            if own:
+                keys = state.keys.update(keys, q_idx)
         key_mask = ctx.key_mask
         if key_mask is not None and k_idx is not q_idx:
             key_mask = key_mask[:, k_idx]
         visible = dense_mask(q_idx, k_idx, None, key_mask)  # (Tq, Tk) or (B, 1, Tq, Tk)
         visible = visible if visible.dim() == 4 else visible[None, None]
-        scores = self.indexer.scores(xi, qi, keys, cos, sin)
-        if c.shape[2] <= self.cfg.index_topk:  # every visible key is selected: this is MLA
+        if own:
+            scores = self.indexer.scores(xi, qi, keys, cos, sin)
+            # None while every visible key is selected; else each query's top-k (indices, allowed)
+            picked = None if c.shape[2] <= self.cfg.index_topk else self.indexer.top(scores, visible[:, 0])
+            if self.shares:
+                ctx.shared.setdefault("dsa_topk", {})[self.index] = picked
+        else:
+            made = ctx.shared.get("dsa_topk", {})
+            if self.source not in made:
+                raise RuntimeError(f"DSA layer {self.index} shares layer {self.source}'s top-k selection, which this "
+                                   "forward has not made: run the layers in order")
+            picked = made[self.source]
+        if picked is None:  # every visible key is selected: this is MLA
             mask = visible
             if ctx.state is not None and self.cfg.decode == "absorbed":
                 out = self.attend_absorbed(q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask)
             else:
                 out = self.attend_plain(q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask)
         else:  # gather each query's top-k latents and attend to those alone
-            idx, ok = self.indexer.top(scores, visible[:, 0])
+            idx, ok = picked
             out = self.attend_selected(q_nope, q_rope, c, k_rope, idx, ok)
-            mask = torch.zeros_like(visible[:, 0].expand_as(scores)).scatter_(-1, idx, ok)[:, None]
-        if self.training and self.cfg.indexer_loss > 0:
+            mask = torch.zeros_like(visible[:, 0].expand(B, -1, -1)).scatter_(-1, idx, ok)[:, None]
+        if own and self.training and self.cfg.indexer_loss > 0:
             target = self.attention_distribution(q_nope, q_rope, c, k_rope, mask)
             ctx.add_loss("dsa_indexer_kl", indexer_kl(target, scores, mask[:, 0].expand_as(scores)), self.cfg.indexer_loss)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))

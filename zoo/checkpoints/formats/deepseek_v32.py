@@ -18,6 +18,7 @@ from zoo.core.spec import ModelSpec
 
 INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
 INDEX_FIELDS = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}  # DeepseekV32Config's defaults
+DSA_ONLY = ("indexer_loss", "indexer", "index_rope_layout")  # the dsa mixer's settings MLA lacks (checked first)
 
 
 class DeepseekV32(DeepseekV3):
@@ -43,7 +44,7 @@ class DeepseekV32(DeepseekV3):
             raise f.error("mlp_layer_types", f"{f.get('mlp_layer_types')} is not first_k_dense_replace = {first} "
                                              "dense layers then sparse ones")
         if f.get("layer_types") not in (None, ["indexed_attention"] * L):
-            raise f.error("layer_types", "every layer of deepseek_v32 is 'indexed_attention'")
+            raise f.error("layer_types", f"every layer of {self.model_type} is 'indexed_attention'")
         index = {k: f.get(k, kind=int) for k in INDEX_FIELDS}
         data = spec.to_dict()
         for layer in data["layers"].values():
@@ -54,12 +55,15 @@ class DeepseekV32(DeepseekV3):
         mixers = {repr(spec.layer(i).mixer) for i in range(spec.n_layers)}
         dsa = spec.layer(0).mixer
         if dsa.name != "dsa" or len(mixers) > 1:
-            raise ValueError("deepseek_v32 has one DeepSeek Sparse Attention ('dsa') in every layer")
+            raise ValueError(f"{self.model_type} has one DeepSeek Sparse Attention ('dsa') in every layer")
         if spec.position.layout != "pairs_to_half":
-            raise ValueError("deepseek_v32 rotates with RoPE layout 'pairs_to_half'")
+            raise ValueError(f"{self.model_type} rotates with RoPE layout 'pairs_to_half'")
+        if dsa.config.indexer != "full" or dsa.config.index_rope_layout != "half":
+            raise ValueError(f"{self.model_type}'s every layer runs its own indexer (indexer 'full'), which rotates "
+                             "half-split (index_rope_layout 'half')")
         data = spec.to_dict()
         for layer in data["layers"].values():  # the MLA it is built on, for deepseek_v3's checks and fields
-            layer["mixer"] = {k: v for k, v in layer["mixer"].items() if k not in (*INDEX_FIELDS, "indexer_loss")}
+            layer["mixer"] = {k: v for k, v in layer["mixer"].items() if k not in (*INDEX_FIELDS, *DSA_ONLY)}
             layer["mixer"]["name"] = "mla"
         cfg = super().spec_to_config(ModelSpec.from_dict(data))
         cfg.pop("rope_interleave")

@@ -4,7 +4,14 @@ one part, as ``layers_block_type`` (or the older ``hybrid_override_pattern``) li
 - ``linear_attention`` (``M``): a Mamba-2 mixer, zoo's ``mamba2`` in a ``mixer_only`` block;
 - ``full_attention`` (``*``): GQA softmax attention with no position encoding and no biases, in a
   ``mixer_only`` block;
-- ``mlp`` (``-``): ``down(relu2(up(x)))``, zoo's ``mlp`` in an ``ffn_only`` block.
+- ``mlp`` (``-``): ``down(relu2(up(x)))``, zoo's ``mlp`` in an ``ffn_only`` block;
+- ``moe`` (``E``, Nemotron 3): ``n_routed_experts`` non-gated ``mlp_hidden_act`` experts, top
+  ``num_experts_per_tok`` of sigmoid scores with a selection bias (DeepSeek-V3's group-limited
+  routing, ``n_group`` / ``topk_group``, ``norm_topk_prob``, ``routed_scaling_factor``), plus one
+  shared expert of ``moe_shared_expert_intermediate_size`` (``n_shared_experts`` is not read); with
+  ``moe_latent_size`` a *latent* MoE, whose routed experts run on the token projected down to that
+  width and back up after them (``fc1_latent_proj`` / ``fc2_latent_proj``): zoo's ``moe`` with
+  ``latent_dim``, in an ``ffn_only`` block.
 
 The schedule becomes the spec's ``layer_pattern`` (its shortest period, or the whole list). Tensor
 names (transformers writes the ``backbone.`` prefix it reads)::
@@ -14,6 +21,8 @@ names (transformers writes the ``backbone.`` prefix it reads)::
     backbone.layers.{i}.mixer.{in_proj, conv1d, out_proj, norm}.weight, .conv1d.bias, .dt_bias, .A_log, .D
     backbone.layers.{i}.mixer.{q,k,v,o}_proj.weight
     backbone.layers.{i}.mixer.{up,down}_proj.weight
+    backbone.layers.{i}.mixer.gate.{weight, e_score_correction_bias}, .experts.{j}.{up,down}_proj.weight
+    backbone.layers.{i}.mixer.shared_experts.{up,down}_proj.weight, .{fc1,fc2}_latent_proj.weight
 
 What transformers 5.23 builds, read as it reads it:
 
@@ -29,8 +38,9 @@ What transformers 5.23 builds, read as it reads it:
   stand for the new ones, and the layer types ``mamba`` / ``attention`` for ``linear_attention`` /
   ``full_attention``, as transformers maps them.
 
-Not read: MoE layers (``moe``, ``E``: Nemotron 3's routed experts) and multi-token prediction
-(``num_nextn_predict_layers`` > 0) are refused by name.
+Not read: multi-token prediction (``num_nextn_predict_layers`` > 0; ``mtp_layers_block_type`` says
+its layers, which transformers 5.23 does not build) is refused by name; so is ``mlp_bias`` with MoE
+layers (zoo's stacked experts and their shared expert have no biases).
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ from typing import Any
 from zoo.checkpoints.common import activation, activation_name, pattern
 from zoo.checkpoints.format import CheckpointFormat, Fields
 from zoo.checkpoints.formats.mamba2 import MIXER_TENSORS, Mamba2Format
-from zoo.checkpoints.maps import ZOO_LAYER, ZOO_MIXER, rule
+from zoo.checkpoints.maps import ZOO_LAYER, ZOO_MIXER, rule, stacked_experts
 from zoo.core.spec import ModelSpec, SpecError
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
@@ -55,11 +65,9 @@ LEGACY_FIELDS = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "m
 #: to the MoE layers and MTP modules this format refuses when they are used.
 UNUSED = ("expand", "time_step_limit", "mamba_proj_bias", "attention_bias", "sliding_window", "residual_in_fp32",
           "rescale_prenorm_residual", "use_mamba_kernels", "num_logits_to_keep", "mamba_ssm_cache_dtype",
-          "n_routed_experts", "output_router_logits", "n_shared_experts", "moe_intermediate_size",
-          "moe_shared_expert_intermediate_size", "moe_latent_size", "moe_shared_expert_overlap", "num_experts_per_tok",
-          "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob", "mtp_layers_block_type",
+          "output_router_logits", "n_shared_experts", "moe_shared_expert_overlap", "mtp_layers_block_type",
           "mtp_hybrid_override_pattern", "num_hidden_layers")
-KINDS = {MAMBA: "mamba", ATTENTION: "attention", MLP: "mlp"}
+KINDS = {MAMBA: "mamba", ATTENTION: "attention", MLP: "mlp", MOE: "moe"}
 #: Spec paths (under ``layers.``, or within any layer kind) -> the config field they are read from.
 SPEC_FIELDS = {
     **{f"mamba.mixer.{k}": v for k, v in {
@@ -69,8 +77,13 @@ SPEC_FIELDS = {
         "dt_max": "time_step_max", "dt_floor": "time_step_floor"}.items()},
     "attention.mixer.n_heads": "num_attention_heads", "attention.mixer.n_kv_heads": "num_key_value_heads",
     "attention.mixer.head_dim": "head_dim", "mlp.ffn.d_ff": "intermediate_size",
+    "moe.ffn.n_experts": "n_routed_experts", "moe.ffn.top_k": "num_experts_per_tok", "moe.ffn.d_ff": "moe_intermediate_size",
+    "moe.ffn.shared_d_ff": "moe_shared_expert_intermediate_size", "moe.ffn.latent_dim": "moe_latent_size",
     "vocab_size": "vocab_size", "d_model": "hidden_size", "max_seq_len": "max_position_embeddings",
 }
+#: The MoE layers' fields (read, and changing nothing, where there are none).
+MOE_FIELDS = ("n_routed_experts", "moe_intermediate_size", "moe_shared_expert_intermediate_size", "moe_latent_size",
+              "num_experts_per_tok", "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob")
 H = "backbone.layers.{i}."
 
 
@@ -84,7 +97,10 @@ class NemotronH(CheckpointFormat):
                 "mamba_hidden_act": "silu", "n_groups": 8, "conv_kernel": 4, "chunk_size": 128,
                 "time_step_min": 0.001, "time_step_max": 0.1, "time_step_floor": 1e-4, "use_conv_bias": True,
                 "use_bias": False, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False,
-                "num_nextn_predict_layers": 0}
+                "num_nextn_predict_layers": 0, "n_routed_experts": 8, "moe_intermediate_size": 7688,
+                "moe_shared_expert_intermediate_size": 7688, "num_experts_per_tok": 2, "routed_scaling_factor": 1.0,
+                "n_group": 1, "topk_group": 1, "norm_topk_prob": True}
+    random_buffers = ("e_score_correction_bias",)  # the MoE routers' selection bias
     # Every kind of layer, attention after Mamba state and between MLPs; two groups of two heads, chunks
     # shorter than the test sequences, GQA with head_dim != hidden_size / heads. The step's lower clamp
     # (time_step_min) is put out of reach: transformers' one-token step ignores it, so its decoding departs
@@ -112,6 +128,13 @@ class NemotronH(CheckpointFormat):
             *[rule(f"{m}{p}_proj.weight", f"{ZOO_MIXER}{p}_proj.weight") for p in "qkvo"],
             rule(f"{m}up_proj.weight", f"{ZOO_LAYER}ffn.up.weight"), rule(f"{m}up_proj.bias", f"{ZOO_LAYER}ffn.up.bias"),
             rule(f"{m}down_proj.weight", f"{ZOO_LAYER}ffn.down.weight"), rule(f"{m}down_proj.bias", f"{ZOO_LAYER}ffn.down.bias"),
+            rule(f"{m}gate.weight", f"{ZOO_LAYER}ffn.router.weight"),
+            rule(f"{m}gate.e_score_correction_bias", f"{ZOO_LAYER}ffn.router.bias"),
+            *(stacked_experts(f"{m}experts.", spec.layers["moe"].ffn.n_experts, {"w_up": "up_proj", "w_down": "down_proj"})
+              if "moe" in spec.layers else []),
+            *[rule(f"{m}shared_experts.{p}_proj.weight", f"{ZOO_LAYER}ffn.shared.{p}.weight") for p in ("up", "down")],
+            *[rule(f"{m}fc{n}_latent_proj.{w}", f"{ZOO_LAYER}ffn.latent_{z}.{w}")
+              for n, z in ((1, "down"), (2, "up")) for w in ("weight", "bias")],
         ]
 
     # -- config -> spec ---------------------------------------------------------------------------
@@ -130,9 +153,6 @@ class NemotronH(CheckpointFormat):
             types, key = [MAMBA, MOE, ATTENTION, MLP], "layers_block_type"
         types = [LEGACY_TYPES.get(t, t) for t in types]
         for t in types:
-            if t == MOE:
-                raise f.error(key, "has MoE layers ('moe' / 'E', Nemotron 3's routed experts), which zoo's "
-                                   "nemotron_h format does not read yet")
             if t not in KINDS:
                 raise f.error(key, f"layer type {t!r} is not one of {sorted(KINDS)}")
         return types
@@ -168,6 +188,25 @@ class NemotronH(CheckpointFormat):
                 "name": "attention", "n_heads": f.require("num_attention_heads"),
                 "n_kv_heads": f.require("num_key_value_heads"), "head_dim": f.require("head_dim"),
             }, "norm": norm, "block": "mixer_only"}
+        if MOE in types:
+            if f.get("mlp_bias", False):
+                raise f.error("mlp_bias", "zoo's stacked experts and their shared expert have no biases")
+            latent = f.get("moe_latent_size", kind=int)
+            d_model = f.require("hidden_size")
+            if latent is not None and not 0 < latent < d_model:
+                raise f.error("moe_latent_size", f"{latent} does not fit: the latent projects the token down, so it "
+                                                 f"is narrower than hidden_size {d_model}")
+            expert = {"name": "mlp", "activation": activation(f, "mlp_hidden_act", "relu2"), "bias": False}
+            moe = {"name": "moe", "n_experts": f.require("n_routed_experts"), "top_k": f.require("num_experts_per_tok"),
+                   "d_ff": f.require("moe_intermediate_size"), "expert": expert,
+                   "router": {"name": "sigmoid_group", "n_groups": f.require("n_group"),
+                              "topk_group": f.require("topk_group")},
+                   "norm_topk_prob": f.get("norm_topk_prob", True),
+                   "routed_scaling": float(f.get("routed_scaling_factor", 1.0)),
+                   "shared_d_ff": f.require("moe_shared_expert_intermediate_size"), "latent_dim": latent}
+            layers["moe"] = {"mixer": "none", "ffn": moe, "norm": norm, "block": "ffn_only"}
+        for key in MOE_FIELDS:
+            f.get(key)
         if MLP in types:
             layers["mlp"] = {"mixer": "none", "ffn": {"name": "mlp", "d_ff": f.require("intermediate_size"),
                                      "activation": activation(f, "mlp_hidden_act", "relu2"),
@@ -195,6 +234,8 @@ class NemotronH(CheckpointFormat):
             layer = spec.layer(i)
             if layer.block.name == "ffn_only" and layer.ffn.name == "mlp":
                 kind, part = MLP, layer.ffn
+            elif layer.block.name == "ffn_only" and layer.ffn.name == "moe":
+                kind, part = MOE, layer.ffn
             elif layer.block.name == "mixer_only" and layer.mixer.name == "mamba2":
                 kind, part = MAMBA, layer.mixer
             elif layer.block.name == "mixer_only" and layer.mixer.name == "attention":
@@ -234,6 +275,23 @@ class NemotronH(CheckpointFormat):
             p = parts[MLP]
             cfg.update({"intermediate_size": p.d_ff, "mlp_hidden_act": activation_name(p.activation),
                         "mlp_bias": p.bias})
+        if MOE in parts:
+            m = parts[MOE]
+            act = activation_name(m.expert.activation)
+            if m.expert.name != "mlp" or (MLP in parts and act != cfg["mlp_hidden_act"]) or cfg.get("mlp_bias"):
+                raise ValueError("nemotron_h's experts are non-gated MLPs without biases, of the MLP layers' activation")
+            r = m.router
+            if r.name != "sigmoid_group" or not r.selection_bias or m.shared_d_ff is None or m.shared_gate \
+                    or m.latent_bias or any(getattr(m, k) for k in ("switch_loss", "switch_pooled_loss",
+                                                                    "sequence_loss", "device_loss", "z_loss")) \
+                    or m.bias_update != "none" or m.capacity_factor is not None:
+                raise ValueError("nemotron_h's MoE routes with 'sigmoid_group' and its selection bias, has an ungated "
+                                 "shared expert and no latent biases, balance losses, bias updates or capacity factor")
+            cfg.update({"n_routed_experts": m.n_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.d_ff,
+                        "moe_shared_expert_intermediate_size": m.shared_d_ff, "moe_latent_size": m.latent_dim,
+                        "n_group": r.n_groups, "topk_group": r.topk_group, "norm_topk_prob": m.norm_topk_prob,
+                        "routed_scaling_factor": m.routed_scaling, "mlp_hidden_act": act,
+                        "mlp_bias": cfg.get("mlp_bias", False)})
         return cfg
 
 
