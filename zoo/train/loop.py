@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from zoo.checkpoints.gguf import is_gguf
 from zoo.train.checkpointer import Checkpointer, checkpoints, full_state_dict, load_full_state_dict, read_checkpoint_state
 from zoo.train.config import MESH_DIMS, ParallelConfig, TrainConfig, TrainResult
 from zoo.train.data import TokenData, builtin_corpus, get_tokenizer, read_texts, tokenize
@@ -250,8 +251,9 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     if config.seq_len > spec.max_seq_len:
         raise ValueError(f"seq_len {config.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}")
     tok_source = config.tokenizer
-    if tok_source is None and config.init_from and (Path(config.init_from) / "tokenizer.json").is_file():
-        tok_source = config.init_from
+    if tok_source is None and config.init_from and (
+            is_gguf(config.init_from) or (Path(config.init_from) / "tokenizer.json").is_file()):
+        tok_source = config.init_from  # a GGUF file holds its tokenizer in its metadata
     tokenizer = get_tokenizer(tok_source)
     if tokenizer.vocab_size > spec.vocab_size:
         raise ValueError(
@@ -449,7 +451,12 @@ def export(model: nn.Module, spec: ModelSpec, path: Path, accelerator, *, sharde
             errors.append(f"{fmt}: {str(exc)[:120]}")
             continue
         if getattr(tokenizer, "path", None) is not None:
-            shutil.copy(tokenizer.path, Path(path) / "tokenizer.json")
+            if is_gguf(tokenizer.path):  # the tokenizer built from the file's metadata, and its chat template
+                tokenizer.tok.save(str(Path(path) / "tokenizer.json"))
+                if tokenizer.chat_template:
+                    (Path(path) / "chat_template.jinja").write_text(tokenizer.chat_template, encoding="utf-8")
+            else:
+                shutil.copy(tokenizer.path, Path(path) / "tokenizer.json")
         return Path(path)
     accelerator.print("no checkpoint format describes this model, so it was not exported with "
                       "zoo.save_pretrained; the training checkpoint holds its weights and spec "
