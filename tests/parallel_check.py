@@ -1,4 +1,4 @@
-"""What the torchrun tests of the parallel layouts (tests/test_tensor_parallel.py, tests/test_expert_parallel.py)
+"""What the torchrun tests of the parallel layouts (tests/train/test_tensor_parallel.py, tests/train/test_expert_parallel.py)
 share: helpers their scripts define (:data:`HELPERS`, Python source put into each script) and the launch of
 one script on four CPU processes (:func:`launch`)."""
 

@@ -17,7 +17,7 @@ The value columns are split into blocks of 64 (or 32) when that divides them and
 than 64, as in the gated delta kernel: no program holds a whole 256 x 256 state, which would not
 fit an H100's shared memory. ``dq`` and ``dk`` then get one share per block, summed in PyTorch.
 The launch configurations are chosen by the block sizes (:func:`_configs`) and autotuned among on
-a GPU (:mod:`zoo.components.kernels.tuning`); ``tests/test_kernels_fit.py`` compiles each for sm_90.
+a GPU (:mod:`zoo.components.kernels.tuning`); ``tests/kernels/test_kernels_fit.py`` compiles each for sm_90.
 
 Products run in fp32 (IEEE for fp32 inputs, TF32 tensor cores otherwise: the inputs were 16-bit).
 The grid is (batch x heads, value blocks): the first axis may hold 2^31 - 1 programs, the second

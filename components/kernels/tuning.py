@@ -1,7 +1,7 @@
 """Launch configurations chosen by shape, autotuned among on a GPU.
 
 A call site names the configurations (``(num_warps, num_stages)`` pairs) it may launch with for
-its block sizes: each one is compiled for sm_90 by ``tests/test_kernels_fit.py``, which checks
+its block sizes: each one is compiled for sm_90 by ``tests/kernels/test_kernels_fit.py``, which checks
 that it fits the block's shared memory. On a GPU :func:`launch` lets Triton's autotuner time them
 once per kernel, configuration list, block sizes and dtypes; elsewhere (the interpreter) the first
 one runs. Only kernels that do not read what they write are launched this way (the autotuner

@@ -157,7 +157,7 @@ class Fields:
 
         transformers' modelling code does not read a field its config class does not declare, so a
         field no reader asked for changes nothing in the model (each format reads every field of its
-        transformers config class: tests/test_released_configs.py checks it). ``strict=True``
+        transformers config class: tests/formats/test_released_configs.py checks it). ``strict=True``
         refuses such fields too, for whoever wants to hear of a misspelt or unfamiliar field. A
         dropout rate (any field named ``*dropout*`` or ``*_pdrop``) is off at inference and never
         changes the function, so it is accepted either way.

@@ -454,7 +454,7 @@ _MIXED: dict[type, tuple[str, ...]] = {}
 
 def contract_table() -> str:
     """The constructor contract and hooks of every module-like kind, as the markdown table in
-    docs/plugins.md (tests/test_contract.py checks that the two agree)."""
+    docs/plugins.md (tests/core/test_contract.py checks that the two agree)."""
     lines = ["| kind | base | built as | called as | hooks (default in the base) |", "|---|---|---|---|---|"]
     for kind, base in BASES.items():
         built = ", ".join(("config", *(f"{k}=" for k in base.CONTEXT)))

@@ -25,7 +25,7 @@ That is zoo's ``sequence_loss``. The batch-wide form (``seq_aux: false``) is ``1
 ``device_loss`` over ``n_devices`` groups of experts) has no field in this layout: the 16B release
 trains without it.
 
-transformers has no reference for this layout: ``tests/test_deepseek_moe.py`` checks zoo against an
+transformers has no reference for this layout: ``tests/formats/test_deepseek_moe.py`` checks zoo against an
 independent implementation of the release's equations, on tiny random weights.
 """
 

@@ -59,7 +59,7 @@ class Mamba2Format(CheckpointFormat):
                 "time_step_limit": [0.0, math.inf], "chunk_size": 256, "tie_word_embeddings": False}
     # Two groups of two heads, a chunk shorter than test sequences, biases everywhere, a dt limit reached.
     # Two groups of two heads, chunks shorter than the test sequences. (Biases and a dt limit that is
-    # reached are checked in tests/test_mamba2.py: transformers' padding leaks in_proj's bias into the
+    # reached are checked in tests/parts/test_mamba2.py: transformers' padding leaks in_proj's bias into the
     # convolution, and its one-token step ignores the limit.)
     tiny = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 8, "head_dim": 8,
             "expand": 2, "state_size": 16, "n_groups": 2, "conv_kernel": 4, "chunk_size": 8,

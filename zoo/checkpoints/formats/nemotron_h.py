@@ -104,7 +104,7 @@ class NemotronH(CheckpointFormat):
     # Every kind of layer, attention after Mamba state and between MLPs; two groups of two heads, chunks
     # shorter than the test sequences, GQA with head_dim != hidden_size / heads. The step's lower clamp
     # (time_step_min) is put out of reach: transformers' one-token step ignores it, so its decoding departs
-    # from its own forward where it binds (tests/test_nemotron_h.py checks zoo there).
+    # from its own forward where it binds (tests/formats/test_nemotron_h.py checks zoo there).
     tiny = {"vocab_size": 128, "hidden_size": 32, "layers_block_type": [MAMBA, MLP, ATTENTION, MAMBA, MLP, MAMBA],
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12, "intermediate_size": 48,
             "mamba_num_heads": 8, "mamba_head_dim": 8, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 8,

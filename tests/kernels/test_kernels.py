@@ -1,0 +1,349 @@
+"""Every fast kernel against its plain PyTorch reference, on the CPU under Triton's interpreter, in
+fp32: outputs and gradients, on shapes that are not multiples of the kernels' block sizes.
+
+Tolerances: the kernels compute in fp32 like the references but round and reduce in a different
+order, so results agree to a few ulps. Elementwise 1e-5 relative, and for elements that cancel to
+near 0 an absolute 1e-6 of the tensor's largest magnitude (an fp32 ulp is 6e-8 of it): any wrong
+term (a missing ``1 +``, a dropped soft-cap derivative, a wrong pair) is off by orders of magnitude.
+"""
+
+import json
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is defined: they then run on CPU tensors
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+import zoo  # noqa: E402
+from zoo.core import kernels  # noqa: E402
+from zoo.model.loss import lm_loss  # noqa: E402
+
+def close(a, b, rtol=1e-5, scale=1e-6, **kw):
+    torch.testing.assert_close(a, b, rtol=rtol, atol=scale * max(1.0, float(b.detach().abs().max())), **kw)
+
+
+def run_both(module, setting, make_inputs, call=None):
+    """Outputs and input/parameter gradients of ``module`` with ``setting`` forced and switched off."""
+    results, made = [], make_inputs()
+    for s in (setting, "off"):
+        module.zero_grad()
+        # same strides as made (the clone of a transposed view stays transposed)
+        inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in made]
+        torch.manual_seed(1)
+        with kernels.using(s):
+            out = (call or module)(*inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.manual_seed(2)
+        sum(o.mul(torch.randn(o.shape)).sum() for o in outs).backward()
+        grads = [t.grad for t in inputs if t.requires_grad] + [p.grad.clone() for p in module.parameters()]
+        results.append((outs, grads))
+    return results
+
+
+def check(module, setting, make_inputs, call=None, **tol):
+    (fast_out, fast_grad), (ref_out, ref_grad) = run_both(module, setting, make_inputs, call)
+    for a, b in zip(fast_out, ref_out):
+        close(a, b, **tol)
+    assert len(fast_grad) == len(ref_grad)
+    for a, b in zip(fast_grad, ref_grad):
+        close(a, b, **tol)
+
+
+def randomise(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+    return module
+
+
+@pytest.mark.parametrize("unit_offset,scale_in_fp32", [(False, False), (True, True), (True, False), (False, True)])
+def test_rmsnorm_matches_reference(unit_offset, scale_in_fp32):
+    norm = randomise(zoo.get("norm", "rmsnorm")(zoo.get("norm", "rmsnorm").Config(
+        unit_offset=unit_offset, scale_in_fp32=scale_in_fp32), dim=45))
+    check(norm, "rmsnorm:triton", lambda: [torch.randn(3, 7, 45) * 3])
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_layernorm_matches_reference(bias):
+    cls = zoo.get("norm", "layernorm")
+    norm = randomise(cls(cls.Config(bias=bias), dim=130))
+    check(norm, "layernorm:triton", lambda: [torch.randn(21, 130) + 2])
+
+
+def test_norm_backward_leaves_the_incoming_gradient_alone():
+    """Gemma 2's sandwich norms sit on the residual: the incoming gradient is reused by the skip
+    connection, so the backward must write its own output, never into ``dy``."""
+    from zoo.components.kernels.norms import rms_norm
+
+    x = torch.randn(5, 33, requires_grad=True)
+    w = torch.randn(33, requires_grad=True)
+    y = rms_norm(x, w, 1e-6, unit_offset=True, scale_in_fp32=True)
+    dy = torch.randn_like(y)
+    kept = dy.clone()
+    (dx,) = torch.autograd.grad(y, x, dy)
+    assert torch.equal(dy, kept)
+    assert dx.data_ptr() != dy.data_ptr()
+    # and through a residual h = x + norm(x), as in the block:
+    x.grad = None
+    ref_x = x.detach().clone().requires_grad_()
+    (x + rms_norm(x, w, 1e-6, unit_offset=True, scale_in_fp32=True)).backward(dy)
+    h = ref_x.float() * torch.rsqrt(ref_x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w.detach())
+    (ref_x + h).backward(dy)
+    close(x.grad, ref_x.grad)
+
+
+def rope_module(layout, fraction, head_dim=24):
+    cls = zoo.get("position", "rope")
+    rope = cls.__new__(cls)
+    torch.nn.Module.__init__(rope)
+    rope.cfg = cls.Config(layout=layout, rotary_fraction=fraction)
+    rope.head_dim, rope.dim = head_dim, cls.rotary_dim_for(rope.cfg, head_dim)
+    rope.scaling = None
+    rope._static = rope._frequencies(None)
+    return rope
+
+
+@pytest.mark.parametrize("layout,fraction", [("half", 1.0), ("interleaved", 1.0), ("half", 0.5), ("interleaved", 0.25)])
+def test_rope_matches_reference(layout, fraction):
+    rope = rope_module(layout, fraction)
+    # per-sequence positions (as with left padding); q and k as the attention makes them:
+    # transposed views, fewer key heads (GQA); 11 positions (not a multiple of the block)
+    positions = torch.stack([torch.arange(11), torch.arange(11).clamp(min=3) - 3])
+    state = rope.prepare(positions, torch.float32)
+
+    def inputs():
+        return [torch.randn(2, 11, 3, 24).transpose(1, 2), torch.randn(2, 11, 1, 24).transpose(1, 2)]
+
+    check(rope, "rope:triton", inputs, call=lambda q, k: rope.rotate(q, k, state))
+
+
+@pytest.mark.parametrize("ffn,activation", [("swiglu", None), ("geglu", "gelu"), ("geglu", "gelu_tanh"), ("reglu", None)])
+def test_gated_product_matches_reference(ffn, activation):
+    cls = zoo.get("ffn", ffn)
+    cfg = cls.Config(d_ff=37)
+    if activation:
+        cfg = cls.Config(d_ff=37, activation=zoo.Part("activation", "gelu", zoo.get("activation", "gelu").Config(
+            approximate="tanh" if activation == "gelu_tanh" else "none")))
+    module = randomise(cls(cfg, d_model=24))
+    check(module, "glu:triton", lambda: [torch.randn(3, 29, 24)])
+
+
+@pytest.mark.parametrize("softcap,z_loss,bias", [(None, 0.0, False), (5.0, 1e-2, True), (None, 1e-2, True)])
+def test_fused_linear_cross_entropy_matches_reference(softcap, z_loss, bias):
+    from zoo.components.kernels.cross_entropy import fused_linear_cross_entropy
+
+    torch.manual_seed(0)
+    h = torch.randn(13, 16, requires_grad=True)
+    w = torch.randn(1500, 16, requires_grad=True)  # 1500: two vocabulary blocks, the last partial
+    b = torch.randn(1500, requires_grad=True) if bias else None
+    labels = torch.randint(0, 1500, (13,))
+    labels[[3, 7]] = -100
+    params = [t for t in (h, w, b) if t is not None]
+
+    loss, ce, z = fused_linear_cross_entropy(h, w, labels, bias=b, softcap=softcap, z_loss=z_loss)
+    fast = torch.autograd.grad(loss, params)
+    logits = F.linear(h, w, b)
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    ref = lm_loss(logits, labels, z_loss=z_loss)
+    close(loss, ref.loss)
+    close(ce, ref.ce)
+    close(z, ref.z)
+    for a, r in zip(fast, torch.autograd.grad(ref.loss, params)):
+        close(a, r)
+
+
+def test_fused_loss_scales_with_the_incoming_gradient_and_skips_work_without_grad():
+    from zoo.components.kernels.cross_entropy import fused_linear_cross_entropy
+
+    h = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(50, 8, requires_grad=True)
+    labels = torch.randint(0, 50, (6,))
+    (g1,) = torch.autograd.grad(fused_linear_cross_entropy(h, w, labels)[0], h)
+    (g3,) = torch.autograd.grad(3 * fused_linear_cross_entropy(h, w, labels)[0], h)
+    close(g3, 3 * g1)
+    with torch.no_grad():
+        loss, ce, _ = fused_linear_cross_entropy(h, w, labels)
+    close(loss, F.cross_entropy(h.detach() @ w.detach().T, labels))
+
+
+def test_fused_loss_applies_the_head_logit_scale():
+    """Grok-1's output multiplier scales the logits before the loss: the fused loss (which never
+    forms them) takes it too, in the loss and in every gradient."""
+    from zoo.components.kernels.cross_entropy import decoder_loss
+
+    model = tiny("grok-1", **{"layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.n_experts": 4})
+    assert model.spec.head.scale == 3 ** -0.5
+    h = torch.randn(2, 7, 32, requires_grad=True)
+    labels = torch.randint(0, 150, (2, 7))
+    fast = decoder_loss(model, h, labels, z_loss=1e-3)[0]
+    ref = lm_loss(model.logits_from_hidden(h), labels, z_loss=1e-3).loss
+    close(fast, ref)
+    w = model.embed.weight
+    for a, b in zip(torch.autograd.grad(fast, [h, w]), torch.autograd.grad(ref, [h, w])):
+        close(a, b)
+
+
+def tiny(name, **over):
+    base = {"layers.*.mixer.head_dim": 16, "layers.*.ffn.d_ff": 72}
+    return zoo.build(name, n_layers=2, d_model=32, vocab_size=150, seed=0, overrides={**base, **over})
+
+
+def spy_on_fast_paths(monkeypatch):
+    ran = []
+    real = kernels.implementation
+
+    def recording(component, backend):
+        ran.append(component)
+        return real(component, backend)
+
+    monkeypatch.setattr(kernels, "implementation", recording)
+    return ran
+
+
+@pytest.mark.parametrize("name,over", [
+    # Gemma 2: 1 + w norms in fp32, sandwich blocks, GeGLU (tanh), tied head, final soft-cap 30
+    ("gemma2-2b", {"layers.local.mixer.window": 4}),
+    # Llama 3: GQA, SwiGLU, untied head, llama3 RoPE scaling; z-loss on
+    ("llama3-8b", {"layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 2, "z_loss": 1e-3}),
+])
+def test_model_loss_and_gradients_with_every_fast_path(monkeypatch, name, over):
+    model = tiny(name, **over)
+    ids = torch.randint(0, 150, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :2] = 0  # left padding: ignored labels, per-sequence positions
+    with kernels.using("off"):
+        ref = model.loss(ids, attention_mask=mask)
+    ref_grads = torch.autograd.grad(ref.loss, list(model.parameters()))
+    ran = spy_on_fast_paths(monkeypatch)
+    with kernels.using("triton"):
+        out = model.loss(ids, attention_mask=mask)
+    grads = torch.autograd.grad(out.loss, list(model.parameters()))
+    assert {"rmsnorm", "rope", "glu", "loss"} <= set(ran)
+    close(out.loss, ref.loss)
+    close(out.ce, ref.ce)
+    close(out.z, ref.z)
+    for (n, _), a, r in zip(model.named_parameters(), grads, ref_grads):
+        close(a, r, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_fused_loss_with_a_padded_vocabulary():
+    model = tiny("llama3-8b", **{"embedding.padded_vocab_size": 160})
+    ids = torch.randint(0, 150, (2, 7))
+    with kernels.using("off"):
+        ref = model.loss(ids)
+    with kernels.using("loss:triton"):
+        out = model.loss(ids)
+    close(out.loss, ref.loss)
+    w = model.lm_head.weight
+    (g_ref,) = torch.autograd.grad(ref.loss, w)
+    (g,) = torch.autograd.grad(out.loss, w)
+    close(g, g_ref)
+    assert g[150:].abs().max() == 0
+
+
+def test_flex_attention_forward_matches_eager_with_softcap_window_gqa_and_padding():
+    # FlexAttention has no backward on the CPU: its gradients are checked on CUDA by the benchmark.
+    model = tiny("gemma2-2b", **{"layers.local.mixer.window": 3, "layers.*.mixer.n_heads": 4,
+                                 "layers.*.mixer.n_kv_heads": 2}).eval()
+    ids = torch.randint(0, 150, (2, 11))
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        for m in (None, mask):
+            with kernels.using("off"):
+                ref = model(ids, attention_mask=m)
+            with kernels.using("attention:flex"):
+                out = model(ids, attention_mask=m)
+            keep = slice(None) if m is None else m.bool()
+            close(out[keep], ref[keep])
+
+
+def _gpu_benchmark():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_kernels.py"
+    spec = importlib.util.spec_from_file_location("gpu_kernels", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_gpu_benchmark_dry_run_exercises_the_script(tmp_path):
+    """benchmarks/gpu_kernels.py needs a GPU to measure; its dry run checks it runs end to end and
+    writes its JSON and markdown table."""
+    bench = _gpu_benchmark()
+    out = tmp_path / "gpu.json"
+    result = bench.main(bench.parse_args(["--dry-run", "--only", "rmsnorm,loss,train", "--layers", "1", "--repeats", "1",
+                                          "--json", str(out), "--markdown", str(tmp_path / "gpu.md")]))
+    assert [r["kernel"] for r in result["kernels"]] == ["rmsnorm", "rmsnorm (Gemma 1+w)", "loss (linear + CE)"]
+    assert all(r["max_rel_error"] < 2e-5 for r in result["kernels"]), result["kernels"]
+    assert result["train"]["tokens_per_step"] == 16
+    assert json.loads(out.read_text())["kernels"][0]["kernel"] == "rmsnorm"
+    table = (tmp_path / "gpu.md").read_text().splitlines()
+    assert table[0].startswith("cpu (dry run") and table[2].startswith("| kernel |")
+    assert [line.split(" | ")[0] for line in table[4:7]] == ["| rmsnorm", "| rmsnorm (Gemma 1+w)", "| loss (linear + CE)"]
+    assert any(line.startswith("Training step (llama3-8b x1 layers, 16 tokens)") for line in table)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the check would run for minutes")
+def test_gpu_check_script_stops_without_a_gpu(tmp_path):
+    """benchmarks/gpu_check.sh runs as written: without a GPU it stops before anything else, saying why."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.sh"
+    done = subprocess.run(["sh", str(script), str(tmp_path / "out")], capture_output=True, text=True)
+    assert done.returncode != 0 and "no CUDA device" in done.stderr
+    assert (tmp_path / "out").is_dir() and not (tmp_path / "out" / "pytest.txt").exists()
+
+
+def test_gpu_benchmark_without_a_gpu_says_so(monkeypatch):
+    bench = _gpu_benchmark()
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        bench.main(bench.parse_args(["--only", "rmsnorm"]))
+
+
+def test_fused_loss_and_rope_follow_autocast_like_the_reference():
+    from zoo.components.kernels.cross_entropy import fused_linear_cross_entropy
+
+    h = torch.randn(9, 16, requires_grad=True)
+    w = torch.randn(200, 16, requires_grad=True)
+    labels = torch.randint(0, 200, (9,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast = fused_linear_cross_entropy(h, w, labels)[0]
+        ref = lm_loss(F.linear(h, w), labels).loss
+        rope = rope_module("half", 1.0)
+        state = rope.prepare(torch.arange(5)[None], torch.float32)
+        q = torch.randn(1, 2, 5, 24, dtype=torch.bfloat16)
+        with kernels.using("rope:triton"):
+            rotated = rope.rotate(q, q, state)[0]
+    assert rotated.dtype == rope._rotate(q, *state).dtype == torch.float32
+    close(fast, ref, rtol=1e-3)  # both from the same bf16 logits; only the summation order differs
+    close(torch.autograd.grad(fast, w)[0], torch.autograd.grad(ref, w)[0], rtol=1e-2, scale=1e-2)
+
+
+def test_fused_loss_adds_the_auxiliary_losses_as_the_reference_does(monkeypatch):
+    """A part's auxiliary loss (the toy MoE's balance term) is in the total on the fused path too."""
+    assert zoo.load_plugin("toy_plugin").error is None
+    import toy_plugin
+
+    model = zoo.build(toy_plugin.SPEC, seed=0)
+    ids = torch.randint(0, 64, (2, 9))
+    with kernels.using("off"):
+        ref = model.loss(ids)
+    ran = spy_on_fast_paths(monkeypatch)
+    with kernels.using("loss:triton"):
+        out = model.loss(ids)
+    assert "loss" in ran and set(out.aux) == {"moe_balance"}
+    close(out.aux["moe_balance"], ref.aux["moe_balance"])
+    close(out.loss, ref.loss)
+    close(out.loss, out.ce + 0.01 * out.aux["moe_balance"])
+    router = model.layers[1].ffn.router.weight
+    close(torch.autograd.grad(out.loss, router)[0], torch.autograd.grad(ref.loss, router)[0])
