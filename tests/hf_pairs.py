@@ -20,8 +20,11 @@ def own(kind: str, *, installed: bool = False) -> set[str]:
     manager = zoo.manager()
 
     def counted(name):
-        info = manager.plugins.get(manager.provider_of(kind, name))
-        return info is None or info.builtin or (installed and bool(info.distribution))
+        provider = manager.provider_of(kind, name)
+        info = manager.plugins.get(provider)
+        if info is None:  # registered outside any plugin: zoo's own only if a built-in provider
+            return provider in manager.builtin_plugins
+        return info.builtin or (installed and bool(info.distribution))
 
     return {n for n in zoo.list_components(kind) if counted(n)}
 

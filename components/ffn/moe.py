@@ -293,7 +293,7 @@ class MoE(FFN):
         return Cost(active_params=rest + self.cfg.top_k * per_expert)
 
     #: The stacked experts, split by expert over the ``ep`` processes under expert parallelism.
-    expert_parameters = ("w_gate", "w_up", "w_down")
+    expert_parameters = ("experts.w_gate", "experts.w_up", "experts.w_down")
 
     def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
         """Per token: the router's; for each of its ``top_k`` copies, the copy dispatched, the expert's

@@ -172,7 +172,7 @@ def test_the_export_streamed_from_shards_equals_the_export_of_the_gathered_model
     final, gathered = runs / "fsdp2xtp2" / "final", runs / "gathered"
     names = sorted(p.name for p in gathered.iterdir())
     assert names == ["config.json", "model.safetensors"]
-    assert sorted(p.name for p in final.iterdir()) == names
+    assert sorted(p.name for p in final.iterdir() if p.name in names) == names  # and the run's tokenizer
     for name in names:
         assert (final / name).read_bytes() == (gathered / name).read_bytes(), name
     back = zoo.from_pretrained(str(final))

@@ -31,11 +31,6 @@ def test_sizes_multiply_to_the_processes_or_the_error_names_what_to_change():
         ParallelConfig(tp="x").sizes(8)
 
 
-def test_expert_parallelism_is_refused_until_the_experts_have_a_dispatch():
-    with pytest.raises(NotImplementedError, match="not supported yet.*docs/training.md"):
-        TrainConfig(parallel=ParallelConfig(ep=4)).check()
-
-
 def test_activation_checkpointing_settings():
     assert ParallelConfig().checkpointed(4) == []
     assert ParallelConfig(ac="block").checkpointed(4) == [0, 1, 2, 3]

@@ -65,8 +65,12 @@ def _gathered_export(spec, weights, path, model_type):
 
 
 def _same_files(a, b):
-    names = sorted(p.name for p in a.iterdir())
-    assert names == sorted(p.name for p in b.iterdir())
+    """The same weight files and config, byte for byte (a run's export also carries its tokenizer)."""
+    def weights(d):
+        return sorted(p.name for p in d.iterdir() if p.name == "config.json" or p.name.startswith("model"))
+
+    names = weights(a)
+    assert names == weights(b)
     for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 

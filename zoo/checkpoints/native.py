@@ -85,7 +85,7 @@ def _is_hf_config(path: Path) -> bool:
         return False
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # not a config: the recipe reader names why
         return False
     return isinstance(data, dict) and "model_type" in data
 

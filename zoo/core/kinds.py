@@ -139,8 +139,8 @@ class Part(Kernels, nn.Module):
         (its fast paths differ). Default None: the part does not say, and the figure names it."""
         return None
 
-    #: Called by ``zoo.tools.memory``: names of this part's own parameters stacked by expert on dim 0 (a
-    #: mixture of experts' ``w_up``), which expert parallelism splits over the ``ep`` processes.
+    #: Called by ``zoo.tools.memory``: names (relative to this part) of its parameters stacked by expert
+    #: on dim 0 (a mixture of experts' ``experts.w_up``), which expert parallelism splits over ``ep``.
     expert_parameters: ClassVar[tuple[str, ...]] = ()
 
     #: Called by ``zoo.core.precision``: attribute names of tensors that stay float32 when the model

@@ -105,6 +105,8 @@ def _units(model: nn.Module) -> list[tuple[str, list[tuple[nn.Module, str, torch
     """FSDP2's units as zoo wraps them: the root holding what no block holds, then one per block; each a
     list of (owning module, parameter name, parameter), every parameter once."""
     seen: set[int] = set()
+    # each parameter's nearest enclosing part, and its name there (``experts.w_up`` of an MoE)
+    nearest = {id(p): (part, n) for part in model.modules() if is_part(part) for n, p in part.named_parameters()}
 
     def params(modules):
         out = []
@@ -112,7 +114,7 @@ def _units(model: nn.Module) -> list[tuple[str, list[tuple[nn.Module, str, torch
             for n, p in m.named_parameters(recurse=False):
                 if id(p) not in seen:
                     seen.add(id(p))
-                    out.append((m, n, p))
+                    out.append((*nearest.get(id(p), (m, n)), p))
         return out
 
     in_layers = {id(m) for layer in model.layers for m in layer.modules()}
