@@ -50,7 +50,7 @@ def test_the_routed_experts_run_between_the_latent_projections(pair):
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(4))
     flat = x.reshape(-1, 32)
     r = moe.route(flat)
-    routed = moe.latent_up(moe.experts(moe.latent_down(flat), r.indices, r.weights)[0])
+    routed = moe.latent_up(moe.routed(moe.latent_down(flat), r.indices, r.weights)[0])
     assert torch.allclose(moe(x).reshape(-1, 32), routed + moe.shared(flat), atol=1e-6)
 
 
