@@ -495,9 +495,7 @@ def export(checkpoint: Path, path: Path, *, model_type: Optional[str] = None, to
             if model_type:
                 raise
             errors.append(f"{fmt}: {str(exc)[:120]}")
-    # zoo's own layout is one safetensors file of the whole model: assembled here, on this host
-    plain.load_state_dict({name: weights[name] for name in plain.state_dict()}, assign=True)
-    save_native(plain, path)
+    save_native(plain, path, state=weights)  # zoo's own layout, streamed as the HF formats are
     save_tokenizer(plain, path, tokenizer)
     log(f"no Hugging Face checkpoint format describes this model ({'; '.join(errors[:2])}); "
         f"wrote it in zoo's own layout to {path} (spec.toml, model.safetensors), which zoo.from_pretrained loads")
