@@ -98,6 +98,38 @@ class ParallelConfig:
     def check(self) -> None:
         self.checkpointed(1)
 
+    def with_accelerate(self, env: Optional[dict[str, str]] = None) -> "ParallelConfig":
+        """These settings with the sizes of an accelerate config's ``parallelism_config`` (which
+        ``accelerate launch`` passes as ``PARALLELISM_CONFIG_*`` variables): its ``dp_replicate_size``,
+        ``dp_shard_size`` and ``tp_size`` become ``dp_replicate``, ``dp_shard`` and ``tp``. Sizes set in
+        zoo's own ``parallel`` settings too must agree with it, or the error names both. Context and
+        sequence parallelism (``cp_size``, ``sp_size`` above 1) are refused: zoo has neither."""
+        env = os.environ if env is None else env
+        if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+            return self
+        sizes = {}
+        for theirs, ours in (("DP_REPLICATE", "dp_replicate"), ("DP_SHARD", "dp_shard"), ("TP", "tp"),
+                             ("CP", None), ("SP", None)):
+            key = f"PARALLELISM_CONFIG_{theirs}_SIZE"
+            try:
+                size = int(env.get(key, "1"))
+            except ValueError:
+                raise ValueError(f"the accelerate config's parallelism_config_{theirs.lower()}_size ({key}) "
+                                 f"must be an integer, got {env[key]!r}") from None
+            if ours is None:
+                if size > 1:
+                    raise ValueError(f"the accelerate config sets parallelism_config_{theirs.lower()}_size = {size}, "
+                                     f"but zoo has no {'context' if theirs == 'CP' else 'sequence (Ulysses)'} "
+                                     "parallelism; set it to 1 (zoo's tensor parallelism shards the sequence "
+                                     "between blocks: parallelism_config_tp_size or parallel.tp)")
+                continue
+            mine, default = getattr(self, ours), getattr(ParallelConfig, ours)
+            if mine != default and mine != size:
+                raise ValueError(f"parallel.{ours} = {mine} in zoo's settings, but the accelerate config's "
+                                 f"parallelism_config_{theirs.lower()}_size = {size}; set one of them, or make them agree")
+            sizes[ours] = size
+        return dataclasses.replace(self, **sizes)
+
     def check_model(self, spec: Any) -> None:
         """Refuse, naming the field, an ``ep`` the model ``spec`` cannot split its experts over: ``ep`` > 1
         needs an FFN that shards its experts (``parallelize_experts``, as the ``moe`` FFN does), and must

@@ -248,7 +248,11 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
                                   "pip install 'zoo-lm[train]'", name="accelerate") from None
 
     config = dataclasses.replace(config or TrainConfig(), **fields)
+    config = dataclasses.replace(config, parallel=config.parallel.with_accelerate())
     config.check()
+    # zoo builds its own meshes from those sizes: Accelerate's own mesh (from its parallelism_config)
+    # refuses CPU processes, and its FSDP2 + TP path does not run with this transformers.
+    os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
     # The scheduler steps once per optimizer step, whatever the number of processes.
     acc = Accelerator(mixed_precision=_mixed_precision(config), cpu=_on_cpu(config), step_scheduler_with_optimizer=False)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
