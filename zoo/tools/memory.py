@@ -22,8 +22,8 @@ mixed precision):
 - **activations**: what each block's parts report they keep for backward
   (:meth:`~zoo.core.kinds.Part.activation_bytes`), per token, times the micro-batch's tokens; a
   checkpointed block keeps its input only, and one block at a time is recomputed in backward;
-- **logits and loss**: the head's input, the logits (gathered whole under tensor parallelism) and the
-  float32 log-probabilities the cross-entropy keeps.
+- **logits and loss**: the head's input, the logits (this process's vocabulary columns under tensor
+  parallelism) and the float32 log-probabilities the cross-entropy keeps.
 
 Not counted: the allocator's fragmentation, communication buffers beyond FSDP2's, the CUDA context, and
 the decode state (none in training).
@@ -220,8 +220,9 @@ def plan(
     V = spec.vocab_size
     softcap = c * V if spec.head.softcap else 0  # the tanh the soft-cap keeps
     # the head's input (gathered under tensor parallelism), the float32 logits and log-probabilities the
-    # cross-entropy keeps, the soft-cap's tanh; the final norm's; the token ids the embedding keeps
-    logits = (spec.d_model * c + 8 * V + softcap + 16 + final_norm) * tokens
+    # cross-entropy keeps and the soft-cap's tanh (this process's vocabulary columns under tensor
+    # parallelism: the loss is vocabulary-parallel); the final norm's; the token ids the embedding keeps
+    logits = (spec.d_model * c + (8 * V + softcap) / tp + 16 + final_norm) * tokens
 
     # -- in flight -----------------------------------------------------------------------------------
     block = max((gathered[u] for u in gathered if u != "root"), default=0)
