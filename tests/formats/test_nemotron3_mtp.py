@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 import zoo
 from zoo.checkpoints import ConfigError, config_to_spec
 from zoo.core.context import ForwardContext
+from zoo.core.spec import SpecError
 from zoo.core.state import step_layout
 from zoo.inference.speculative import SpeculationStats
 
@@ -214,6 +215,10 @@ def test_a_mamba2_state_truncated_is_the_state_of_the_tokens_kept(model):
         torch.testing.assert_close(b.ssm, a.ssm, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="cannot drop slot 6"):
         two.truncate(6)  # the undo was spent
+    long = model.new_state(1, 16)
+    model(ids_of(1, 9), state=long)  # a prefill longer than Mamba2State.KEEP keeps nothing to undo
+    with pytest.raises(ValueError, match="cannot drop slot 8 .* 2 to 8 tokens"):
+        long.truncate(8)
 
 
 def test_a_checkpoint_without_the_module_loads_the_main_model(checkpoint, tmp_path):
@@ -245,6 +250,15 @@ def config(**over):
 def test_bad_mtp_fields_are_refused_naming_the_field(over, field):
     with pytest.raises(ConfigError, match=field):
         config_to_spec(config(**over))
+
+
+@pytest.mark.parametrize("layer, path", [(["attention", "dense"], "mtp.layer[1]"), ([], "mtp.layer")])
+def test_a_bad_list_of_mtp_layer_kinds_names_the_entry(layer, path):
+    spec = config_to_spec(config()).to_dict()
+    spec["mtp"]["layer"] = layer
+    with pytest.raises(SpecError) as err:
+        zoo.ModelSpec.from_dict(spec)
+    assert err.value.path == path
 
 
 def test_the_legacy_pattern_is_read_where_the_list_is_the_default():
