@@ -192,8 +192,6 @@ class Mamba2(Mixer):
         return self.out_proj(y.to(u.dtype))
 
 
-
-
 class Mamba2State(FixedState):
     """Mamba-2's decode state (``conv``, ``ssm``), which can forget the tokens of its last update when
     that update took several tokens and at most :attr:`KEEP` (speculative decoding feeds the main model

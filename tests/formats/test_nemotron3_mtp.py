@@ -262,6 +262,8 @@ def config(**over):
 @pytest.mark.parametrize("over, field", [
     ({"mtp_layers_block_type": ["full_attention", "sliding_attention"]}, "mtp_layers_block_type"),
     ({"mtp_layers_block_type": []}, "mtp_layers_block_type"),
+    ({"mtp_layers_block_type": [{"type": "moe"}]}, "mtp_layers_block_type"),
+    ({"mtp_layers_block_type": "*E"}, "mtp_layers_block_type"),
     ({"mtp_hybrid_override_pattern": "*X"}, "mtp_hybrid_override_pattern"),
     ({"layers_block_type": ["linear_attention", "full_attention", "mlp"]}, "mtp_layers_block_type"),  # no moe layer
     ({"num_nextn_predict_layers": 2}, "num_nextn_predict_layers"),

@@ -44,9 +44,8 @@ def mtp_rules(rules: list, spec, layout: MTPLayout = DEEPSEEK, *, hf_layer: str 
               zoo_layer: str = "layers.{i}.") -> list:
     """The weight-name rules of the MTP modules, derived from a format's own per-layer ``rules``:
     depth d's block (or blocks, ``block.{j}``) under the names a main layer uses (``hf_layer`` moved to
-    ``layout.block``),
-    beside its enorm, hnorm, eh_proj and head norm (and, in DeepSeek's layout, the copies of the
-    embedding, ``embed_tokens``, and of the head, ``shared_head.head``).
+    ``layout.block``), beside its enorm, hnorm, eh_proj and head norm (and, in DeepSeek's layout, the
+    copies of the embedding, ``embed_tokens``, and of the head, ``shared_head.head``).
 
     Returns the rules to put *before* the format's own (so that on loading, the main embedding and
     head, read after their copies, are the ones kept). Empty when the spec has no MTP.

@@ -180,6 +180,8 @@ class NemotronH(CheckpointFormat):
         ``mtp_layers_block_type`` layers, read as transformers reads them."""
         key = "mtp_layers_block_type"
         listed = f.get(key, kind=list)
+        if listed is not None and not all(isinstance(t, str) for t in listed):
+            raise f.error(key, f"must list layer type names, got {listed!r}")
         text = f.get("mtp_hybrid_override_pattern", kind=str)
         mtp = read_mtp(f)
         if listed is None or [LEGACY_TYPES.get(t, t) for t in listed] == MTP_DEFAULT:
