@@ -128,12 +128,13 @@ class Mamba2(Mixer):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
 
     # -- what this part states about itself -------------------------------------------------------
-    def new_state(self, batch, max_len, *, dtype, device) -> FixedState:
+    def new_state(self, batch, max_len, *, dtype, device) -> "Mamba2State":
         """The last ``conv_kernel`` convolution inputs (B, conv_dim, K) in the model's dtype and the SSM
-        state (B, H, N, P) in float32: of fixed size whatever the length."""
+        state (B, H, N, P) in float32: of fixed size whatever the length (and able to drop the tokens of
+        its last short update: :class:`Mamba2State`)."""
         cfg = self.cfg
-        return FixedState(batch, device, conv=((self.conv_dim, cfg.conv_kernel), dtype),
-                                    ssm=((cfg.n_heads, cfg.state_size, cfg.head_dim), torch.float32))
+        return Mamba2State(batch, device, conv=((self.conv_dim, cfg.conv_kernel), dtype),
+                           ssm=((cfg.n_heads, cfg.state_size, cfg.head_dim), torch.float32))
 
     def cost(self, context: int) -> Cost:
         """Per token: the convolution (``2 * conv_dim * conv_kernel``), the state update and read-out
@@ -159,6 +160,10 @@ class Mamba2(Mixer):
         z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, H], -1)
         if mask is not None:
             xBC = xBC * mask[..., None].to(xBC.dtype)
+        keep = state is not None and 1 < T <= Mamba2State.KEEP  # an update truncate() can undo in part
+        before = (ctx.slots, state.get(Bsz)[0].clone(), state.get(Bsz)[1].clone(), xBC) if keep else None
+        if state is not None and state.undo is not None:
+            state.undo = None
         xBC = self.conv1d(xBC, state.get(Bsz)[0] if state is not None else None)  # then SiLU
         x, Bm, Cm = xBC.split([self.d_inner, G * N, G * N], -1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(cfg.dt_limit_min, cfg.dt_limit_max)
@@ -180,8 +185,42 @@ class Mamba2(Mixer):
             y, S_new = run(q, k, v, log_decay, S, chunk=chunk)
         if state is not None:
             S.copy_(S_new)
+        if keep:
+            state.undo = (*before, k, v, log_decay)
         y = y.transpose(1, 2) + self.D.float()[:, None] * x  # (B, T, H, P), the D skip
         y = self.norm(y.reshape(Bsz, T, self.d_inner), z)
         return self.out_proj(y.to(u.dtype))
 
 
+class Mamba2State(FixedState):
+    """Mamba-2's decode state (``conv``, ``ssm``), which can forget the tokens of its last update when
+    that update took several tokens and at most :attr:`KEEP` (speculative decoding feeds the main model
+    two and may drop the second): it keeps the state from before that update and the update's
+    convolution inputs and SSM terms, and :meth:`truncate` steps the recurrence again over the tokens
+    that stay, as single-token decoding would have."""
+
+    KEEP = 8
+
+    def __init__(self, batch, device, **tensors):
+        super().__init__(batch, device, **tensors)
+        # (slots, conv before, ssm before, convolution inputs (B, T, C), k (B, H, T, N), v (B, H, T, P),
+        # log decay (B, H, T)) of the last update, when it can be undone
+        self.undo = None
+
+    def truncate(self, n: int) -> None:
+        if self.undo is None:
+            raise ValueError(f"this Mamba-2 state cannot drop slot {n} and later: only slots that its last update "
+                             f"wrote with 2 to {self.KEEP} tokens at once can be dropped")
+        slots, conv, ssm, inputs, k, v, log_decay = self.undo
+        first, T = int(slots[0]), len(slots)
+        if n >= first + T:
+            return
+        if n < first:
+            raise ValueError(f"this Mamba-2 state cannot drop slot {n} and later: its last update began at slot {first}")
+        m = n - first
+        S = ssm
+        for t in range(m):
+            S = recurrent.step(k[:, :, t], k[:, :, t], v[:, :, t], log_decay[:, :, t], S)[1]
+        self.ssm.copy_(S)
+        self.conv.copy_(torch.cat([conv, inputs[:, :m].transpose(1, 2).to(conv.dtype)], -1)[..., -conv.shape[-1]:])
+        self.undo = None
