@@ -104,6 +104,13 @@ def summed(t):
     return t
 '''
 
+# A tiny MoE model's overrides, and zoo.train's settings on it: 3 steps of 4 micro-batches of 2 sequences of 32
+MOE_SETS = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.mixer.n_heads": 4,
+            "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.d_ff": 32, "layers.*.ffn.n_experts": 4,
+            "layers.*.ffn.top_k": 2}
+MOE_TRAIN = dict(overrides=MOE_SETS, steps=3, seq_len=32, global_batch=8, micro_batch=2, lr=3e-3, warmup_steps=1,
+                 seed=1, cpu=True, progress=False, plot=False, export=False)
+
 
 def assert_within(errors: dict, bound: float, what: str) -> None:
     """Every tensor of ``errors`` (a report's ``compare``) within ``bound`` multiples of float32's own error."""

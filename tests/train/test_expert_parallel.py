@@ -19,7 +19,7 @@ import pytest
 import zoo
 from zoo.train.config import ParallelConfig, TrainConfig
 
-from parallel_check import HELPERS, MOE_HELPERS, assert_within, launch
+from parallel_check import HELPERS, MOE_HELPERS, MOE_SETS as SETS, MOE_TRAIN as TRAIN, assert_within, launch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -121,11 +121,6 @@ MODELS = ["deepseek-v3", "qwen3-moe"]
 LAYOUTS = {"ep2": {"dp_replicate": 2, "dp_shard": 1, "ep": 2, "steps": 1},
            "ep4": {"dp_shard": 1, "ep": 4, "steps": 1},
            "fsdp_ep": {"dp_shard": 2, "ep": 2, "ac": "block", "steps": 3}}
-SETS = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.mixer.n_heads": 4,
-        "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.d_ff": 32, "layers.*.ffn.n_experts": 4,
-        "layers.*.ffn.top_k": 2}
-TRAIN = dict(overrides=SETS, steps=3, seq_len=32, global_batch=8, micro_batch=2, lr=3e-3, warmup_steps=1, seed=1,
-             cpu=True, progress=False, plot=False, export=False)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import pytest
 
 import zoo
 
-from parallel_check import HELPERS, MOE_HELPERS, assert_within, launch
+from parallel_check import HELPERS, MOE_HELPERS, MOE_SETS as SETS, MOE_TRAIN as TRAIN, assert_within, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -58,9 +58,23 @@ SPECS = {"deepseek-v3": deepseek,
                                             "layers.*.ffn.z_loss": 0.01})}
 gen = torch.Generator().manual_seed(0)
 batches = [torch.randint(0, 256, (8, 16), generator=gen) for _ in range(3)]
+padding = torch.ones(8, 16, dtype=torch.long)
+padding[0, :5] = 0  # left-padded, and right-padded across the two halves of the sequence
+padding[3, 6:] = 0
 
 
 ''' + HELPERS + MOE_HELPERS + '''
+def padded(model):
+    """Loss, loss terms and gradients of the first batch with padding (the MoE's masks are its slice's under TP)."""
+    o = model(batches[0], labels=batches[0], attention_mask=padding)
+    o.loss.backward()
+    res = {"loss": o.loss.detach(), "terms": terms(o), "grads": {key(k): whole(p.grad) for k, p in model.named_parameters()}}
+    model.zero_grad()
+    for x in moes(model):
+        x.load.zero_()
+    return res
+
+
 report = {}
 for lname, layout in layouts.items():
     steps, sharded = layout.pop("steps"), layout.pop("fsdp")
@@ -77,6 +91,13 @@ for lname, layout in layouts.items():
         net = start_model(spec, acc, seed=5, sharded=sharded, parallel=parallel)
         net.train()
         init = full_state_dict(net, sharded=True)
+        if not sharded:  # every process reads the whole batch
+            got = padded(net)
+            if rank == 0:
+                r32, r64 = (padded(zoo.build_model(spec, seed=5).to(dtype).train()) for dtype in (torch.float32, torch.float64))
+                entry["padded"] = {"loss": compare({"loss": got["loss"]}, {"loss": r32["loss"]}, {"loss": r64["loss"]}),
+                                   "terms": compare(got["terms"], r32["terms"], r64["terms"]),
+                                   "grads": compare(got["grads"], r32["grads"], r64["grads"])}
         ref = one_process(spec, steps, dp) if rank == 0 else None
         if rank == 0:
             plain = zoo.build_model(spec, seed=5).state_dict()
@@ -133,11 +154,6 @@ MODELS = ["deepseek-v3", "qwen3-moe"]
 LAYOUTS = {"tp2": {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "steps": 1, "fsdp": False},  # two tp = 2 groups, one batch
            "fsdp_tp": {"dp_shard": 2, "tp": 2, "steps": 1, "fsdp": True},
            "fsdp_tp_ep": {"dp_shard": 1, "ep": 2, "tp": 2, "ac": "block", "steps": 3, "fsdp": True}}
-SETS = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.mixer.n_heads": 4,
-        "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.d_ff": 32, "layers.*.ffn.n_experts": 4,
-        "layers.*.ffn.top_k": 2}
-TRAIN = dict(overrides=SETS, steps=3, seq_len=32, global_batch=8, micro_batch=2, lr=3e-3, warmup_steps=1, seed=1,
-             cpu=True, progress=False, plot=False, export=False)
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +181,16 @@ def test_loss_its_terms_and_every_gradient_equal_one_process(report, layout, nam
     grads = entry["grads"]
     assert any(".experts.w_" in k for k in grads) and any(".router." in k for k in grads) and len(grads) > 12, grads
     assert_within(grads, 4, f"{layout} {name}: gradients")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_padding_is_masked_in_each_process_slice(report, name):
+    """With padding in both halves of the sequences (tp = 2), the MoE masks its own slice's tokens: the
+    loss, its terms and every gradient are one process's."""
+    padded = report["parts"]["tp2"][name]["padded"]
+    assert len(padded["terms"]) > 2 and len(padded["grads"]) > 12, padded
+    for what in ("loss", "terms", "grads"):
+        assert_within(padded[what], 4, f"{name} with padding: {what}")
 
 
 @pytest.mark.parametrize("layout,name", RUNS)
