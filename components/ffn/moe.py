@@ -44,6 +44,9 @@ where torch has it for the device and dtype and the widths are 16-byte aligned, 
 (``parallel.ep``, :meth:`MoE.parallelize_experts`) each process holds ``n_experts / ep`` of the experts,
 and the experts module sends the token copies to the process holding their expert and back
 (:class:`zoo.core.parallel.ExpertParallel`); router, shared expert, losses and metrics stay local.
+Under tensor parallelism (``parallel.tp``, :meth:`MoE.parallelize`) each process runs the MoE on its own
+slice of the sequence with the parameters whole, their gradients and the balance statistics summed over
+the tensor-parallel processes.
 """
 
 from __future__ import annotations
