@@ -1,6 +1,7 @@
 """What the torchrun tests of the parallel layouts (tests/train/test_tensor_parallel.py, tests/train/test_expert_parallel.py)
-share: helpers their scripts define (:data:`HELPERS`, Python source put into each script) and the launch of
-one script on four CPU processes (:func:`launch`)."""
+share: helpers their scripts define (:data:`HELPERS`, and :data:`MOE_HELPERS` for a mixture of experts: Python
+source put into each script, which defines ``batches``), the check of their reports (:func:`assert_within`) and
+the launch of one script on four CPU processes (:func:`launch`)."""
 
 import json
 import os
@@ -43,6 +44,78 @@ def report_and_train(report, out, model, parallel, train):
         with open(out + ".train", "w") as f:
             json.dump({"losses": result.losses, "resumed": resumed.losses}, f)
 '''
+
+
+MOE_HELPERS = '''
+from zoo.components.ffn.moe import MoE
+
+
+def routers(model):
+    """Record each MoE router's top-k indices, in call order."""
+    seen = []
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.router.register_forward_hook(lambda mod, args, r: seen.append(r.indices.detach().clone()))
+    return seen
+
+
+def moes(model):
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def terms(o):
+    """The loss terms and metrics of a loss output, less the loss, ce and z."""
+    return {k: v.detach() for k, v in o.terms().items() if k not in ("loss", "ce", "z")}
+
+
+def one_process(spec, steps, chunks):
+    """Loss, loss terms, gradients and router choices of the first batch (float32 and float64; the batch's
+    ``chunks`` micro-batches averaged), the summed expert load after it, and the weights after ``steps``
+    AdamW steps (with the aux-loss-free bias update)."""
+    res = {}
+    for dtype in (torch.float32, torch.float64):
+        m = zoo.build_model(spec, seed=5).to(dtype)
+        m.train()
+        chosen = routers(m)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+        for s in range(steps):
+            total, parts = 0.0, {}
+            for rows in batches[s].chunk(chunks):
+                o = m(rows, labels=rows)
+                (o.loss / chunks).backward()
+                total += o.loss.item() / chunks
+                for k, v in terms(o).items():
+                    parts[k] = parts.get(k, 0.0) + v / chunks
+            if s == 0:
+                res[dtype] = {"loss": total, "terms": parts, "grads": {k: p.grad.clone() for k, p in m.named_parameters()},
+                              "chosen": list(chosen), "load": [x.load.clone() for x in moes(m)]}
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            for x in moes(m):
+                x.after_optimizer_step(reduce=lambda t: t)
+        res[dtype]["after"] = {k: v.clone() for k, v in m.state_dict().items()}
+    return res
+
+
+def summed(t):
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
+'''
+
+# A tiny MoE model's overrides, and zoo.train's settings on it: 3 steps of 4 micro-batches of 2 sequences of 32
+MOE_SETS = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.mixer.n_heads": 4,
+            "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.d_ff": 32, "layers.*.ffn.n_experts": 4,
+            "layers.*.ffn.top_k": 2}
+MOE_TRAIN = dict(overrides=MOE_SETS, steps=3, seq_len=32, global_batch=8, micro_batch=2, lr=3e-3, warmup_steps=1,
+                 seed=1, cpu=True, progress=False, plot=False, export=False)
+
+
+def assert_within(errors: dict, bound: float, what: str) -> None:
+    """Every tensor of ``errors`` (a report's ``compare``) within ``bound`` multiples of float32's own error."""
+    bad = {k: v for k, v in errors.items() if not v <= bound}
+    assert not bad, f"{what} off by these multiples of float32's own error: {bad}"
 
 
 def launch(tmp: Path, name: str, script: str, *args) -> dict:

@@ -9,7 +9,8 @@ tensors with local head counts.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -32,6 +33,34 @@ def grad_summed(t: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     return DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+@contextlib.contextmanager
+def parameters_grad_summed(modules: list[nn.Module], tp_mesh: Any) -> Iterator[None]:
+    """Within it, each parameter of ``modules`` (their submodules' included) reads as :func:`grad_summed`
+    of itself: for parts that run on this process's own tokens (its slice of the sequence) with their
+    parameters whole on every process of ``tp_mesh`` (a mixture of experts' router and shared expert), so
+    that each parameter's gradient sums every process's tokens. The parameters are put back on exit."""
+    swapped = [(m, n, p) for module in modules for m in module.modules() for n, p in m._parameters.items()
+               if p is not None]
+    try:
+        for m, n, p in swapped:
+            m._parameters[n] = grad_summed(p, tp_mesh)
+        yield
+    finally:
+        for m, n, p in swapped:
+            m._parameters[n] = p
+
+
+def summed(t: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
+    """The sum of ``t`` over the processes of ``tp_mesh``, whose gradient reaches this process's ``t``
+    unchanged: for statistics of this process's own tokens (a mixture of experts' expert counts and mean
+    router probabilities) in a loss every process of the group then computes whole and alike, and whose
+    backward each process takes for its own tokens (Megatron's "reduce from the tensor-parallel region")."""
+    from torch.distributed import _functional_collectives as funcol
+
+    total = funcol.wait_tensor(funcol.all_reduce(t.detach(), "sum", tp_mesh))
+    return total + (t - t.detach())  # exactly the sum forward; the identity backward
 
 
 def sequence_input(tp_mesh: Any, *, local: bool = False, extra: int = 2) -> Any:
