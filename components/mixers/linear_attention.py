@@ -67,6 +67,23 @@ class ScalarDecayMixer(Mixer):
         step = 4 * H * Dk * Dv  # add k v^T to the decayed state, read it with q
         return Cost(flops=step, flops_mean=step, state_fixed=H * Dk * Dv)
 
+    #: The heads this process computes: all, or its share under tensor parallelism.
+    here: slice = slice(None)
+
+    def parallelize(self, tp_mesh) -> None:
+        """Tensor parallelism by heads: the sequence gathered, the projections into heads sharded by their
+        heads' rows (each head's rows are consecutive), the projection out by its columns and
+        reduce-scattered back onto the sequence slice; each process decays its own heads (a slice of the
+        per-head decays, which are buffers, whole on every process)."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from zoo.core.parallel import heads_in, heads_out, local_count, rank_of, sequence_input
+
+        n = local_count(self.n_heads, tp_mesh, "n_heads", self)
+        parallelize_module(self, tp_mesh, sequence_input(tp_mesh))
+        parallelize_module(self, tp_mesh, {**{name: heads_in() for name in self.heads_in}, self.heads_out: heads_out()})
+        self.here = slice(rank_of(tp_mesh) * n, (rank_of(tp_mesh) + 1) * n)
+
     def _padding(self, ctx, T):
         """(B, T, 1) with 0 at padding slots, or None."""
         if ctx.key_mask is None:
@@ -94,6 +111,8 @@ class ScalarDecayMixer(Mixer):
 @register("mixer", "linear_attention")
 class LinearAttention(ScalarDecayMixer):
     """Linear attention (optionally with RetNet's fixed decay per head); see the module notes."""
+
+    heads_in, heads_out = ("q_proj", "k_proj", "v_proj"), "o_proj"  # its tensor-parallel plan
 
     @dataclass(frozen=True)
     class Config:
@@ -160,15 +179,16 @@ class LinearAttention(ScalarDecayMixer):
 
     def forward(self, x, ctx, pos=None):
         B, T, _ = x.shape
-        H, D = self.n_heads, self.head_dim
-        q, k, v = (p(x).view(B, T, H, D).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        D = self.head_dim
+        q, k, v = (p(x).view(B, T, -1, D).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        H = q.shape[1]  # this process's heads
         q, k = self.phi(q), self.phi(k)
         keep = self._padding(ctx, T)
         if keep is not None:  # padding adds nothing to the state
             k = k * keep[:, None].to(k.dtype)
         if self.cfg.normalize == "sum":
             v = torch.cat([v, v.new_ones(B, H, T, 1)], -1)
-        a = self.log_gamma[None, :, None].expand(B, H, T)
+        a = self.log_gamma[self.here][None, :, None].expand(B, H, T)
         y = self.recur(q, k, v, a, ctx)
         if self.cfg.normalize == "sum":
             y = y[..., :D] / (y[..., D:] + self.cfg.eps)
@@ -182,6 +202,8 @@ class LightningAttention(ScalarDecayMixer):
     The decay of head ``h`` in layer ``i`` of ``n`` is ``exp(-slope_h)`` with ``slope_h = 2^(-8 (h + 1) /
     H) * (1 - i / (n - 1 + 1e-5) + 1e-5)``: layers near the top forget least. The slopes are a buffer,
     stored in checkpoints as ``slope_rate``."""
+
+    heads_in, heads_out = ("qkv_proj", "output_gate"), "out_proj"  # its tensor-parallel plan (and the norm's)
 
     @dataclass(frozen=True)
     class Config:
@@ -220,6 +242,14 @@ class LightningAttention(ScalarDecayMixer):
     def reset_parameters(self):
         self.slope.copy_(self.slopes())
 
+    def parallelize(self, tp_mesh) -> None:
+        """As the scalar-decay mixers shard (:meth:`ScalarDecayMixer.parallelize`); the RMSNorm over all heads'
+        outputs gathers its features to normalise each row whole."""
+        from zoo.core.kinds import parallelize
+
+        super().parallelize(tp_mesh)
+        parallelize(self.norm, tp_mesh, "norm", shard_dim=-1)
+
     @staticmethod
     def shrink(cfg, *, head_dim=8, **_):
         return {"n_heads": 2, "head_dim": head_dim, "chunk": 4}
@@ -230,13 +260,14 @@ class LightningAttention(ScalarDecayMixer):
 
     def forward(self, x, ctx, pos=None):
         B, T, _ = x.shape
-        H, D = self.n_heads, self.head_dim
+        D = self.head_dim
         qkv = self.act(self.qkv_proj(x))
         keep = self._padding(ctx, T)
         if keep is not None:
             qkv = qkv * keep.to(qkv.dtype)
-        q, k, v = qkv.view(B, T, H, 3 * D).transpose(1, 2).split(D, dim=-1)
-        a = -self.slope.float()[None, :, None].expand(B, H, T)
+        q, k, v = qkv.view(B, T, -1, 3 * D).transpose(1, 2).split(D, dim=-1)
+        H = q.shape[1]  # this process's heads
+        a = -self.slope[self.here].float()[None, :, None].expand(B, H, T)
         y = self.recur(q, k, v, a, ctx)
         y = self.norm(y.transpose(1, 2).reshape(B, T, H * D))
         return self.out_proj(torch.sigmoid(self.output_gate(x)) * y)

@@ -113,6 +113,7 @@ class Mamba2(Mixer):
         self.D = nn.Parameter(torch.empty(H))
         self.norm = recurrent.GatedRMSNorm(self.d_inner, cfg.norm_eps, groups=G, norm_before_gate=False)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=cfg.bias)
+        self.here = (H, G)  # the heads and groups this process computes (all; its share under tensor parallelism)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -149,26 +150,60 @@ class Mamba2(Mixer):
         return {"mamba2 heads": f"{cfg.n_heads} x {cfg.head_dim}, state {cfg.state_size}, {cfg.n_groups} group(s)",
                 "conv kernel": cfg.conv_kernel, "chunk": cfg.chunk_size}
 
+    def parallelize(self, tp_mesh) -> None:
+        """Tensor parallelism by heads: the sequence gathered; the packed ``in_proj`` (``[z | x | B | C |
+        dt]``) and the convolution over ``[x | B | C]`` compute this process's rows of each section
+        (:func:`~zoo.core.parallel.packed_in`): its heads' ``z``, ``x`` and ``dt``, and the B and C of the
+        groups they belong to (``n_groups / tp`` groups, or the one group ``tp / n_groups`` processes
+        share, its gradient summed over them); ``dt_bias``, ``A_log``, ``D`` and the norm's weight sharded
+        by heads; the gated norm over each group whole or summed over the processes holding a slice of
+        it; ``out_proj`` by its columns, reduce-scattered back onto the sequence slice."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from zoo.core.parallel import heads_out, local_count, packed_in, section_rows, sequence_input, shard_rows
+
+        cfg = self.cfg
+        H, P, N, G, tp = cfg.n_heads, cfg.head_dim, cfg.state_size, cfg.n_groups, tp_mesh.size()
+        heads = local_count(H, tp_mesh, "n_heads", self)
+        if G % tp and tp % G:
+            raise NotImplementedError(f"{type(self).__name__}: n_groups = {G} and tp = {tp}: each process's heads "
+                                      f"must lie in whole groups or in one group; choose a tp that divides "
+                                      f"n_groups or that n_groups divides")
+        groups = max(G // tp, 1)
+        x, bc = (H, P), (G, N)
+        parallelize_module(self, tp_mesh, sequence_input(tp_mesh))
+        packed_in(self.in_proj, section_rows([x, x, bc, bc, (H, 1)], tp_mesh), tp_mesh)
+        packed_in(self.conv1d, section_rows([x, bc, bc], tp_mesh), tp_mesh)
+        parallelize_module(self, tp_mesh, {"out_proj": heads_out()})
+        shard_rows(self, tp_mesh)  # dt_bias, A_log, D: one per head
+        self.norm.parallelize(tp_mesh, sharded=True)
+        self.here = (heads, groups)
+
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, u: torch.Tensor, ctx, pos=None) -> torch.Tensor:
+        from zoo.core.parallel import local
+
         cfg = self.cfg
+        u = local(u)  # the whole sequence, this process computing its heads' share
         Bsz, T, _ = u.shape
-        H, P, N, G = cfg.n_heads, cfg.head_dim, cfg.state_size, cfg.n_groups
+        P, N = cfg.head_dim, cfg.state_size
+        H, G = self.here
+        d_inner = H * P
         state = ctx.state.layers[self.index] if ctx is not None and ctx.state is not None else None
         mask = ctx.key_mask[:, ctx.slots] if ctx is not None and ctx.key_mask is not None else None
-        z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, H], -1)
+        z, xBC, dt = self.in_proj(u).split([d_inner, d_inner + 2 * G * N, H], -1)
         if mask is not None:
             xBC = xBC * mask[..., None].to(xBC.dtype)
         xBC = self.conv1d(xBC, state.get(Bsz)[0] if state is not None else None)  # then SiLU
-        x, Bm, Cm = xBC.split([self.d_inner, G * N, G * N], -1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(cfg.dt_limit_min, cfg.dt_limit_max)
+        x, Bm, Cm = xBC.split([d_inner, G * N, G * N], -1)
+        dt = F.softplus(dt.float() + local(self.dt_bias).float()).clamp(cfg.dt_limit_min, cfg.dt_limit_max)
         if mask is not None:
             dt = dt * mask[..., None]  # a padded step: no decay, no input
         x = x.float().view(Bsz, T, H, P)
         heads = lambda t: t.float().view(Bsz, T, G, 1, N).expand(-1, -1, -1, H // G, -1).reshape(Bsz, T, H, N)  # noqa: E731
         q, k = heads(Cm).transpose(1, 2), heads(Bm).transpose(1, 2)  # (B, H, T, N)
         v = (x * dt[..., None]).transpose(1, 2)  # (B, H, T, P)
-        log_decay = (dt * -torch.exp(self.A_log.float())).transpose(1, 2)  # (B, H, T), <= 0
+        log_decay = (dt * -torch.exp(local(self.A_log).float())).transpose(1, 2)  # (B, H, T), <= 0
         S = state.get(Bsz)[1] if state is not None else None
         if state is not None and T == 1:
             y, S_new = recurrent.step(q[:, :, 0], k[:, :, 0], v[:, :, 0], log_decay[:, :, 0], S)
@@ -180,8 +215,8 @@ class Mamba2(Mixer):
             y, S_new = run(q, k, v, log_decay, S, chunk=chunk)
         if state is not None:
             S.copy_(S_new)
-        y = y.transpose(1, 2) + self.D.float()[:, None] * x  # (B, T, H, P), the D skip
-        y = self.norm(y.reshape(Bsz, T, self.d_inner), z)
+        y = y.transpose(1, 2) + local(self.D).float()[:, None] * x  # (B, T, H, P), the D skip
+        y = self.norm(y.reshape(Bsz, T, d_inner), z)
         return self.out_proj(y.to(u.dtype))
 
 

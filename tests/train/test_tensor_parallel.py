@@ -13,7 +13,7 @@ import pytest
 import zoo
 from zoo.train.config import ParallelConfig, TrainConfig
 
-from parallel_check import HELPERS, launch
+from parallel_check import HELPERS, assert_loss_and_gradients_match, launch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,66 +58,7 @@ batches = [torch.randint(0, 256, (4, 16), generator=gen) for _ in range(3)]
 
 ''' + HELPERS + '''
 
-def one_process(spec, steps):
-    """Loss and gradients of the first batch (float32 and float64), and the weights after ``steps`` AdamW steps."""
-    res = {}
-    for dtype in (torch.float32, torch.float64):
-        m = zoo.build_model(spec, seed=5).to(dtype)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
-        for s in range(steps):
-            loss = m.loss(batches[s]).loss
-            loss.backward()
-            if s == 0:
-                res[dtype] = {"loss": loss.item(), "grads": {k: p.grad.clone() for k, p in m.named_parameters()}}
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-        res[dtype]["after"] = {k: v.clone() for k, v in m.state_dict().items()}
-    return res
-
-
-report = {}
-for lname, layout in layouts.items():
-    sharded = layout.pop("fsdp")
-    parallel = ParallelConfig(**layout)
-    sizes = parallel.sizes(world)
-    tp, dp = sizes["tp"], (sizes["dp_shard"] if sharded else 1)
-    dp_rank = (rank // tp) % sizes["dp_shard"] if sharded else 0
-    for name in models[lname]:
-        spec = SPECS[name]()
-        entry = report.setdefault(lname, {}).setdefault(name, {})
-        try:
-            net = start_model(spec, acc, seed=5, sharded=sharded, parallel=parallel)
-        except NotImplementedError as exc:
-            entry["error"] = str(exc)
-            continue
-        init = full_state_dict(net, sharded=True)
-        steps = 3 if sharded else 1
-        ref = one_process(spec, steps) if rank == 0 else None
-        if rank == 0:
-            plain = zoo.build_model(spec, seed=5).state_dict()
-            entry["init_keys"] = sorted(init) == sorted(plain)
-            entry["init_differ"] = [k for k in plain if not torch.equal(init[k], plain[k])]
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
-        for s in range(steps):
-            rows = batches[s].chunk(dp)[dp_rank]
-            loss = net(rows, labels=rows).loss  # through forward: FSDP2 gathers the root there
-            loss.backward()
-            if s == 0:
-                mean = loss.detach().clone()
-                dist.all_reduce(mean)
-                grads = {key(k): whole(p.grad) for k, p in net.named_parameters()}
-                if rank == 0:
-                    r32, r64 = ref[torch.float32], ref[torch.float64]
-                    entry["loss"] = [mean.item() / world, r32["loss"], r64["loss"]]
-                    entry["grads"] = compare(grads, r32["grads"], r64["grads"])
-            clip_grad_norm(net.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-        if sharded:
-            after = {key(k): v for k, v in full_state_dict(net, sharded=True).items()}
-            if rank == 0:
-                entry["after"] = compare(after, ref[torch.float32]["after"], ref[torch.float64]["after"])
+report = compare_layouts(models, layouts, SPECS)
 # zoo.train itself on FSDP2 x TP (2 x 2)
 report_and_train(report, out, "llama3-8b", {"dp_shard": 2, "tp": 2}, train)
 '''
@@ -146,15 +87,7 @@ RUNS = [(layout, name) for layout, names in MODELS.items() for name in names
 
 @pytest.mark.parametrize("layout,name", RUNS)
 def test_loss_and_every_gradient_equal_one_process(report, layout, name):
-    entry = report["parts"][layout][name]
-    got, r32, r64 = entry["loss"]
-    # zoo's loss takes the logits to float32 in both references (r32 == r64 here), and FSDP averages two
-    # halves' means where one process takes one mean: the bound is in float32's units, 16 ulps relative.
-    assert abs(got - r64) <= 16 * 2 ** -24 * abs(r64), entry["loss"]
-    grads = entry["grads"]
-    assert len(grads) > 8, grads  # every parameter was compared
-    bad = {k: v for k, v in grads.items() if not v <= 4}
-    assert not bad, f"{layout} {name}: gradients off by these multiples of float32's own error: {bad}"
+    assert_loss_and_gradients_match(report["parts"][layout][name], f"{layout} {name}")
 
 
 @pytest.mark.parametrize("layout,name", RUNS)
