@@ -119,6 +119,17 @@ def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: Optional[
     return y.to(v.dtype), S
 
 
+def chunked_bytes(heads: float, dk: int, dv: int, chunk: int, *, device: str = "cuda") -> float:
+    """Per token, the bytes the chunked form keeps for backward on ``heads`` heads (float32 whatever the
+    input dtype), chunks of ``chunk`` tokens. The reference (:func:`chunked`): the float32 queries, keys
+    and values with the copies its matmuls make (``4 dk + 2 dv`` per head), the decay masks and scores
+    within a chunk (``3 chunk``), the cumulative decay, and the state carried into each chunk (``dk dv``
+    per head and chunk). The Triton kernel (CUDA): its inputs and the log-decays."""
+    if device == "cuda":
+        return 4 * heads * (2 * dk + dv + 1)
+    return 4 * heads * (4 * dk + 2 * dv + 3 * chunk + 1 + (dk * dv + 1) / chunk)
+
+
 # ------------------------------------------------------------------- the parts around the cores
 
 class ShortConv(nn.Conv1d):

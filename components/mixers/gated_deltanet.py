@@ -141,6 +141,20 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: Optional[torch.Tensor] = Non
     return torch.cat(out, 1)[:, :T].transpose(1, 2), S
 
 
+def chunked_bytes(heads: float, key_heads: float, dk: int, dv: int, chunk: int, *, device: str = "cuda") -> float:
+    """Per token, the bytes (float32) :func:`chunk_gated_delta_rule` keeps for backward, its normalised
+    queries and keys included: per value head, four (chunk x chunk) products and one mask within a chunk,
+    the value copy and corrected values, the solved ``[u | w]``, ``w`` beside the decayed queries, the keys
+    to the chunk's end, the state carried into each chunk (``dk dv`` per chunk); per key head, the queries,
+    keys, their copies and their two products within a chunk. (Measured exact to 0.3% where a key head
+    serves several value heads and key_dim <= value_dim; up to 30% over otherwise.) The Triton kernels
+    (CUDA): their inputs and the solved ``[u | w]``."""
+    if device == "cuda":
+        return 4 * (2 * key_heads * dk + heads * (3 * dv + 2 * dk + 3))
+    return (4 * (4 * heads * chunk + 2 * key_heads * chunk + 4 * heads * dk + 2 * heads * dv + 6 * key_heads * dk
+                 + heads * dk * dv / chunk + 3 * heads) + heads * chunk)
+
+
 # ----------------------------------------------------------------------------------------- mixer
 
 @register("mixer", "gated_deltanet")
@@ -218,6 +232,23 @@ class GatedDeltaNet(Mixer):
         flops = 6 * self.n_heads * per_head
         return Cost(flops=flops, flops_mean=flops,
                     state_fixed=self.n_heads * per_head + self.conv_dim * (self.cfg.conv_kernel - 1))
+
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token, of this process's heads: the input the projections read (the whole sequence, gathered
+        under tensor parallelism); the convolution's window and output, and q and k in float32; the float32
+        reciprocal norms of q and k, beta and the decay's two factors; the chunked rule's own
+        (:func:`chunked_bytes`); the gated norm's float32 input, its normed and weighted outputs, the float32
+        gate and its input (a view of the projection's output when that is float32), the reciprocal RMS; the
+        output ``out_proj`` reads."""
+        cfg, c = self.cfg, dtype.itemsize
+        H, Dk, Dv = self.n_heads / tp, cfg.key_dim, cfg.value_dim
+        Hk = max(self.n_key_heads / tp, H / (self.n_heads / self.n_key_heads))
+        conv = 2 * Hk * Dk + H * Dv
+        core = chunked_bytes(H, Hk, Dk, Dv, min(cfg.chunk_size, seq_len), device=device)
+        x = (conv if c == 4 else 2 * Hk * Dk) * 4  # q and k in float32: a view of the convolution's output, or a copy
+        z = self.in_proj_qkvz.out_features * 4 if c == 4 else H * Dv * 4  # the gate's input: a view, or a copy
+        norm = H * Dv * (8 + 2 * c) + z + H * 4
+        return self.in_proj_qkvz.in_features * c + 2 * conv * c + x + (2 * Hk + 3 * H) * 4 + core + norm + H * Dv * c
 
     def facts(self) -> dict:
         return {"recurrence": "gated delta rule", "value heads": self.n_heads, "key heads": self.n_key_heads,

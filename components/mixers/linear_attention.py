@@ -171,6 +171,17 @@ class LinearAttention(ScalarDecayMixer):
         decay = cfg.decay[:2] if isinstance(cfg.decay, tuple) else cfg.decay
         return {"n_heads": 2, "head_dim": head_dim, "decay": decay}
 
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token: the input the projections read (gathered under tensor parallelism); of this process's
+        heads, the queries and keys a feature map other than the identity keeps, the chunked recurrence's
+        own (:func:`~zoo.components.mixers._recurrent.chunked_bytes`), with the sum normaliser its output
+        and the divisor, and the output ``o_proj`` reads."""
+        c, H, D = dtype.itemsize, self.n_heads / tp, self.head_dim
+        mapped = 0 if self.cfg.feature_map == "identity" else 2 * H * D * c
+        core = recurrent.chunked_bytes(H, D, self.value_dim, min(self.chunk, seq_len), device=device)
+        normed = H * (self.value_dim + 1) * c if self.cfg.normalize == "sum" else 0
+        return self.q_proj.in_features * c + mapped + core + normed + H * D * c
+
     def facts(self):
         d = self.cfg.decay
         decay = "none" if d is None else "RetNet 1 - 2^(-5-h)" if d == "retnet" else f"fixed {d}"
@@ -253,6 +264,17 @@ class LightningAttention(ScalarDecayMixer):
     @staticmethod
     def shrink(cfg, *, head_dim=8, **_):
         return {"n_heads": 2, "head_dim": head_dim, "chunk": 4}
+
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token: the input both projections read (gathered under tensor parallelism); of this process's
+        heads, the projection's output its activation keeps, the chunked recurrence's own
+        (:func:`~zoo.components.mixers._recurrent.chunked_bytes`), the gate's sigmoid and the normed
+        output it multiplies, and their product ``out_proj`` reads; the norm's own over whole rows (it
+        gathers every head's features)."""
+        c, H, D = dtype.itemsize, self.n_heads / tp, self.head_dim
+        core = recurrent.chunked_bytes(H, D, D, min(self.chunk, seq_len), device=device)
+        return (self.qkv_proj.in_features * c + 3 * H * D * c + core + 3 * H * D * c
+                + self.norm.activation_bytes(seq_len, dtype, device=device))
 
     def facts(self):
         return {"recurrent heads": f"{self.n_heads} x {self.head_dim}, lightning attention (decay exp(-slope) per head)",

@@ -145,6 +145,22 @@ class Mamba2(Mixer):
         flops = 2 * self.conv_dim * cfg.conv_kernel + 4 * ssm
         return Cost(flops=flops, flops_mean=flops, state_fixed=self.conv_dim * cfg.conv_kernel + ssm)
 
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token, of this process's heads and groups: the input ``in_proj`` reads (the whole sequence,
+        gathered under tensor parallelism); the convolution's window and output; the float32 ``x``, ``dt``
+        and its softplus; the chunked SSM's own (:func:`~zoo.components.mixers._recurrent.chunked_bytes`);
+        the float32 gate (a view of the projection's output when that is float32), the gated and D-skipped
+        outputs the norm reads and keeps, its reciprocal RMS; the normed output ``out_proj`` reads."""
+        cfg, c = self.cfg, dtype.itemsize
+        H, P, N = cfg.n_heads / tp, cfg.head_dim, cfg.state_size
+        G = max(cfg.n_groups / tp, 1)
+        conv, inner = H * P + 2 * G * N, H * P
+        chunk = min(cfg.chunk_size, seq_len if device == "cuda" else CPU_CHUNK, seq_len)
+        ssm = recurrent.chunked_bytes(H, N, P, chunk, device=device)
+        z = (inner + conv + H) * 4 if c == 4 else inner * 4
+        x = conv * 4 if c == 4 else inner * 4
+        return self.in_proj.in_features * c + 2 * conv * c + x + 3 * H * 4 + ssm + z + 4 * inner * 4 + 4 + inner * c
+
     def facts(self) -> dict:
         cfg = self.cfg
         return {"mamba2 heads": f"{cfg.n_heads} x {cfg.head_dim}, state {cfg.state_size}, {cfg.n_groups} group(s)",
