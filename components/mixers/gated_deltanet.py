@@ -242,7 +242,7 @@ class GatedDeltaNet(Mixer):
         output ``out_proj`` reads."""
         cfg, c = self.cfg, dtype.itemsize
         H, Dk, Dv = self.n_heads / tp, cfg.key_dim, cfg.value_dim
-        Hk = max(self.n_key_heads / tp, H / (self.n_heads / self.n_key_heads))
+        Hk = max(self.n_key_heads / tp, 1)  # one key head shared by processes when tp exceeds them
         conv = 2 * Hk * Dk + H * Dv
         core = chunked_bytes(H, Hk, Dk, Dv, min(cfg.chunk_size, seq_len), device=device)
         x = (conv if c == 4 else 2 * Hk * Dk) * 4  # q and k in float32: a view of the convolution's output, or a copy

@@ -69,6 +69,9 @@ class ScalarDecayMixer(Mixer):
 
     #: The heads this process computes: all, or its share under tensor parallelism.
     here: slice = slice(None)
+    #: The tensor-parallel plan: the projections into heads (each head's rows consecutive) and the one out.
+    heads_in: ClassVar[tuple[str, ...]] = ()
+    heads_out: ClassVar[Optional[str]] = None
 
     def parallelize(self, tp_mesh) -> None:
         """Tensor parallelism by heads: the sequence gathered, the projections into heads sharded by their
@@ -77,8 +80,11 @@ class ScalarDecayMixer(Mixer):
         per-head decays, which are buffers, whole on every process)."""
         from torch.distributed.tensor.parallel import parallelize_module
 
+        from zoo.core.kinds import no_plan
         from zoo.core.parallel import heads_in, heads_out, local_count, rank_of, sequence_input
 
+        if not self.heads_in or self.heads_out is None:
+            raise no_plan(self)
         n = local_count(self.n_heads, tp_mesh, "n_heads", self)
         parallelize_module(self, tp_mesh, sequence_input(tp_mesh))
         parallelize_module(self, tp_mesh, {**{name: heads_in() for name in self.heads_in}, self.heads_out: heads_out()})
@@ -112,7 +118,7 @@ class ScalarDecayMixer(Mixer):
 class LinearAttention(ScalarDecayMixer):
     """Linear attention (optionally with RetNet's fixed decay per head); see the module notes."""
 
-    heads_in, heads_out = ("q_proj", "k_proj", "v_proj"), "o_proj"  # its tensor-parallel plan
+    heads_in, heads_out = ("q_proj", "k_proj", "v_proj"), "o_proj"
 
     @dataclass(frozen=True)
     class Config:
@@ -214,7 +220,7 @@ class LightningAttention(ScalarDecayMixer):
     H) * (1 - i / (n - 1 + 1e-5) + 1e-5)``: layers near the top forget least. The slopes are a buffer,
     stored in checkpoints as ``slope_rate``."""
 
-    heads_in, heads_out = ("qkv_proj", "output_gate"), "out_proj"  # its tensor-parallel plan (and the norm's)
+    heads_in, heads_out = ("qkv_proj", "output_gate"), "out_proj"  # (its norm: see parallelize)
 
     @dataclass(frozen=True)
     class Config:

@@ -155,7 +155,7 @@ class Mamba2(Mixer):
         H, P, N = cfg.n_heads / tp, cfg.head_dim, cfg.state_size
         G = max(cfg.n_groups / tp, 1)
         conv, inner = H * P + 2 * G * N, H * P
-        chunk = min(cfg.chunk_size, seq_len if device == "cuda" else CPU_CHUNK, seq_len)
+        chunk = min(cfg.chunk_size, CPU_CHUNK, seq_len)  # the reference's chunks (the kernel keeps no chunks)
         ssm = recurrent.chunked_bytes(H, N, P, chunk, device=device)
         z = (inner + conv + H) * 4 if c == 4 else inner * 4
         x = conv * 4 if c == 4 else inner * 4
