@@ -65,7 +65,8 @@ SPECS = {"mamba2": lambda: tiny("mamba2-2.7b"), "nemotron-h": lambda: tiny("nemo
          "qwen3-next": lambda: tiny("qwen3-next-80b-a3b", chunk_size=4),
          "minimax": lambda: tiny("minimax-text-01", n_heads=4),
          "linear": linear,
-         "mamba2-3-groups": lambda: tiny("mamba2-2.7b", n_heads=6, n_groups=3)}
+         "mamba2-3-groups": lambda: tiny("mamba2-2.7b", n_heads=6, n_groups=3),
+         "qwen3-next-3-key-heads": lambda: tiny("qwen3-next-80b-a3b", n_heads=6, n_key_heads=3)}
 gen = torch.Generator().manual_seed(0)
 batches = [torch.randint(0, 256, (4, 16), generator=gen) for _ in range(3)]
 
@@ -78,7 +79,7 @@ if rank == 0:
 '''
 
 MIXERS = ["mamba2", "nemotron-h", "qwen3-next", "minimax", "linear"]
-MODELS = {"tp2": MIXERS + ["mamba2-3-groups"], "tp4": MIXERS, "fsdp_tp": MIXERS}
+MODELS = {"tp2": MIXERS + ["mamba2-3-groups", "qwen3-next-3-key-heads"], "tp4": MIXERS, "fsdp_tp": MIXERS}
 LAYOUTS = {"tp2": {"dp_replicate": 2, "tp": 2, "dp_shard": 1, "fsdp": False},  # two independent tp = 2 groups
            "tp4": {"tp": 4, "dp_shard": 1, "fsdp": False},
            "fsdp_tp": {"dp_shard": 2, "tp": 2, "ac": "block", "fsdp": True}}
@@ -109,6 +110,7 @@ def test_three_optimizer_steps_of_fsdp_x_tp_equal_one_process(report, name):
     assert not bad, f"{name}: weights after 3 steps off by these multiples of float32's own error: {bad}"
 
 
-def test_groups_that_neither_split_over_tp_nor_divide_it_are_an_error_naming_the_field(report):
-    error = report["tp2"]["mamba2-3-groups"]["error"]
-    assert error.startswith("layers.0.mixer") and "n_groups = 3 and tp = 2" in error, error
+@pytest.mark.parametrize("name,field", [("mamba2-3-groups", "n_groups"), ("qwen3-next-3-key-heads", "n_key_heads")])
+def test_groups_that_neither_split_over_tp_nor_divide_it_are_an_error_naming_the_field(report, name, field):
+    error = report["tp2"][name]["error"]
+    assert error.startswith("layers.0.mixer") and f"{field} = 3 and tp = 2" in error, error
