@@ -409,7 +409,7 @@ class MoE(FFN):
         (no gather: each process routes, counts and sends only its own tokens). Their gradients are
         summed over the processes (:func:`~zoo.core.parallel.grad_summed` on every parameter as the
         forward uses it), and so are the statistics the balance losses and metrics are taken from
-        (:func:`~zoo.core.parallel.summed`), so every process adds the one-process loss terms and each
+        (:func:`~zoo.core.parallel.statistic_summed`), so every process adds the one-process loss terms and each
         token is counted once. The load the selection bias moves by is this process's tokens'
         (``after_optimizer_step`` sums it over every process). Expert parallelism composes: the experts
         are then this process's ``n_experts / ep``, their gradient summed over ``tp_mesh`` too."""
@@ -419,9 +419,9 @@ class MoE(FFN):
         """``t``, a sum over this process's tokens, summed over the tensor-parallel processes (no-op without)."""
         if self._tp_mesh is None:
             return t
-        from zoo.core.parallel import summed
+        from zoo.core.parallel import statistic_summed
 
-        return summed(t, self._tp_mesh)
+        return statistic_summed(t, self._tp_mesh)
 
     # -- expert parallelism ---------------------------------------------------------------------
     def parallelize_experts(self, ep_mesh) -> list[nn.Module]:

@@ -113,6 +113,7 @@ class Mamba2(Mixer):
         self.D = nn.Parameter(torch.empty(H))
         self.norm = recurrent.GatedRMSNorm(self.d_inner, cfg.norm_eps, groups=G, norm_before_gate=False)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=cfg.bias)
+        self.here = (H, G)  # the heads and groups this process computes (all; its share under tensor parallelism)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -145,19 +146,69 @@ class Mamba2(Mixer):
         flops = 2 * self.conv_dim * cfg.conv_kernel + 4 * ssm
         return Cost(flops=flops, flops_mean=flops, state_fixed=self.conv_dim * cfg.conv_kernel + ssm)
 
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token, of this process's heads and groups: the input ``in_proj`` reads (the whole sequence,
+        gathered under tensor parallelism); the convolution's window and output; the float32 ``x``, ``dt``
+        and its softplus; the chunked SSM's own (:func:`~zoo.components.mixers._recurrent.chunked_bytes`);
+        the float32 gate (a view of the projection's output when that is float32), the gated and D-skipped
+        outputs the norm reads and keeps, its reciprocal RMS; the normed output ``out_proj`` reads."""
+        cfg, c = self.cfg, dtype.itemsize
+        H, P, N = cfg.n_heads / tp, cfg.head_dim, cfg.state_size
+        G = max(cfg.n_groups / tp, 1)
+        conv, inner = H * P + 2 * G * N, H * P
+        chunk = min(cfg.chunk_size, CPU_CHUNK, seq_len)  # the reference's chunks (the kernel keeps no chunks)
+        ssm = recurrent.chunked_bytes(H, N, P, chunk, device=device)
+        z = (inner + conv + H) * 4 if c == 4 else inner * 4
+        x = conv * 4 if c == 4 else inner * 4
+        return self.in_proj.in_features * c + 2 * conv * c + x + 3 * H * 4 + ssm + z + 4 * inner * 4 + 4 + inner * c
+
     def facts(self) -> dict:
         cfg = self.cfg
         return {"mamba2 heads": f"{cfg.n_heads} x {cfg.head_dim}, state {cfg.state_size}, {cfg.n_groups} group(s)",
                 "conv kernel": cfg.conv_kernel, "chunk": cfg.chunk_size}
 
+    def parallelize(self, tp_mesh) -> None:
+        """Tensor parallelism by heads: the sequence gathered; the packed ``in_proj`` (``[z | x | B | C |
+        dt]``) and the convolution over ``[x | B | C]`` compute this process's rows of each section
+        (:func:`~zoo.core.parallel.packed_in`): its heads' ``z``, ``x`` and ``dt``, and the B and C of the
+        groups they belong to (``n_groups / tp`` groups, or the one group ``tp / n_groups`` processes
+        share, its gradient summed over them); ``dt_bias``, ``A_log``, ``D`` and the norm's weight sharded
+        by heads; the gated norm over each group whole or summed over the processes holding a slice of
+        it; ``out_proj`` by its columns, reduce-scattered back onto the sequence slice."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from zoo.core.parallel import heads_out, local_count, packed_in, section_rows, sequence_input, shard_rows
+
+        cfg = self.cfg
+        H, P, N, G, tp = cfg.n_heads, cfg.head_dim, cfg.state_size, cfg.n_groups, tp_mesh.size()
+        heads = local_count(H, tp_mesh, "n_heads", self)
+        if G % tp and tp % G:
+            raise NotImplementedError(f"{type(self).__name__}: n_groups = {G} and tp = {tp}: each process's heads "
+                                      f"must lie in whole groups or in one group; choose a tp that divides "
+                                      f"n_groups or that n_groups divides")
+        groups = max(G // tp, 1)
+        x, bc = (H, P), (G, N)
+        parallelize_module(self, tp_mesh, sequence_input(tp_mesh))
+        packed_in(self.in_proj, section_rows([x, x, bc, bc, (H, 1)], tp_mesh), tp_mesh)
+        packed_in(self.conv1d, section_rows([x, bc, bc], tp_mesh), tp_mesh)
+        parallelize_module(self, tp_mesh, {"out_proj": heads_out()})
+        shard_rows(self, tp_mesh)  # dt_bias, A_log, D: one per head
+        self.norm.parallelize(tp_mesh, sharded=True)
+        self.here = (heads, groups)
+
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, u: torch.Tensor, ctx, pos=None) -> torch.Tensor:
+        from zoo.core.parallel import local
+
         cfg = self.cfg
+        u = local(u)  # the whole sequence, this process computing its heads' share
         Bsz, T, _ = u.shape
-        H, P, N, G = cfg.n_heads, cfg.head_dim, cfg.state_size, cfg.n_groups
+        P, N = cfg.head_dim, cfg.state_size
+        H, G = self.here
+        d_inner = H * P
         state = ctx.state.layers[self.index] if ctx is not None and ctx.state is not None else None
         mask = ctx.key_mask[:, ctx.slots] if ctx is not None and ctx.key_mask is not None else None
-        z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, H], -1)
+        z, xBC, dt = self.in_proj(u).split([d_inner, d_inner + 2 * G * N, H], -1)
         if mask is not None:
             xBC = xBC * mask[..., None].to(xBC.dtype)
         keep = state is not None and 1 < T <= Mamba2State.KEEP  # an update truncate() can undo in part
@@ -165,15 +216,15 @@ class Mamba2(Mixer):
         if state is not None and state.undo is not None:
             state.undo = None
         xBC = self.conv1d(xBC, state.get(Bsz)[0] if state is not None else None)  # then SiLU
-        x, Bm, Cm = xBC.split([self.d_inner, G * N, G * N], -1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(cfg.dt_limit_min, cfg.dt_limit_max)
+        x, Bm, Cm = xBC.split([d_inner, G * N, G * N], -1)
+        dt = F.softplus(dt.float() + local(self.dt_bias).float()).clamp(cfg.dt_limit_min, cfg.dt_limit_max)
         if mask is not None:
             dt = dt * mask[..., None]  # a padded step: no decay, no input
         x = x.float().view(Bsz, T, H, P)
         heads = lambda t: t.float().view(Bsz, T, G, 1, N).expand(-1, -1, -1, H // G, -1).reshape(Bsz, T, H, N)  # noqa: E731
         q, k = heads(Cm).transpose(1, 2), heads(Bm).transpose(1, 2)  # (B, H, T, N)
         v = (x * dt[..., None]).transpose(1, 2)  # (B, H, T, P)
-        log_decay = (dt * -torch.exp(self.A_log.float())).transpose(1, 2)  # (B, H, T), <= 0
+        log_decay = (dt * -torch.exp(local(self.A_log).float())).transpose(1, 2)  # (B, H, T), <= 0
         S = state.get(Bsz)[1] if state is not None else None
         if state is not None and T == 1:
             y, S_new = recurrent.step(q[:, :, 0], k[:, :, 0], v[:, :, 0], log_decay[:, :, 0], S)
@@ -187,8 +238,8 @@ class Mamba2(Mixer):
             S.copy_(S_new)
         if keep:
             state.undo = (*before, k, v, log_decay)
-        y = y.transpose(1, 2) + self.D.float()[:, None] * x  # (B, T, H, P), the D skip
-        y = self.norm(y.reshape(Bsz, T, self.d_inner), z)
+        y = y.transpose(1, 2) + local(self.D).float()[:, None] * x  # (B, T, H, P), the D skip
+        y = self.norm(y.reshape(Bsz, T, d_inner), z)
         return self.out_proj(y.to(u.dtype))
 
 

@@ -2,7 +2,8 @@
 shard each process is told it holds is the one it holds after ``start_model`` shards the model (a torchrun
 launch of four CPU processes, gloo), and the activation bytes each block's parts report per token are
 within 10% of what ``torch.autograd.graph.saved_tensors_hooks`` counts on a real forward (fp32 and bf16,
-tiny models of real-ish width: d_model 512, heads of 64)."""
+tiny models of real-ish width: d_model 512, heads of 64; the recurrent mixers' chunked forms on the CPU,
+crossing chunks)."""
 
 import collections
 import json
@@ -26,6 +27,11 @@ WIDE = dict(d_model=512, head_dim=64, d_ff=1024, vocab_size=1024)
 
 
 def wide(name):
+    if name == "linear-attention":  # RetNet's decays, elu + 1 and the sum normaliser
+        data = one_of_each("llama3-8b", **WIDE).to_dict()
+        data["layers"]["default"]["mixer"] = {"name": "linear_attention", "n_heads": 4, "head_dim": 64,
+                                              "feature_map": "elu1", "decay": "retnet", "normalize": "sum", "chunk": 16}
+        return ModelSpec.from_dict(data)
     data = one_of_each(name, **WIDE).to_dict()
     data["mtp"] = None
     return ModelSpec.from_dict(data)
@@ -70,7 +76,8 @@ def saved_bytes(model, ids):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", ["llama3-8b", "gemma2-2b", "deepseek-v3", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("name", ["llama3-8b", "gemma2-2b", "deepseek-v3", "qwen3-30b-a3b", "mamba2-2.7b",
+                                  "nemotron-h-8b", "qwen3-next-80b-a3b", "minimax-text-01", "linear-attention"])
 def test_activation_bytes_per_token_and_layer_match_saved_tensors(name, dtype):
     T = 256  # longer than gemma2's window (4 after shrinking); its eager path keeps scores per key
     model = build_model(wide(name), seed=0).to(dtype).train()
@@ -219,6 +226,8 @@ CASES = {
     "qwen3-moe tp2 x2": (_tiny("qwen3-30b-a3b"), {"dp_replicate": 2, "dp_shard": 1, "tp": 2}),
     "deepseek-v3 fsdp2 x tp2": (_tiny("deepseek-v3"), {"dp_shard": 2, "tp": 2}),
     "deepseek-v3 tp2 x ep2": (_tiny("deepseek-v3"), {"dp_shard": 1, "ep": 2, "tp": 2}),
+    "nemotron-h mamba2 fsdp2 x tp2": (_tiny("nemotron-h-8b"), {"dp_shard": 2, "tp": 2}),
+    "mamba2 tp4": (_tiny("mamba2-2.7b"), {"dp_shard": 1, "tp": 4}),
 }
 
 
