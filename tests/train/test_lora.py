@@ -76,6 +76,27 @@ def test_zoo_lora_forward_equals_peft_on_transformers_with_the_same_adapter_weig
     assert_within_reference_error(ours, ref, exact)
 
 
+@pytest.mark.parity
+def test_an_adapter_on_some_layers_names_them_whole_and_peft_wraps_only_those(base, tmp_path):
+    hf, d = base
+    model = zoo.from_pretrained(d / "base")
+    add_lora(model, r=2, targets=("layers.1.mixer.q_proj", "layers.0.ffn.down"), seed=3)
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            layer.lora_B["default"].weight.normal_(0, 0.5)
+    save_adapter(model, tmp_path / "adapter")
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(cfg["target_modules"]) == ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj"]
+    wrapped = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "adapter")
+    assert sorted(n for n, m in wrapped.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)) == [
+        "base_model.model.model.layers.0.mlp.down_proj", "base_model.model.model.layers.1.self_attn.q_proj"]
+    ids = _ids(seed=5)
+    with torch.no_grad():
+        ours = model.eval()(ids)
+    assert_within_reference_error(ours, _peft_logits(hf, tmp_path / "adapter", ids),
+                                  _peft_logits(hf, tmp_path / "adapter", ids, torch.float64))
+
+
 @pytest.fixture(scope="module")
 def run(base, tmp_path_factory):
     """``zoo train --init-from DIR --lora r=4,alpha=8,targets=q_proj,v_proj`` for 12 steps, from the CLI."""
@@ -156,6 +177,11 @@ def test_a_stopped_and_resumed_lora_run_equals_the_straight_one(base, tmp_path):
     assert not (tmp_path / "a" / "final").exists()  # merge = false: the adapter only, which the error points at
     with pytest.raises(CheckpointError, match=r"is a LoRA run .* zoo\.from_pretrained\(BASE, adapter=.*adapter'\)"):
         zoo.from_pretrained(tmp_path / "a")
+    # Loaded for inference, the adapter's dropout (0.1) is off, as the rest of the model's is.
+    tuned = zoo.from_pretrained(d / "base", adapter=tmp_path / "a" / "adapter")
+    assert not any(m.training for m in tuned.modules())
+    with torch.no_grad():
+        assert torch.equal(tuned(_ids()), tuned(_ids()))
     counts = straight.extra["lora"]
     expected = sum(2 * (m.in_features + m.out_features) for m in _hf_linears(hf, {"o_proj", "down_proj"}))
     assert counts["trainable"] == expected and counts["percent"] == pytest.approx(100 * expected / counts["total"])

@@ -75,8 +75,8 @@ def lora_targets(model: nn.Module, targets: Sequence[str] = (), *, exact: bool =
 def add_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: float = 0.0,
              targets: Sequence[str] = (), rslora: bool = False, seed: int = 0, exact: bool = False) -> nn.Module:
     """Wrap the linear modules ``targets`` picks (:func:`lora_targets`) with peft's LoRA layers of rank
-    ``r`` (``exact``: ``targets`` are whole module names), scaled by ``alpha / r`` (``alpha / sqrt(r)`` with ``rslora``), and freeze every other
-    parameter: only the adapter trains. ``B`` starts at zero, so the model computes what it did;
+    ``r`` (``exact``: ``targets`` are whole module names), scaled by ``alpha / r`` (``alpha / sqrt(r)``
+    with ``rslora``), and freeze every other parameter: only the adapter trains. ``B`` starts at zero, so the model computes what it did;
     ``A`` is drawn by peft from a generator seeded with ``seed`` (not the caller's random state)."""
     peft = require_peft()
     if lora_layers(model):
@@ -84,9 +84,11 @@ def add_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: float
     names = lora_targets(model, targets, exact=exact)
     config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, use_rslora=rslora, bias="none",
                              target_modules="^(" + "|".join(re.escape(n) for n in names) + ")$")
+    training = model.training
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    model.train(training)  # the new layers (their dropout) follow the model's mode: eval stays eval
     for p in model.parameters():
         p.requires_grad_(False)
     for layer in lora_layers(model).values():
