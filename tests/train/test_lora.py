@@ -285,3 +285,32 @@ def test_lora_on_smollm2s_gguf_trains_3_5_percent_and_its_adapter_lowers_the_los
     with torch.no_grad():
         before, after = base(ids, labels=ids).loss.item(), tuned(ids, labels=ids).loss.item()
     assert after < before - 1.0, (before, after)
+
+
+@pytest.mark.slow  # two processes
+def test_lora_under_ddp_on_two_processes_equals_one_process(base, tmp_path):
+    """Two processes (torchrun, gloo, DDP) over the same global batch as one process accumulating two
+    micro-batches: the same losses and, tensor by tensor, the same trained adapter (which the gradients
+    decide), up to the order of float32 additions."""
+    import os
+    import subprocess
+    import sys
+
+    hf, d = base
+    args = ["--init-from", str(d / "base"), "--data", str(d / "text.txt"), "--lora", "r=4,alpha=8,dropout=0",
+            "--steps", "4", "--lr", "1e-2", "--seq-len", "16", "--global-batch", "4", "--micro-batch", "2",
+            "--warmup-steps", "0", "--no-progress", "--no-plot", "--cpu"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "zoo.cli",
+           "train", *args, "--out-dir", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert cli(["train", *args, "--out-dir", str(tmp_path / "one")]) == 0
+    two, one = ([json.loads(line)["loss"] for line in (tmp_path / x / "metrics.jsonl").read_text().splitlines()]
+                for x in ("two", "one"))
+    assert two == pytest.approx(one, rel=2e-5, abs=0)
+    a, b = (load_file(str(tmp_path / x / "adapter" / "adapter_model.safetensors")) for x in ("two", "one"))
+    assert a.keys() == b.keys() and len(a) == 2 * 14
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
+    assert all(a[k].abs().max() > 0 for k in a if "lora_B" in k)  # every B trained
