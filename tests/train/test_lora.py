@@ -314,3 +314,21 @@ def test_lora_under_ddp_on_two_processes_equals_one_process(base, tmp_path):
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
     assert all(a[k].abs().max() > 0 for k in a if "lora_B" in k)  # every B trained
+
+
+def test_zoo_generate_applies_an_adapter(base, run, capsys):
+    hf, d = base
+    out = run
+
+    def generated(*extra):
+        capsys.readouterr()
+        assert cli(["generate", str(d / "base"), "--prompt", "the quick", "-n", "12", "--tokenizer", "bytes",
+                    *extra]) == 0
+        return capsys.readouterr().out
+
+    tuned, plain = generated("--adapter", str(out / "adapter")), generated()
+    model = zoo.from_pretrained(d / "base", adapter=out / "adapter")
+    prompt = torch.tensor([list(b"the quick")])
+    ids = zoo.generate(model, prompt, max_new_tokens=12)
+    assert tuned.startswith("the quick" + bytes(ids[0, prompt.shape[1]:].tolist()).decode("utf-8", "replace"))
+    assert tuned != plain  # fine-tuned on the text, the adapter changes what follows
