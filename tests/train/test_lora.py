@@ -332,3 +332,27 @@ def test_zoo_generate_applies_an_adapter(base, run, capsys):
     ids = zoo.generate(model, prompt, max_new_tokens=12)
     assert tuned.startswith("the quick" + bytes(ids[0, prompt.shape[1]:].tolist()).decode("utf-8", "replace"))
     assert tuned != plain  # fine-tuned on the text, the adapter changes what follows
+
+
+def test_zoo_export_of_a_lora_checkpoint_writes_the_merged_model_of_that_step(base, run, tmp_path):
+    """``zoo export`` of the step-6 checkpoint of a 12-step LoRA run: the model peft's in-memory merge of
+    that step's adapter gives, tensor for tensor, each weight merged as it is read from the checkpoint."""
+    hf, d = base
+    out = run
+    from zoo.train.checkpointer import CheckpointWeights
+
+    step6 = out / "checkpoints" / "step-0000006"
+    assert cli(["export", str(step6), str(tmp_path / "x")]) == 0
+    exported = zoo.from_pretrained(tmp_path / "x").state_dict()
+    weights = CheckpointWeights(step6)
+    model = add_lora(zoo.from_pretrained(d / "base"), r=4, alpha=8, targets=("q_proj", "v_proj"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(weights[name])
+    merged = zoo.merge_adapter(model).state_dict()
+    assert merged.keys() == exported.keys()
+    for name, t in merged.items():
+        assert torch.equal(t, exported[name]), name
+    final = zoo.from_pretrained(out / "final").state_dict()
+    assert not torch.equal(final["layers.0.mixer.q_proj.weight"], exported["layers.0.mixer.q_proj.weight"])

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -118,6 +119,52 @@ def merge_adapter(model: nn.Module) -> nn.Module:
     if hasattr(model, "peft_config"):
         del model.peft_config
     return model
+
+
+class MergedWeights(Mapping):
+    """The weights of a model with a LoRA adapter (by its state dict's names: ``X.base_layer.weight``,
+    ``X.lora_A.default.weight``, ``X.lora_B.default.weight``), read as the merged model's, by zoo's
+    names: each adapted weight is merged when it is asked for, by peft's own ``merge`` on that one
+    module, so an export streams a LoRA training checkpoint one tensor at a time as it does any other.
+    ``weights`` is any such mapping (:class:`zoo.train.checkpointer.CheckpointWeights`); ``lora`` the
+    run's settings (``r``, ``alpha``, ``rslora``); ``dtype`` casts floating tensors after the merge."""
+
+    def __init__(self, weights: Mapping, lora: dict[str, Any], dtype: Optional[torch.dtype] = None):
+        self.weights, self.lora, self.dtype = weights, lora, dtype
+        self.base = {n.replace(".base_layer.", "."): n for n in weights if f".lora_A.{ADAPTER}." not in n
+                     and f".lora_B.{ADAPTER}." not in n}
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
+
+    def meta(self, name: str) -> torch.Tensor:
+        meta = getattr(self.weights, "meta", lambda n: self.weights[n].to("meta"))
+        return self._cast(meta(self.base[name]))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        stored = self.base[name]
+        w = self.weights[stored]
+        if not stored.endswith(".base_layer.weight"):
+            return self._cast(w)
+        module = stored[:-len(".base_layer.weight")]
+        one = nn.Sequential(nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta", dtype=w.dtype))
+        add_lora(one, r=self.lora["r"], alpha=self.lora["alpha"], rslora=self.lora.get("rslora", False),
+                 targets=("0",), exact=True)
+        with torch.no_grad():
+            one[0].get_base_layer().weight = nn.Parameter(w.clone(), requires_grad=False)
+            for part in ("lora_A", "lora_B"):
+                getattr(one[0], part)[ADAPTER].weight = nn.Parameter(self.weights[f"{module}.{part}.{ADAPTER}.weight"])
+        try:
+            merge_adapter(one)
+        except ValueError as exc:
+            raise ValueError(f"LoRA on {module}: {exc}") from None
+        return self._cast(one[0].weight.detach())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.base)
+
+    def __len__(self) -> int:
+        return len(self.base)
 
 
 def _module_map(model: nn.Module, model_type: str) -> dict[str, tuple[str, str]]:

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from zoo.checkpoints.gguf import is_gguf
-from zoo.train.checkpointer import Checkpointer, checkpoints, full_state_dict, load_full_state_dict, read_checkpoint_state
+from zoo.train.checkpointer import Checkpointer, checkpoints, load_full_state_dict, read_checkpoint_state
 from zoo.train.config import MESH_DIMS, ParallelConfig, TrainConfig, TrainResult
 from zoo.train.data import TokenData, bos_id, builtin_corpus, get_tokenizer, read_texts, tokenize
 from zoo.core import kinds as _kinds
@@ -438,15 +438,11 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
         if config.plot and acc.is_main_process:
             result.plot = plot_losses(metrics_file, out_dir / "loss.png")
         if config.export and acc.is_main_process and config.lora is not None:
-            from zoo.checkpoints.adapter import merge_adapter, save_adapter
+            from zoo.checkpoints.adapter import save_adapter
 
             result.adapter = save_adapter(net, out_dir / "adapter", model_type=config.export_format or fmt,
                                           base=config.init_from)
-            if config.lora.merge:  # the base weights with the update folded in, as a normal checkpoint
-                result.export = export(result.checkpoint, out_dir / "final", model_type=config.export_format or fmt,
-                                       tokenizer=tokenizer, hf_config=hf_config, source_format=fmt, log=acc.print,
-                                       weights=full_state_dict(merge_adapter(net), sharded=False))
-        elif config.export and acc.is_main_process:
+        if config.export and acc.is_main_process and (config.lora is None or config.lora.merge):
             result.export = export(result.checkpoint, out_dir / "final", model_type=config.export_format or fmt,
                                    tokenizer=tokenizer, hf_config=hf_config, source_format=fmt, log=acc.print)
     acc.wait_for_everyone()
@@ -516,8 +512,7 @@ def after_optimizer_step(model: nn.Module, accelerator) -> None:
 
 def export(checkpoint: Path, path: Path, *, model_type: Optional[str] = None, tokenizer=None,
            dtype: Optional[torch.dtype] = None, hf_config: Optional[dict] = None,
-           source_format: Optional[str] = None, log: Callable[[str], None] = print,
-           weights: Optional[Any] = None) -> Path:
+           source_format: Optional[str] = None, log: Callable[[str], None] = print) -> Path:
     """Write the weights of a training checkpoint with ``zoo.save_pretrained``, tensor by tensor: each
     is assembled from the pieces the processes wrote, converted and written before the next is read,
     so no host holds more than about one tensor (not the whole model). The tokenizer (its chat
@@ -527,7 +522,7 @@ def export(checkpoint: Path, path: Path, *, model_type: Optional[str] = None, to
     Without ``model_type``, the first registered checkpoint format that describes the checkpoint's
     spec exactly is used; when none does, the model is written in zoo's own layout (``spec.toml`` and
     ``model.safetensors``, :mod:`zoo.checkpoints.native`), which ``zoo.from_pretrained`` loads.
-    ``weights`` (by zoo name) replaces the checkpoint's own: a LoRA run's merged model.
+    A LoRA run's checkpoint is written as the merged model (:class:`zoo.checkpoints.adapter.MergedWeights`).
     """
     from zoo.checkpoints import save_pretrained, save_tokenizer
     from zoo.checkpoints.format import CheckpointError
@@ -535,8 +530,15 @@ def export(checkpoint: Path, path: Path, *, model_type: Optional[str] = None, to
     from zoo.core.registry import list_components
     from zoo.train.checkpointer import CheckpointWeights
 
-    spec = ModelSpec.from_dict(json.loads((Path(checkpoint) / "state.json").read_text())["spec"])
-    weights = CheckpointWeights(checkpoint, dtype=dtype) if weights is None else weights
+    state = json.loads((Path(checkpoint) / "state.json").read_text())
+    spec = ModelSpec.from_dict(state["spec"])
+    lora = (state.get("config") or {}).get("lora")
+    if lora:  # a LoRA run's: the merged model, each adapted weight merged as it is read
+        from zoo.checkpoints.adapter import MergedWeights
+
+        weights = MergedWeights(CheckpointWeights(checkpoint), lora, dtype=dtype)
+    else:
+        weights = CheckpointWeights(checkpoint, dtype=dtype)
     plain = build_model(spec, device="meta")  # names, shapes and heads for the weight-name map; no data
     plain.checkpoint_format, plain.hf_config = source_format, dict(hf_config or {})
     tokenizer = tokenizer if hasattr(tokenizer, "save") else None
