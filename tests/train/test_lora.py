@@ -77,6 +77,24 @@ def test_zoo_lora_forward_equals_peft_on_transformers_with_the_same_adapter_weig
 
 
 @pytest.mark.parity
+def test_an_adapter_peft_trained_on_the_transformers_model_loads_into_zoo(base, tmp_path):
+    """The other way: an adapter peft made for transformers' model (every linear layer, rsLoRA, both
+    factors random) applied by ``zoo.from_pretrained(base, adapter=)`` computes what peft computes."""
+    hf, d = base
+    torch.manual_seed(7)
+    config = peft.LoraConfig(r=3, lora_alpha=5, target_modules="all-linear", use_rslora=True, init_lora_weights=False)
+    peft.get_peft_model(copy.deepcopy(hf), config).save_pretrained(tmp_path / "adapter")
+    ours = zoo.from_pretrained(d / "base", adapter=tmp_path / "adapter")
+    assert len(lora_layers(ours)) == 2 * 7 and all(m.scaling["default"] == 5 / 3 ** 0.5 for m in lora_layers(ours).values())
+    ids = _ids(seed=9)
+    with torch.no_grad():
+        logits, plain = ours(ids), zoo.from_pretrained(d / "base")(ids)
+    exact = _peft_logits(hf, tmp_path / "adapter", ids, torch.float64)
+    assert (exact - plain.double()).abs().max() > 0.1  # the adapter changes the logits well past rounding
+    assert_within_reference_error(logits, _peft_logits(hf, tmp_path / "adapter", ids), exact)
+
+
+@pytest.mark.parity
 def test_an_adapter_on_some_layers_names_them_whole_and_peft_wraps_only_those(base, tmp_path):
     hf, d = base
     model = zoo.from_pretrained(d / "base")
@@ -164,11 +182,14 @@ def test_the_adapter_loads_in_peft_and_the_merged_export_equals_it(base, run):
         assert torch.equal(t, exported[name]), name
 
 
-def test_a_stopped_and_resumed_lora_run_equals_the_straight_one(base, tmp_path):
+def test_a_stopped_and_resumed_lora_run_equals_the_straight_one(base, tmp_path, capsys):
     hf, d = base
     kw = dict(init_from=str(d / "base"), data=(str(d / "text.txt"),), steps=6, lr=1e-2, save_every=3,
               lora={"r": 2, "alpha": 4, "dropout": 0.1, "targets": ["o_proj", "down"], "merge": False}, **RUN)
     straight = zoo.train(out_dir=str(tmp_path / "a"), **kw)
+    counts = straight.extra["lora"]
+    assert (f"LoRA r=2 alpha=4 on 4 modules (down, o_proj): {counts['trainable']:,} trainable parameters of "
+            f"{counts['total']:,} ({counts['percent']:.3f}%)") in capsys.readouterr().out
     zoo.train(out_dir=str(tmp_path / "b"), stop_after=3, **kw)
     resumed = zoo.train(out_dir=str(tmp_path / "b"), **kw)
     assert resumed.losses == straight.losses[3:]
@@ -182,7 +203,6 @@ def test_a_stopped_and_resumed_lora_run_equals_the_straight_one(base, tmp_path):
     assert not any(m.training for m in tuned.modules())
     with torch.no_grad():
         assert torch.equal(tuned(_ids()), tuned(_ids()))
-    counts = straight.extra["lora"]
     expected = sum(2 * (m.in_features + m.out_features) for m in _hf_linears(hf, {"o_proj", "down_proj"}))
     assert counts["trainable"] == expected and counts["percent"] == pytest.approx(100 * expected / counts["total"])
 
