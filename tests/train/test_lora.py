@@ -376,3 +376,30 @@ def test_zoo_export_of_a_lora_checkpoint_writes_the_merged_model_of_that_step(ba
         assert torch.equal(t, exported[name]), name
     final = zoo.from_pretrained(out / "final").state_dict()
     assert not torch.equal(final["layers.0.mixer.q_proj.weight"], exported["layers.0.mixer.q_proj.weight"])
+
+
+def test_the_command_line_settings_apply_over_the_toml_table(tmp_path):
+    import argparse
+
+    from zoo.commands.train import add_parser, config_of
+    from zoo.train.config import LoraSettings
+
+    parser = argparse.ArgumentParser().add_subparsers()
+    p = add_parser(parser)
+    toml = tmp_path / "t.toml"
+    toml.write_text('[lora]\nr = 8\nalpha = 8\ntargets = ["q_proj"]\n')
+    assert config_of(p.parse_args(["--config", str(toml), "--lora", "r=4,dropout=0"])).lora == LoraSettings(
+        r=4, alpha=8, dropout=0.0, targets=("q_proj",))
+    assert config_of(p.parse_args(["--config", str(toml)])).lora == LoraSettings(r=8, alpha=8, targets=("q_proj",))
+    assert config_of(p.parse_args(["--lora"])).lora == LoraSettings()
+    assert config_of(p.parse_args([])).lora is None
+
+
+def test_lora_without_peft_names_the_extra_to_install(base, tmp_path, monkeypatch):
+    import sys
+
+    hf, d = base
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft fails as where it is not installed
+    with pytest.raises(ModuleNotFoundError, match=r"LoRA adapters need peft.*pip install 'zoo-lm\[train\]'"):
+        zoo.train(init_from=str(d / "base"), out_dir=str(tmp_path / "run"), steps=1, lora={}, **RUN)
+    assert not (tmp_path / "run").exists()
