@@ -191,6 +191,8 @@ def test_a_stopped_and_resumed_lora_run_equals_the_straight_one(base, tmp_path, 
     assert (f"LoRA r=2 alpha=4 on 4 modules (down, o_proj): {counts['trainable']:,} trainable parameters of "
             f"{counts['total']:,} ({counts['percent']:.3f}%)") in capsys.readouterr().out
     zoo.train(out_dir=str(tmp_path / "b"), stop_after=3, **kw)
+    with pytest.raises(ValueError, match=r"other training settings \(lora: \{'r': 2.*in the checkpoint, \{'r': 3"):
+        zoo.train(out_dir=str(tmp_path / "b"), **{**kw, "lora": {**kw["lora"], "r": 3}})
     resumed = zoo.train(out_dir=str(tmp_path / "b"), **kw)
     assert resumed.losses == straight.losses[3:]
     a, b = (load_file(str(tmp_path / x / "adapter" / "adapter_model.safetensors")) for x in "ab")

@@ -184,13 +184,15 @@ def _module_map(model: nn.Module, model_type: str) -> dict[str, tuple[str, str]]
     return out
 
 
-def hf_module_names(model: nn.Module, modules: Sequence[str], model_type: Optional[str]) -> dict[str, str]:
-    """Each zoo module of ``modules`` -> its name in ``model_type``'s format (itself without a format).
-    A module whose weight the format stores through a transform (a fused QKV, a transposed Conv1D) or
-    not at all is refused by name: no PEFT adapter for the transformers model holds its update."""
+def hf_module_names(model: nn.Module, modules: Sequence[str], model_type: Optional[str],
+                    mapped: Optional[dict[str, tuple[str, str]]] = None) -> dict[str, str]:
+    """Each zoo module of ``modules`` -> its name in ``model_type``'s format (itself without a format),
+    through ``mapped`` (the format's :func:`_module_map`, made when not given). A module whose weight
+    the format stores through a transform (a fused QKV, a transposed Conv1D) or not at all is refused
+    by name: no PEFT adapter for the transformers model holds its update."""
     if not model_type:
         return {z.replace(WRAPPED, ""): z.replace(WRAPPED, "") for z in modules}
-    mapped = _module_map(model, model_type)
+    mapped = _module_map(model, model_type) if mapped is None else mapped
     names = {}
     for z in (m.replace(WRAPPED, "") for m in modules):
         hf, transform = mapped.get(z, (None, None))
@@ -225,8 +227,9 @@ def save_adapter(model: nn.Module, directory: str | Path, *, model_type: Optiona
         raise ValueError("the model has no LoRA adapter to save; add one with zoo.checkpoints.adapter.add_lora "
                          "or train with lora settings")
     model_type = _format_of(model, model_type)
-    names = hf_module_names(model, list(layers), model_type)
-    every = {z: hf for z, (hf, _) in _module_map(model, model_type).items()} if model_type else names
+    mapped = _module_map(model, model_type) if model_type else {}
+    names = hf_module_names(model, list(layers), model_type, mapped)
+    every = {z: hf for z, (hf, _) in mapped.items()} if model_type else names
     first = next(iter(layers.values()))
     config = peft.LoraConfig(
         r=first.r[ADAPTER], lora_alpha=first.lora_alpha[ADAPTER], use_rslora=first.use_rslora[ADAPTER],
