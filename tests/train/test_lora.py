@@ -274,6 +274,10 @@ def test_an_adapter_zoo_cannot_apply_is_refused_by_field(base, tmp_path):
     model.save_pretrained(tmp_path / "dora")
     with pytest.raises(CheckpointError, match=r"adapter_config\.json: use_dora = True: DoRA is not supported"):
         zoo.from_pretrained(d / "base", adapter=tmp_path / "dora")
+    cfg = json.loads((tmp_path / "dora" / "adapter_config.json").read_text())
+    (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": False, "peft_type": "IA3"}))
+    with pytest.raises(CheckpointError, match=r"peft_type = 'IA3': zoo applies LoRA adapters with peft_type = 'LORA'"):
+        zoo.from_pretrained(d / "base", adapter=tmp_path / "dora")
     other = make_tiny("llama", tmp_path / "wide", overrides={"vocab_size": 256, "hidden_size": 128})
     peft.get_peft_model(other, peft.LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "wide_adapter")
     with pytest.raises(CheckpointError, match=r"layers\.0\.mixer\.q_proj\.lora_A is \(2, 128\), but rank 2 on this model "

@@ -32,6 +32,11 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PEFT's prefix of the base model's module names in an adapter file
 WRAPPED = "_checkpoint_wrapped_module."  # activation checkpointing's wrapper, not in any saved name
+#: adapter_config.json fields zoo does not apply (refused when set), and what each asks for
+REFUSED = {"use_dora": "DoRA", "modules_to_save": "a fully trained module", "rank_pattern": "a per-module rank",
+           "alpha_pattern": "a per-module alpha", "fan_in_fan_out": "a transposed (Conv1D) weight",
+           "lora_bias": "a LoRA bias", "target_parameters": "LoRA on bare parameters",
+           "trainable_token_indices": "a trained token row", "layer_replication": "a replicated layer"}
 
 
 def require_peft():
@@ -56,15 +61,17 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 def lora_targets(model: nn.Module, targets: Sequence[str] = (), *, exact: bool = False) -> list[str]:
     """The names of the ``nn.Linear`` modules ``targets`` pick, as peft matches them: a module whose
-    name is a target or ends with ``.`` + a target (``q_proj`` picks every layer's, ``layers.0.mixer.q_proj``
-    one); ``exact``: only a module whose name is a target. No targets: every linear projection of the blocks (attention and MLP; not the head, the
-    embedding or a multi-token prediction module). A target that picks nothing is an error naming it."""
+    name is a target or ends with ``.`` + a target (``q_proj`` picks every layer's,
+    ``layers.0.mixer.q_proj`` one); ``exact``: only a module whose name is a target. No targets: every
+    linear projection of the blocks (attention and MLP; not the head, the embedding or a multi-token
+    prediction module). A target that picks nothing is an error naming it."""
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not targets:
         return [n for n in linears if n.replace(WRAPPED, "").startswith("layers.")]
     chosen = set()
     for t in targets:
-        hits = [n for n in linears if n.replace(WRAPPED, "") == t or (not exact and n.replace(WRAPPED, "").endswith("." + t))]
+        hits = [n for n in linears
+                if n.replace(WRAPPED, "") == t or (not exact and n.replace(WRAPPED, "").endswith("." + t))]
         if not hits:
             leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
             raise ValueError(f"lora.targets: {t!r} names no linear module of the model; its linear modules are "
@@ -77,8 +84,9 @@ def add_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: float
              targets: Sequence[str] = (), rslora: bool = False, seed: int = 0, exact: bool = False) -> nn.Module:
     """Wrap the linear modules ``targets`` picks (:func:`lora_targets`) with peft's LoRA layers of rank
     ``r`` (``exact``: ``targets`` are whole module names), scaled by ``alpha / r`` (``alpha / sqrt(r)``
-    with ``rslora``), and freeze every other parameter: only the adapter trains. ``B`` starts at zero, so the model computes what it did;
-    ``A`` is drawn by peft from a generator seeded with ``seed`` (not the caller's random state)."""
+    with ``rslora``), and freeze every other parameter: only the adapter trains. ``B`` starts at zero,
+    so the model computes what it did; ``A`` is drawn by peft under the seed ``seed`` (the caller's
+    random state is left as it was)."""
     peft = require_peft()
     if lora_layers(model):
         raise ValueError("the model already has a LoRA adapter; merge it first (zoo.merge_adapter)")
@@ -239,7 +247,8 @@ def save_adapter(model: nn.Module, directory: str | Path, *, model_type: Optiona
     tensors = {}
     for z, layer in layers.items():
         for part in ("lora_A", "lora_B"):
-            tensors[f"{PREFIX}{names[z]}.{part}.weight"] = getattr(layer, part)[ADAPTER].weight.detach().cpu().contiguous()
+            weight = getattr(layer, part)[ADAPTER].weight
+            tensors[f"{PREFIX}{names[z]}.{part}.weight"] = weight.detach().cpu().contiguous()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(directory))
@@ -273,20 +282,13 @@ def load_adapter(model: nn.Module, directory: str | Path, *, model_type: Optiona
         cfg = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{config_file}: not valid JSON ({exc})") from None
-    refused = {"peft_type": (cfg.get("peft_type", "LORA") != "LORA", "zoo applies LoRA adapters only"),
-               "use_dora": (bool(cfg.get("use_dora")), "DoRA is not supported"),
-               "modules_to_save": (bool(cfg.get("modules_to_save")), "fully trained modules are not supported"),
-               "bias": (cfg.get("bias", "none") != "none", "trained biases are not supported"),
-               "rank_pattern": (bool(cfg.get("rank_pattern")), "per-module ranks are not supported"),
-               "alpha_pattern": (bool(cfg.get("alpha_pattern")), "per-module alphas are not supported"),
-               "fan_in_fan_out": (bool(cfg.get("fan_in_fan_out")), "transposed (Conv1D) weights are not supported"),
-               "lora_bias": (bool(cfg.get("lora_bias")), "a LoRA bias is not supported"),
-               "target_parameters": (bool(cfg.get("target_parameters")), "LoRA on bare parameters is not supported"),
-               "trainable_token_indices": (bool(cfg.get("trainable_token_indices")), "trained token rows are not supported"),
-               "layer_replication": (bool(cfg.get("layer_replication")), "replicated layers are not supported")}
-    for field, (bad, why) in refused.items():
-        if bad:
-            raise CheckpointError(f"{config_file}: {field} = {cfg[field]!r}: {why}")
+    for field, default, allowed in (("peft_type", "LORA", "LORA"), ("bias", "none", "none")):
+        if cfg.get(field, default) != allowed:
+            raise CheckpointError(f"{config_file}: {field} = {cfg[field]!r}: zoo applies LoRA adapters with "
+                                  f"{field} = {allowed!r} only")
+    for field, what in REFUSED.items():
+        if cfg.get(field):
+            raise CheckpointError(f"{config_file}: {field} = {cfg[field]!r}: {what} is not supported")
     weights_file = directory / WEIGHTS_FILE
     if not weights_file.is_file():
         raise CheckpointError(f"{directory} has no {WEIGHTS_FILE} (an adapter_model.bin is not read: "
