@@ -277,6 +277,7 @@ def from_pretrained(
     token: Any = None,
     cache_dir: Optional[str] = None,
     progress: bool = True,
+    adapter: Optional[str | Path] = None,
 ) -> Decoder:
     """Load an HF checkpoint (local directory or hub repo id) into a zoo model.
 
@@ -290,8 +291,20 @@ def from_pretrained(
     file (or a directory holding one) is read by :mod:`zoo.checkpoints.gguf`, dequantised to ``dtype``
     (default float32). A directory in zoo's own layout (``spec.toml`` + ``model.safetensors``: what
     ``zoo train`` exports for a model no HF format describes) loads too, and so does a training run's
-    directory (its ``final/`` export); see :mod:`zoo.checkpoints.native`.
+    directory (its ``final/`` export); see :mod:`zoo.checkpoints.native`. ``adapter``: a PEFT LoRA
+    adapter directory (what ``zoo train --lora`` writes, or peft saves for the transformers model) to
+    apply on top (:func:`zoo.checkpoints.adapter.load_adapter`; ``zoo.merge_adapter`` folds it in).
     """
+    model = _from_pretrained(path_or_repo_id, revision=revision, dtype=dtype, device=device, strict=strict,
+                             token=token, cache_dir=cache_dir, progress=progress)
+    if adapter is not None:
+        from zoo.checkpoints.adapter import load_adapter
+
+        load_adapter(model, adapter)
+    return model
+
+
+def _from_pretrained(path_or_repo_id, *, revision, dtype, device, strict, token, cache_dir, progress) -> Decoder:
     from zoo.checkpoints import gguf, native
 
     if gguf.is_gguf(path_or_repo_id):  # a llama.cpp file: metadata, tokenizer and (quantised) tensors in one

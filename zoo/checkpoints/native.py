@@ -31,6 +31,10 @@ def checkpoint_dir(directory: str | Path) -> Path:
 
 def unfinished_run(directory: Path) -> str:
     """What to say about a training run directory that has checkpoints but no export yet."""
+    if (directory / "adapter" / "adapter_config.json").is_file():  # a LoRA run that wrote no merged model
+        return (f"{directory} is a LoRA run that wrote its adapter ({directory / 'adapter'}) and no merged "
+                f"{RUN_EXPORT}/ export (lora.merge = false): load the base with the adapter, "
+                f"zoo.from_pretrained(BASE, adapter={str(directory / 'adapter')!r})")
     return (f"{directory} is a training run without its {RUN_EXPORT}/ export yet (the run has not finished): "
             f"finish it with the same zoo train command (it resumes from {directory / 'checkpoints'}), which "
             f"exports at the end")
