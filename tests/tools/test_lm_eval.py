@@ -4,6 +4,7 @@ generates what lm_eval's own ``hf`` model does on the same checkpoint, on local 
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -195,3 +196,20 @@ def test_bad_model_args_are_named(checkpoint):
         ZooLM(pretrained=str(checkpoint), batch_size="auto")
     with pytest.raises(ValueError, match="give pretrained=PATH"):
         ZooLM()
+
+
+@pytest.mark.slow  # lm_eval's command line indexes its thousands of built-in task files first (about 10 s)
+def test_zoo_lm_eval_runs_lm_evals_command_line_with_the_zoo_model(checkpoint, tasks, runs, monkeypatch, tmp_path):
+    from zoo.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["zoo"])  # lm_eval's command line reads sys.argv, which it is given
+    out = tmp_path / "out"
+    assert main(["lm-eval", "--model", "zoo", "--model_args", f"pretrained={checkpoint},max_length={MAX_LENGTH}",
+                 "--tasks", f"{tasks / 'choice.yaml'},{tasks / 'rolling.yaml'}", "--device", "cpu", "--batch_size", "2",
+                 "--output_path", str(out)]) == 0
+    (result,) = out.rglob("results_*.json")
+    got = json.loads(result.read_text())["results"]
+    want = runs["zoo"]["results"]
+    assert got["zoo_choice"]["acc,none"] == want["zoo_choice"]["acc,none"]
+    assert got["zoo_rolling"]["word_perplexity,none"] == pytest.approx(want["zoo_rolling"]["word_perplexity,none"],
+                                                                       rel=1e-5)
