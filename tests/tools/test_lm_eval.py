@@ -78,9 +78,9 @@ def with_greedy_choices(checkpoint):
     return docs
 
 
-def write_tasks(d, choice_docs):
+def write_tasks(d, choice_docs, rolling_docs=ROLLING_DOCS, gen_docs=GEN_DOCS, stops=STOPS, gen_tokens=GEN_TOKENS):
     """Three task files over local JSON lines, read by the datasets library's json builder."""
-    for name, docs in (("choice", choice_docs), ("rolling", ROLLING_DOCS), ("gen", GEN_DOCS)):
+    for name, docs in (("choice", choice_docs), ("rolling", rolling_docs), ("gen", gen_docs)):
         (d / f"{name}.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs))
     common = "dataset_path: json\ntest_split: train\n"
     (d / "choice.yaml").write_text(
@@ -94,7 +94,7 @@ def write_tasks(d, choice_docs):
     (d / "gen.yaml").write_text(
         f"task: zoo_gen\n{common}dataset_kwargs:\n  data_files: {{train: {d / 'gen.jsonl'}}}\n"
         "output_type: generate_until\ndoc_to_text: '{{prompt}}'\ndoc_to_target: '{{answer}}'\n"
-        f"generation_kwargs:\n  until: {json.dumps(STOPS)}\n  max_gen_toks: {GEN_TOKENS}\n  do_sample: false\n"
+        f"generation_kwargs:\n  until: {json.dumps(stops)}\n  max_gen_toks: {gen_tokens}\n  do_sample: false\n"
         "metric_list:\n  - metric: exact_match\n")
     return d
 
@@ -119,10 +119,10 @@ def offline():
 
 
 def evaluate(model, model_args, tasks, batch_size):
-    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["zoo_choice", "zoo_rolling", "zoo_gen"],
+    """lm_eval's own evaluation of the three tasks, with every document's responses logged."""
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["zoo_choice", "zoo_rolling", "zoo_gen"],
                                   task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
                                   batch_size=batch_size, device="cpu", log_samples=True)
-    return out
 
 
 def responses(out, task):
@@ -213,3 +213,44 @@ def test_zoo_lm_eval_runs_lm_evals_command_line_with_the_zoo_model(checkpoint, t
     assert got["zoo_choice"]["acc,none"] == want["zoo_choice"]["acc,none"]
     assert got["zoo_rolling"]["word_perplexity,none"] == pytest.approx(want["zoo_rolling"]["word_perplexity,none"],
                                                                        rel=1e-5)
+
+
+SMOL_CHOICES = [
+    {"question": "The capital of France is", "choices": [" Paris", " Berlin", " Madrid"], "answer": 0},
+    {"question": "Python's json module", "choices": [" encodes and decodes JSON", " draws pictures"], "answer": 0},
+    {"question": "Water freezes at zero degrees", "choices": [" Celsius", " Kelvin"], "answer": 0},
+]
+SMOL_GEN = [{"prompt": "The capital of France is", "answer": " Paris"},
+            {"prompt": "def add(a, b):\n    return", "answer": " a + b"}]
+
+
+@pytest.mark.slow  # two loads of a 135M model (transformers' GGUF loader: about 30 s) and three evaluations
+@pytest.mark.parity
+def test_the_real_smollm2_gguf_scores_and_generates_as_the_hf_model(tmp_path, offline):
+    import copy
+
+    import transformers
+    from lm_eval.models.huggingface import HFLM
+    from test_gguf_smollm2 import TEXT, smollm2_file
+
+    path = smollm2_file()
+    tasks = write_tasks(tmp_path, SMOL_CHOICES, rolling_docs=[{"text": TEXT[:700]}], gen_docs=SMOL_GEN,
+                        stops=["\n", "."], gen_tokens=16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    runs = {"zoo": evaluate("zoo", {"pretrained": str(path), "dtype": "float32"}, tasks, batch_size=2),
+            "hf": evaluate(HFLM(pretrained=hf, tokenizer=hf_tok, batch_size=1), None, tasks, batch_size=None),
+            "hf64": evaluate(HFLM(pretrained=copy.deepcopy(hf).double(), tokenizer=hf_tok, batch_size=1), None, tasks,
+                             batch_size=None)}
+    for task in ("zoo_choice", "zoo_rolling"):
+        def flat(run):
+            values = [r[0] for doc in responses(runs[run], task) for r in doc]
+            return torch.tensor([v[0] if isinstance(v, (list, tuple)) else v for v in values], dtype=torch.float64)
+
+        assert_within_reference_error(flat("zoo"), flat("hf"), flat("hf64"), factor=4.0, what=f"{task} log-likelihoods")
+    # A trained model knows these.
+    assert runs["zoo"]["results"]["zoo_choice"]["acc,none"] == runs["hf"]["results"]["zoo_choice"]["acc,none"] == 1.0
+    texts = [doc[0][0] for doc in responses(runs["zoo"], "zoo_gen")]
+    assert texts == [doc[0][0] for doc in responses(runs["hf"], "zoo_gen")]
+    assert texts[0].strip() == "Paris", texts
