@@ -105,6 +105,10 @@ class ZooLM(TemplateLM):
     # -- tokens ---------------------------------------------------------------------------------
 
     @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
     def eot_token_id(self) -> int:
         if not self.tokenizer.eos_token_ids:
             raise ValueError(f"the tokenizer ({self.tokenizer.path}) names no end-of-sequence token; lm_eval needs "
