@@ -118,11 +118,11 @@ def offline():
         os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
-def evaluate(model, model_args, tasks, batch_size):
-    """lm_eval's own evaluation of the three tasks, with every document's responses logged."""
-    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["zoo_choice", "zoo_rolling", "zoo_gen"],
+def evaluate(model, model_args, tasks, batch_size, names=("zoo_choice", "zoo_rolling", "zoo_gen"), **kw):
+    """lm_eval's own evaluation of the tasks, with every document's responses logged."""
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(names),
                                   task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
-                                  batch_size=batch_size, device="cpu", log_samples=True)
+                                  batch_size=batch_size, device="cpu", log_samples=True, **kw)
 
 
 def responses(out, task):
@@ -239,8 +239,9 @@ def test_the_real_smollm2_gguf_scores_and_generates_as_the_hf_model(tmp_path, of
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
                                                            attn_implementation="eager").eval()
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    runs = {"zoo": evaluate("zoo", {"pretrained": str(path), "dtype": "float32"}, tasks, batch_size=2),
-            "hf": evaluate(HFLM(pretrained=hf, tokenizer=hf_tok, batch_size=1), None, tasks, batch_size=None),
+    zoo_args, hflm = {"pretrained": str(path), "dtype": "float32"}, HFLM(pretrained=hf, tokenizer=hf_tok, batch_size=1)
+    runs = {"zoo": evaluate("zoo", zoo_args, tasks, batch_size=2),
+            "hf": evaluate(hflm, None, tasks, batch_size=None),
             "hf64": evaluate(HFLM(pretrained=copy.deepcopy(hf).double(), tokenizer=hf_tok, batch_size=1), None, tasks,
                              batch_size=None)}
     for task in ("zoo_choice", "zoo_rolling"):
@@ -254,3 +255,8 @@ def test_the_real_smollm2_gguf_scores_and_generates_as_the_hf_model(tmp_path, of
     texts = [doc[0][0] for doc in responses(runs["zoo"], "zoo_gen")]
     assert texts == [doc[0][0] for doc in responses(runs["hf"], "zoo_gen")]
     assert texts[0].strip() == "Paris", texts
+    # Through the file's chat template (each prompt a user's turn), other answers, the same in both.
+    chats = [[doc[0][0] for doc in responses(evaluate(model, args, tasks, batch_size=bs, names=["zoo_gen"],
+                                                      apply_chat_template=True), "zoo_gen")]
+             for model, args, bs in (("zoo", zoo_args, 2), (hflm, None, None))]
+    assert chats[0] == chats[1] and chats[0] != texts and all(chats[0]), chats
