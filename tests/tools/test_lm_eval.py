@@ -187,7 +187,7 @@ def test_generations_equal_the_hf_model(runs, checkpoint):
     assert reached
 
 
-def test_bad_model_args_are_named(checkpoint):
+def test_bad_model_args_and_generation_settings_are_named_and_sampling_reaches_generate(checkpoint):
     from zoo.tools.harness import ZooLM
 
     with pytest.raises(ValueError, match="takes no trust_remote_code"):
@@ -196,6 +196,24 @@ def test_bad_model_args_are_named(checkpoint):
         ZooLM(pretrained=str(checkpoint), batch_size="auto")
     with pytest.raises(ValueError, match="give pretrained=PATH"):
         ZooLM()
+    from lm_eval.api.instance import Instance
+
+    lm = ZooLM(pretrained=str(checkpoint), max_length=MAX_LENGTH)
+
+    def request(**settings):
+        return [Instance(request_type="generate_until", doc={}, arguments=("Hello", {"until": ["\n"], **settings}),
+                         idx=0)]
+
+    with pytest.raises(ValueError, match="not num_beams"):
+        lm.generate_until(request(num_beams=4))
+    with pytest.raises(ValueError, match=f"max_gen_toks {MAX_LENGTH} leaves no room for a context within max_length"):
+        lm.generate_until(request(max_gen_toks=MAX_LENGTH))
+    # Sampling settings reach zoo.generate: sampling among the top 1 is greedy, at a temperature that
+    # would otherwise wander.
+    torch.manual_seed(0)
+    greedy = lm.generate_until(request(until=[], max_gen_toks=8))
+    assert lm.generate_until(request(until=[], max_gen_toks=8, do_sample=True, temperature=5.0, top_k=1)) == greedy
+    assert lm.generate_until(request(until=[], max_gen_toks=8, do_sample=True, temperature=5.0)) != greedy
 
 
 @pytest.mark.slow  # lm_eval's command line indexes its thousands of built-in task files first (about 10 s)

@@ -1,5 +1,7 @@
 """``zoo lm-eval ARGS``: EleutherAI's lm-evaluation-harness with the ``zoo`` model registered."""
 
+import sys
+
 
 def add_parser(sub):
     # '+' as the prefix character: every --option after the command goes to lm_eval untouched.
@@ -13,6 +15,10 @@ def add_parser(sub):
 
 
 def run(args):
-    from zoo.tools.harness import main
+    try:
+        from zoo.tools.harness import main
+    except ImportError as exc:  # the lmeval extra is not installed
+        print(f"zoo lm-eval: error: {exc}", file=sys.stderr)
+        return 2
 
     return main(args.args)
