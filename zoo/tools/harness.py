@@ -86,7 +86,7 @@ class ZooLM(TemplateLM):
         self.model, self.tokenizer = model.eval(), tokenizer
         self._device = next(model.parameters()).device
         self.pretrained = str(pretrained) if pretrained is not None else None
-        self.batch_size_per_gpu = self._positive("batch_size", batch_size)
+        self.batch_size_per_gpu = self._positive("batch_size", batch_size)  # max_batch_size bounds only "auto"
         self.max_length = (self._positive("max_length", max_length) if max_length is not None
                            else model.spec.max_seq_len)
         self.max_gen_toks = self._positive("max_gen_toks", max_gen_toks)
@@ -167,15 +167,18 @@ class ZooLM(TemplateLM):
             for row, ids in zip(batch, inputs):
                 row[:len(ids)] = torch.tensor(ids)  # right-padded: a causal model's real positions never see it
             logp = torch.log_softmax(self.model(batch.to(self.device)).float(), dim=-1)
-            for (key, ctx, cont), ids, row in zip(chunk, inputs, logp):
-                row = row[len(ids) - len(cont):len(ids)][None]  # the positions that predict the continuation
-                greedy = row.argmax(-1)
-                for key, cont, row in order.get_cache(req_str=key, cxt_toks=ctx, cont_toks=cont, logits=row):
-                    want = torch.tensor(cont, device=row.device)[None]
-                    answer = (float(row.gather(2, want[..., None]).sum()), bool((greedy[:, -want.shape[1]:] == want).all()))
+            for (key, ctx, cont), ids, full in zip(chunk, inputs, logp):
+                scored = full[len(ids) - len(cont):len(ids)][None]  # the positions that predict the continuation
+                greedy = scored.argmax(-1)
+                # The requests of this context whose one-token continuations share these log-probabilities:
+                for req_key, req_cont, req_scored in order.get_cache(req_str=key, cxt_toks=ctx, cont_toks=cont,
+                                                                     logits=scored):
+                    want = torch.tensor(req_cont, device=req_scored.device)[None]
+                    answer = (float(req_scored.gather(2, want[..., None]).sum()),
+                              bool((greedy[:, -want.shape[1]:] == want).all()))
                     res.append(answer)
-                    if key is not None:  # rolling windows are cached per document, by loglikelihood_rolling
-                        self.cache_hook.add_partial("loglikelihood", key, answer)
+                    if req_key is not None:  # rolling windows are cached per document, by loglikelihood_rolling
+                        self.cache_hook.add_partial("loglikelihood", req_key, answer)
                     bar.update(1)
         bar.close()
         return order.get_original(res)
