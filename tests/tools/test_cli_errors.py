@@ -111,3 +111,12 @@ def test_verify_tiny_help_says_it_takes_a_model_type(capsys):
     with pytest.raises(SystemExit):
         main(["verify", "--help"])
     assert "--tiny MODEL_TYPE" in capsys.readouterr().out
+
+
+def test_lm_eval_without_the_harness_installed_names_the_extra(capsys, monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "zoo.tools.harness", raising=False)  # imported afresh, and put back after
+    for name in ["lm_eval"] + [m for m in sys.modules if m.startswith("lm_eval.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if the lmeval extra were not installed
+    one_line_error(capsys, ["lm-eval", "--model", "zoo", "--tasks", "x"], "pip install 'zoo-lm[lmeval]'")
