@@ -25,7 +25,7 @@ def add_parser(sub):
     return p
 
 
-def load(checkpoint, dtype):
+def load(checkpoint, dtype, fp8="dequantize"):
     from zoo.checkpoints import from_pretrained, gguf, resolve
     from zoo.inference.tokenizer import Tokenizer
 
@@ -33,7 +33,7 @@ def load(checkpoint, dtype):
     tokenizer = Tokenizer(source)
     if not tokenizer.chat_template:
         raise ValueError(f"{checkpoint}: its tokenizer has no chat template; use zoo generate --prompt instead")
-    return from_pretrained(source, dtype=dtype), tokenizer
+    return from_pretrained(source, dtype=dtype, fp8=fp8), tokenizer
 
 
 def reply(model, tokenizer, messages, args, out=None):
