@@ -303,6 +303,10 @@ class Decoder(_kinds.Kernels, nn.Module):
             return self.embed.weight, self.head_bias
         return self.lm_head.weight, self.lm_head.bias
 
+    def kernel_tensors(self) -> tuple:
+        """The fused loss reads the head whole: sharded over tensor-parallel processes, it steps aside."""
+        return tuple(t for t in self.head() if t is not None)
+
     def logits_from_hidden(self, x: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             logits = self.lm_head(x)  # called as a module, so that a plan's hooks on it run (tensor parallelism)
