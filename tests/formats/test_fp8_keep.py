@@ -63,6 +63,17 @@ def test_decoding_reads_the_dequantised_up_projection(deepseek):
     assert torch.equal(a, zoo.generate(ref, IDS[:, :8], max_new_tokens=6))
 
 
+def test_deepseek_v32_keeps_its_indexer_in_fp8(tmp_path):
+    """DSA's lightning indexer casts its input to its weights projection's dtype: kept in FP8, that is
+    the dtype it computes in, not float8."""
+    make_tiny("deepseek_v32", tmp_path / "hf", std=0.1)
+    quantized_checkpoint(tmp_path / "hf", tmp_path / "fp8", block=32)
+    kept, ref = zoo.from_pretrained(tmp_path / "fp8", fp8="keep"), zoo.from_pretrained(tmp_path / "fp8")
+    assert isinstance(kept.layers[0].mixer.indexer.weights_proj, FP8Linear)
+    assert torch.equal(logits(kept), logits(ref))
+    assert torch.equal(zoo.generate(kept, IDS[:, :8], max_new_tokens=4), zoo.generate(ref, IDS[:, :8], max_new_tokens=4))
+
+
 def test_to_a_dtype_keeps_the_fp8_numbers(deepseek):
     kept = zoo.from_pretrained(deepseek, fp8="keep").to(torch.bfloat16)
     o = kept.layers[1].mixer.o_proj
