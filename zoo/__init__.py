@@ -58,6 +58,20 @@ def from_pretrained(path_or_repo_id, **kw):
     return _load(path_or_repo_id, **kw)
 
 
+def merge_adapter(model):
+    """Fold a model's LoRA adapter into its weights; see :func:`zoo.checkpoints.adapter.merge_adapter`."""
+    from zoo.checkpoints.adapter import merge_adapter as _merge
+
+    return _merge(model)
+
+
+def save_adapter(model, directory, **kw):
+    """Write a model's LoRA adapter as a PEFT adapter directory; see :func:`zoo.checkpoints.adapter.save_adapter`."""
+    from zoo.checkpoints.adapter import save_adapter as _save
+
+    return _save(model, directory, **kw)
+
+
 def save_pretrained(model, directory, **kw):
     """Write ``model`` in the Hugging Face layout; see :func:`zoo.checkpoints.save_pretrained`."""
     from zoo.checkpoints import save_pretrained as _save
@@ -83,5 +97,5 @@ __all__ = [
     "Decoder", "DuplicateNameError", "Family", "LossOutput", "ModelSpec", "Part", "PluginError",
     "RegistryError", "SpecError", "UnknownNameError", "build", "build_model", "chat", "from_pretrained", "generate", "get", "get_spec",
     "hookimpl", "list_components", "list_models", "load_plugin", "lm_loss", "manager", "published_params", "register",
-    "save_gguf", "save_pretrained", "TrainConfig", "TrainResult", "train", "upcycle", "verify",
+    "merge_adapter", "save_adapter", "save_gguf", "save_pretrained", "TrainConfig", "TrainResult", "train", "upcycle", "verify",
 ]

@@ -44,6 +44,9 @@ where torch has it for the device and dtype and the widths are 16-byte aligned, 
 (``parallel.ep``, :meth:`MoE.parallelize_experts`) each process holds ``n_experts / ep`` of the experts,
 and the experts module sends the token copies to the process holding their expert and back
 (:class:`zoo.core.parallel.ExpertParallel`); router, shared expert, losses and metrics stay local.
+Under tensor parallelism (``parallel.tp``, :meth:`MoE.parallelize`) each process runs the MoE on its own
+slice of the sequence with the parameters whole, their gradients and the balance statistics summed over
+the tensor-parallel processes.
 """
 
 from __future__ import annotations
@@ -141,14 +144,27 @@ class GroupedExperts(nn.Module):
                 if w is not None and not w.is_meta:
                     w.normal_(0.0, std, generator=generator)
 
+    #: Under tensor parallelism (:meth:`MoE.parallelize`): the mesh over which each expert's gradient is
+    #: summed (the experts are whole on every process of it, each running its own tokens), else None.
+    tp_mesh: Any = None
+
     def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w_gate, w_up, w_down = _local(self.w_gate), _local(self.w_up), _local(self.w_down)
+        w_gate, w_up, w_down = (self._used(w) for w in (self.w_gate, self.w_up, self.w_down))
         aligned = all(n * xs.element_size() % 16 == 0 for n in (self.d_model, self.d_ff))
         # Under torch.compile the loop path (the grouped kernel's fake-tensor rule wants bf16).
         grouped_ok = not torch.compiler.is_compiling() and aligned and _grouped_mm_ok(xs.device, xs.dtype)
         if self.dispatch == "grouped" or (self.dispatch == "auto" and grouped_ok):
             return _experts_grouped(xs, counts, w_gate, w_up, w_down, self.act, self.gated)
         return _experts_loop(xs, counts, w_gate, w_up, w_down, self.act, self.gated)
+
+    def _used(self, w: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``w`` as the forward uses it: this process's experts, their gradient summed over ``tp_mesh``."""
+        w = _local(w)
+        if w is None or self.tp_mesh is None:
+            return w
+        from zoo.core.parallel import grad_summed
+
+        return grad_summed(w, self.tp_mesh)
 
 
 # ----------------------------------------------------------------------------------- the FFN
@@ -300,7 +316,8 @@ class MoE(FFN):
         own (as a dense FFN of the expert's width keeps it: up, and gate, activation and product when
         gated), its output and the weighted output; the indices that sort and add them back; the shared expert's (and
         its gate's). The input itself is kept when a shared expert reads it, or in float32, where the
-        router's float32 copy is the input."""
+        router's float32 copy is the input. Under tensor parallelism each process runs its own slice of
+        the sequence: a ``tp``-th of that per token."""
         c, k, D, Fd = dtype.itemsize, self.cfg.top_k, self.d_model, self.cfg.d_ff
         router = self.router.activation_bytes(seq_len, dtype, device=device)  # (a plugin router may not say)
         if router is None:
@@ -313,7 +330,7 @@ class MoE(FFN):
                 out += D * c + c  # the shared output and the gate's sigmoid, multiplied
         elif c == 4:
             out += D * c
-        return out
+        return out / tp
 
     # -- forward --------------------------------------------------------------------------------
     def route(self, flat: torch.Tensor) -> Routing:
@@ -352,6 +369,15 @@ class MoE(FFN):
         return torch.zeros_like(flat).index_add_(0, token, ys), dropped
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
+        if self._tp_mesh is None:
+            return self._forward(x, ctx)
+        from zoo.core.parallel import parameters_grad_summed
+
+        others = [m for name, m in self.named_children() if name != "experts"]  # the experts sum their own
+        with parameters_grad_summed(others, self._tp_mesh):
+            return self._forward(x, ctx)
+
+    def _forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         r = self.route(flat)
@@ -374,6 +400,29 @@ class MoE(FFN):
                 ctx.add_metric("moe_dropped", dropped / r.indices.numel())
         return out.reshape(shape)
 
+    # -- tensor parallelism ---------------------------------------------------------------------
+    _tp_mesh: Any = None
+
+    def parallelize(self, tp_mesh) -> None:
+        """Tensor parallelism: the MoE runs token by token on this process's slice of the sequence, as
+        it arrives, with its router, experts and shared expert whole on every process of ``tp_mesh``
+        (no gather: each process routes, counts and sends only its own tokens). Their gradients are
+        summed over the processes (:func:`~zoo.core.parallel.grad_summed` on every parameter as the
+        forward uses it), and so are the statistics the balance losses and metrics are taken from
+        (:func:`~zoo.core.parallel.statistic_summed`), so every process adds the one-process loss terms and each
+        token is counted once. The load the selection bias moves by is this process's tokens'
+        (``after_optimizer_step`` sums it over every process). Expert parallelism composes: the experts
+        are then this process's ``n_experts / ep``, their gradient summed over ``tp_mesh`` too."""
+        self._tp_mesh = self.experts.tp_mesh = tp_mesh
+
+    def _summed(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, a sum over this process's tokens, summed over the tensor-parallel processes (no-op without)."""
+        if self._tp_mesh is None:
+            return t
+        from zoo.core.parallel import statistic_summed
+
+        return statistic_summed(t, self._tp_mesh)
+
     # -- expert parallelism ---------------------------------------------------------------------
     def parallelize_experts(self, ep_mesh) -> list[nn.Module]:
         """Expert parallelism over ``ep_mesh`` (:class:`zoo.core.parallel.ExpertParallel` on
@@ -391,11 +440,12 @@ class MoE(FFN):
     def report(self, r: Routing, ctx, lead: torch.Size) -> None:
         """Add this layer's loss terms and metrics to the forward context."""
         cfg, E, k = self.cfg, self.cfg.n_experts, self.cfg.top_k
-        mask = _token_mask(ctx, lead, r.logits.device)  # (N,) 1 for real tokens
+        mask = _token_mask(ctx, lead, r.logits.device, self._tp_mesh)  # (N,) 1 for real tokens
         chosen = torch.zeros_like(r.probs).scatter_(1, r.indices, 1.0)  # (N, E)
-        real = mask.sum().clamp(min=1)
-        f = (chosen * mask[:, None]).sum(0) / real  # fraction of tokens routed to each expert (sums to k)
-        P = (r.probs * mask[:, None]).sum(0) / real
+        # Sums over the tokens (under tensor parallelism: over every process's), then the means.
+        real = self._summed(mask.sum()).clamp(min=1)
+        f = self._summed((chosen * mask[:, None]).sum(0)) / real  # fraction of tokens routed to each expert (sums to k)
+        P = self._summed((r.probs * mask[:, None]).sum(0)) / real
         if cfg.switch_loss:
             ctx.add_loss("moe_switch", E * (f * P).sum(), cfg.switch_loss)
         if cfg.switch_pooled_loss:
@@ -403,9 +453,9 @@ class MoE(FFN):
         if cfg.sequence_loss or cfg.device_loss:
             B = lead[0] if len(lead) == 2 else 1
             m = mask.view(B, -1, 1)
-            real_b = m.sum(1).clamp(min=1)  # (B, 1)
-            f_seq = (chosen.view(B, -1, E) * m).sum(1) / real_b * (E / k)  # (B, E)
-            P_seq = (r.probs.view(B, -1, E) * m).sum(1) / real_b
+            real_b = self._summed(m.sum(1)).clamp(min=1)  # (B, 1)
+            f_seq = self._summed((chosen.view(B, -1, E) * m).sum(1)) / real_b * (E / k)  # (B, E)
+            P_seq = self._summed((r.probs.view(B, -1, E) * m).sum(1)) / real_b
             if cfg.sequence_loss:
                 ctx.add_loss("moe_sequence", (f_seq * P_seq).sum(-1).mean(), cfg.sequence_loss)
             if cfg.device_loss:
@@ -415,7 +465,7 @@ class MoE(FFN):
                 ctx.add_loss("moe_device", (f_dev * P_dev).sum(-1).mean(), cfg.device_loss)
         if cfg.z_loss:
             z = torch.logsumexp(r.logits, dim=-1).pow(2)
-            ctx.add_loss("router_z", (z * mask).sum() / real, cfg.z_loss)
+            ctx.add_loss("router_z", self._summed((z * mask).sum()) / real, cfg.z_loss)
         with torch.no_grad():
             j = ctx.shared.get("moe_layers", 0)
             ctx.shared["moe_layers"] = j + 1
@@ -424,7 +474,7 @@ class MoE(FFN):
             ctx.add_metric("moe_load_max", ratio)
             ctx.add_metric(f"moe_load_max.{j}", ratio)
             entropy = -(r.probs * r.probs.clamp_min(1e-20).log()).sum(-1)
-            ctx.add_metric("router_entropy", (entropy * mask).sum() / real)
+            ctx.add_metric("router_entropy", self._summed((entropy * mask).sum()) / real)
 
     def _pool(self, r: Routing, ctx, mask: torch.Tensor) -> None:
         """Gather this layer's counts and probabilities for the loss pooled over every layer, as
@@ -437,9 +487,9 @@ class MoE(FFN):
                                                            "weight": cfg.switch_pooled_loss})
         if pool["E"] != E:
             raise ValueError(f"moe switch_pooled_loss pools layers of {pool['E']} and {E} experts; use switch_loss")
-        pool["counts"] = pool["counts"] + (counts * mask[:, None]).sum(0)
-        pool["probs"] = pool["probs"] + (probs * mask[:, None]).sum(0)
-        pool["rows"] = pool["rows"] + mask.sum()
+        pool["counts"] = pool["counts"] + self._summed((counts * mask[:, None]).sum(0))
+        pool["probs"] = pool["probs"] + self._summed((probs * mask[:, None]).sum(0))
+        pool["rows"] = pool["rows"] + self._summed(mask.sum())
         ctx.at_end("moe_switch_pooled", _pooled_loss)
 
     @torch.no_grad()
@@ -469,14 +519,19 @@ def _pooled_loss(ctx) -> None:
     ctx.add_loss("moe_switch_pooled", loss, pool["weight"])
 
 
-def _token_mask(ctx, lead: torch.Size, device) -> torch.Tensor:
-    """(N,) float: 1 for real tokens, 0 for padding (from the context's key mask)."""
+def _token_mask(ctx, lead: torch.Size, device, tp_mesh=None) -> torch.Tensor:
+    """(N,) float: 1 for real tokens, 0 for padding (from the context's key mask); under tensor
+    parallelism (``tp_mesh``) those of this process's slice of the sequence."""
     n = 1
     for d in lead:
         n *= d
     if ctx.key_mask is None or len(lead) != 2:
         return torch.ones(n, device=device)
-    return ctx.key_mask[:, ctx.slots].reshape(-1).to(device=device, dtype=torch.float32)
+    mask = ctx.key_mask[:, ctx.slots]
+    if tp_mesh is not None:
+        T = lead[1]
+        mask = mask[:, tp_mesh.get_local_rank() * T:(tp_mesh.get_local_rank() + 1) * T]
+    return mask.reshape(-1).to(device=device, dtype=torch.float32)
 
 
 def _with(config: Any, **changes: Any) -> Any:

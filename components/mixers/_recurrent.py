@@ -119,6 +119,17 @@ def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: Optional[
     return y.to(v.dtype), S
 
 
+def chunked_bytes(heads: float, dk: int, dv: int, chunk: int, *, device: str = "cuda") -> float:
+    """Per token, the bytes the chunked form keeps for backward on ``heads`` heads (float32 whatever the
+    input dtype), chunks of ``chunk`` tokens. The reference (:func:`chunked`): the float32 queries, keys
+    and values with the copies its matmuls make (``4 dk + 2 dv`` per head), the decay masks and scores
+    within a chunk (``3 chunk``), the cumulative decay, and the state carried into each chunk (``dk dv``
+    per head and chunk). The Triton kernel (CUDA): its inputs and the log-decays."""
+    if device == "cuda":
+        return 4 * heads * (2 * dk + dv + 1)
+    return 4 * heads * (4 * dk + 2 * dv + 3 * chunk + 1 + (dk * dv + 1) / chunk)
+
+
 # ------------------------------------------------------------------- the parts around the cores
 
 class ShortConv(nn.Conv1d):
@@ -184,20 +195,53 @@ class GatedRMSNorm(nn.Module):
             raise ValueError(f"GatedRMSNorm: {groups} groups do not divide {dim} features")
         self.groups, self.eps, self.norm_before_gate = groups, eps, norm_before_gate
         self.weight = nn.Parameter(torch.ones(dim))
+        self._group_of = None  # under tensor parallelism: (tp mesh, this process's group, all groups, group width)
 
     def reset_parameters(self):
         nn.init.ones_(self.weight)
 
+    def parallelize(self, tp_mesh, *, sharded: bool) -> None:
+        """Tensor parallelism, the features arriving as this process's heads. ``sharded`` (Mamba-2's norm,
+        whose weight and groups span every head's features): the weight sharded with the heads; each group
+        this process holds is whole (``tp`` divides ``groups``) or a slice of one group, whose sum of
+        squares is then summed over the processes (:func:`~zoo.core.parallel.summed`). Otherwise (one norm
+        over each head, Qwen3-Next's): the weight replicated, its gradient summed over the processes."""
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        from zoo.core.parallel import shard_rows, units_here
+
+        tp = tp_mesh.size()
+        if not sharded:
+            self.weight = nn.Parameter(distribute_tensor(self.weight, tp_mesh, [Replicate()], src_data_rank=None))
+            return
+        shard_rows(self, tp_mesh)
+        if self.groups % tp == 0:
+            self.groups //= tp
+            return
+        first, _ = units_here(self.groups, tp_mesh)
+        self._group_of = (tp_mesh, first, self.groups, self.weight.shape[0] // self.groups)
+        self.groups = 1
+
     def _norm(self, h: torch.Tensor) -> torch.Tensor:
+        if self._group_of is not None:  # a slice of one group: its sum of squares summed over the processes
+            from zoo.core.parallel import summed
+
+            mesh, group, groups, width = self._group_of
+            squares = F.pad(h.pow(2).sum(-1, keepdim=True), (group, groups - group - 1))  # (..., groups): 0 but its own
+            total = summed(squares, mesh)[..., group : group + 1]
+            return h * torch.rsqrt(total / width + self.eps)
         g = h.unflatten(-1, (self.groups, -1)) if self.groups > 1 else h
         g = F.rms_norm(g, (g.shape[-1],), eps=self.eps)  # g / sqrt(mean(g^2) + eps), one fused pass
         return g.flatten(-2) if self.groups > 1 else g
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        from zoo.core.parallel import local
+
         dtype = x.dtype
         f32 = torch.promote_types(dtype, torch.float32)
         gate = F.silu(z.to(f32))
+        weight = local(self.weight)
         if self.norm_before_gate:
             h = self._norm(x.to(f32)).to(dtype)
-            return (self.weight * h).mul_(gate).to(dtype)
-        return self.weight * self._norm(x.to(f32).mul(gate)).to(dtype)
+            return (weight * h).mul_(gate).to(dtype)
+        return weight * self._norm(x.to(f32).mul(gate)).to(dtype)

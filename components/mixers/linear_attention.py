@@ -67,6 +67,29 @@ class ScalarDecayMixer(Mixer):
         step = 4 * H * Dk * Dv  # add k v^T to the decayed state, read it with q
         return Cost(flops=step, flops_mean=step, state_fixed=H * Dk * Dv)
 
+    #: The heads this process computes: all, or its share under tensor parallelism.
+    here: slice = slice(None)
+    #: The tensor-parallel plan: the projections into heads (each head's rows consecutive) and the one out.
+    heads_in: ClassVar[tuple[str, ...]] = ()
+    heads_out: ClassVar[Optional[str]] = None
+
+    def parallelize(self, tp_mesh) -> None:
+        """Tensor parallelism by heads: the sequence gathered, the projections into heads sharded by their
+        heads' rows (each head's rows are consecutive), the projection out by its columns and
+        reduce-scattered back onto the sequence slice; each process decays its own heads (a slice of the
+        per-head decays, which are buffers, whole on every process)."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from zoo.core.kinds import no_plan
+        from zoo.core.parallel import heads_in, heads_out, local_count, rank_of, sequence_input
+
+        if not self.heads_in or self.heads_out is None:
+            raise no_plan(self)
+        n = local_count(self.n_heads, tp_mesh, "n_heads", self)
+        parallelize_module(self, tp_mesh, sequence_input(tp_mesh))
+        parallelize_module(self, tp_mesh, {**{name: heads_in() for name in self.heads_in}, self.heads_out: heads_out()})
+        self.here = slice(rank_of(tp_mesh) * n, (rank_of(tp_mesh) + 1) * n)
+
     def _padding(self, ctx, T):
         """(B, T, 1) with 0 at padding slots, or None."""
         if ctx.key_mask is None:
@@ -94,6 +117,8 @@ class ScalarDecayMixer(Mixer):
 @register("mixer", "linear_attention")
 class LinearAttention(ScalarDecayMixer):
     """Linear attention (optionally with RetNet's fixed decay per head); see the module notes."""
+
+    heads_in, heads_out = ("q_proj", "k_proj", "v_proj"), "o_proj"
 
     @dataclass(frozen=True)
     class Config:
@@ -152,6 +177,17 @@ class LinearAttention(ScalarDecayMixer):
         decay = cfg.decay[:2] if isinstance(cfg.decay, tuple) else cfg.decay
         return {"n_heads": 2, "head_dim": head_dim, "decay": decay}
 
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token: the input the projections read (gathered under tensor parallelism); of this process's
+        heads, the queries and keys a feature map other than the identity keeps, the chunked recurrence's
+        own (:func:`~zoo.components.mixers._recurrent.chunked_bytes`), with the sum normaliser its output
+        and the divisor, and the output ``o_proj`` reads."""
+        c, H, D = dtype.itemsize, self.n_heads / tp, self.head_dim
+        mapped = 0 if self.cfg.feature_map == "identity" else 2 * H * D * c
+        core = recurrent.chunked_bytes(H, D, self.value_dim, min(self.chunk, seq_len), device=device)
+        normed = H * (self.value_dim + 1) * c if self.cfg.normalize == "sum" else 0
+        return self.q_proj.in_features * c + mapped + core + normed + H * D * c
+
     def facts(self):
         d = self.cfg.decay
         decay = "none" if d is None else "RetNet 1 - 2^(-5-h)" if d == "retnet" else f"fixed {d}"
@@ -160,15 +196,16 @@ class LinearAttention(ScalarDecayMixer):
 
     def forward(self, x, ctx, pos=None):
         B, T, _ = x.shape
-        H, D = self.n_heads, self.head_dim
-        q, k, v = (p(x).view(B, T, H, D).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        D = self.head_dim
+        q, k, v = (p(x).view(B, T, -1, D).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        H = q.shape[1]  # this process's heads
         q, k = self.phi(q), self.phi(k)
         keep = self._padding(ctx, T)
         if keep is not None:  # padding adds nothing to the state
             k = k * keep[:, None].to(k.dtype)
         if self.cfg.normalize == "sum":
             v = torch.cat([v, v.new_ones(B, H, T, 1)], -1)
-        a = self.log_gamma[None, :, None].expand(B, H, T)
+        a = self.log_gamma[self.here][None, :, None].expand(B, H, T)
         y = self.recur(q, k, v, a, ctx)
         if self.cfg.normalize == "sum":
             y = y[..., :D] / (y[..., D:] + self.cfg.eps)
@@ -182,6 +219,8 @@ class LightningAttention(ScalarDecayMixer):
     The decay of head ``h`` in layer ``i`` of ``n`` is ``exp(-slope_h)`` with ``slope_h = 2^(-8 (h + 1) /
     H) * (1 - i / (n - 1 + 1e-5) + 1e-5)``: layers near the top forget least. The slopes are a buffer,
     stored in checkpoints as ``slope_rate``."""
+
+    heads_in, heads_out = ("qkv_proj", "output_gate"), "out_proj"  # (its norm: see parallelize)
 
     @dataclass(frozen=True)
     class Config:
@@ -220,9 +259,28 @@ class LightningAttention(ScalarDecayMixer):
     def reset_parameters(self):
         self.slope.copy_(self.slopes())
 
+    def parallelize(self, tp_mesh) -> None:
+        """As the scalar-decay mixers shard (:meth:`ScalarDecayMixer.parallelize`); the RMSNorm over all heads'
+        outputs gathers its features to normalise each row whole."""
+        from zoo.core.kinds import parallelize
+
+        super().parallelize(tp_mesh)
+        parallelize(self.norm, tp_mesh, "norm", shard_dim=-1)
+
     @staticmethod
     def shrink(cfg, *, head_dim=8, **_):
         return {"n_heads": 2, "head_dim": head_dim, "chunk": 4}
+
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token: the input both projections read (gathered under tensor parallelism); of this process's
+        heads, the projection's output its activation keeps, the chunked recurrence's own
+        (:func:`~zoo.components.mixers._recurrent.chunked_bytes`), the gate's sigmoid and the normed
+        output it multiplies, and their product ``out_proj`` reads; the norm's own over whole rows (it
+        gathers every head's features)."""
+        c, H, D = dtype.itemsize, self.n_heads / tp, self.head_dim
+        core = recurrent.chunked_bytes(H, D, D, min(self.chunk, seq_len), device=device)
+        return (self.qkv_proj.in_features * c + 3 * H * D * c + core + 3 * H * D * c
+                + self.norm.activation_bytes(seq_len, dtype, device=device))
 
     def facts(self):
         return {"recurrent heads": f"{self.n_heads} x {self.head_dim}, lightning attention (decay exp(-slope) per head)",
@@ -230,13 +288,14 @@ class LightningAttention(ScalarDecayMixer):
 
     def forward(self, x, ctx, pos=None):
         B, T, _ = x.shape
-        H, D = self.n_heads, self.head_dim
+        D = self.head_dim
         qkv = self.act(self.qkv_proj(x))
         keep = self._padding(ctx, T)
         if keep is not None:
             qkv = qkv * keep.to(qkv.dtype)
-        q, k, v = qkv.view(B, T, H, 3 * D).transpose(1, 2).split(D, dim=-1)
-        a = -self.slope.float()[None, :, None].expand(B, H, T)
+        q, k, v = qkv.view(B, T, -1, 3 * D).transpose(1, 2).split(D, dim=-1)
+        H = q.shape[1]  # this process's heads
+        a = -self.slope[self.here].float()[None, :, None].expand(B, H, T)
         y = self.recur(q, k, v, a, ctx)
         y = self.norm(y.transpose(1, 2).reshape(B, T, H * D))
         return self.out_proj(torch.sigmoid(self.output_gate(x)) * y)

@@ -113,6 +113,7 @@ class Mamba2(Mixer):
         self.D = nn.Parameter(torch.empty(H))
         self.norm = recurrent.GatedRMSNorm(self.d_inner, cfg.norm_eps, groups=G, norm_before_gate=False)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=cfg.bias)
+        self.here = (H, G)  # the heads and groups this process computes (all; its share under tensor parallelism)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -128,12 +129,13 @@ class Mamba2(Mixer):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
 
     # -- what this part states about itself -------------------------------------------------------
-    def new_state(self, batch, max_len, *, dtype, device) -> FixedState:
+    def new_state(self, batch, max_len, *, dtype, device) -> "Mamba2State":
         """The last ``conv_kernel`` convolution inputs (B, conv_dim, K) in the model's dtype and the SSM
-        state (B, H, N, P) in float32: of fixed size whatever the length."""
+        state (B, H, N, P) in float32: of fixed size whatever the length (and able to drop the tokens of
+        its last short update: :class:`Mamba2State`)."""
         cfg = self.cfg
-        return FixedState(batch, device, conv=((self.conv_dim, cfg.conv_kernel), dtype),
-                                    ssm=((cfg.n_heads, cfg.state_size, cfg.head_dim), torch.float32))
+        return Mamba2State(batch, device, conv=((self.conv_dim, cfg.conv_kernel), dtype),
+                           ssm=((cfg.n_heads, cfg.state_size, cfg.head_dim), torch.float32))
 
     def cost(self, context: int) -> Cost:
         """Per token: the convolution (``2 * conv_dim * conv_kernel``), the state update and read-out
@@ -144,31 +146,85 @@ class Mamba2(Mixer):
         flops = 2 * self.conv_dim * cfg.conv_kernel + 4 * ssm
         return Cost(flops=flops, flops_mean=flops, state_fixed=self.conv_dim * cfg.conv_kernel + ssm)
 
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token, of this process's heads and groups: the input ``in_proj`` reads (the whole sequence,
+        gathered under tensor parallelism); the convolution's window and output; the float32 ``x``, ``dt``
+        and its softplus; the chunked SSM's own (:func:`~zoo.components.mixers._recurrent.chunked_bytes`);
+        the float32 gate (a view of the projection's output when that is float32), the gated and D-skipped
+        outputs the norm reads and keeps, its reciprocal RMS; the normed output ``out_proj`` reads."""
+        cfg, c = self.cfg, dtype.itemsize
+        H, P, N = cfg.n_heads / tp, cfg.head_dim, cfg.state_size
+        G = max(cfg.n_groups / tp, 1)
+        conv, inner = H * P + 2 * G * N, H * P
+        chunk = min(cfg.chunk_size, CPU_CHUNK, seq_len)  # the reference's chunks (the kernel keeps no chunks)
+        ssm = recurrent.chunked_bytes(H, N, P, chunk, device=device)
+        z = (inner + conv + H) * 4 if c == 4 else inner * 4
+        x = conv * 4 if c == 4 else inner * 4
+        return self.in_proj.in_features * c + 2 * conv * c + x + 3 * H * 4 + ssm + z + 4 * inner * 4 + 4 + inner * c
+
     def facts(self) -> dict:
         cfg = self.cfg
         return {"mamba2 heads": f"{cfg.n_heads} x {cfg.head_dim}, state {cfg.state_size}, {cfg.n_groups} group(s)",
                 "conv kernel": cfg.conv_kernel, "chunk": cfg.chunk_size}
 
+    def parallelize(self, tp_mesh) -> None:
+        """Tensor parallelism by heads: the sequence gathered; the packed ``in_proj`` (``[z | x | B | C |
+        dt]``) and the convolution over ``[x | B | C]`` compute this process's rows of each section
+        (:func:`~zoo.core.parallel.packed_in`): its heads' ``z``, ``x`` and ``dt``, and the B and C of the
+        groups they belong to (``n_groups / tp`` groups, or the one group ``tp / n_groups`` processes
+        share, its gradient summed over them); ``dt_bias``, ``A_log``, ``D`` and the norm's weight sharded
+        by heads; the gated norm over each group whole or summed over the processes holding a slice of
+        it; ``out_proj`` by its columns, reduce-scattered back onto the sequence slice."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from zoo.core.parallel import heads_out, local_count, packed_in, section_rows, sequence_input, shard_rows
+
+        cfg = self.cfg
+        H, P, N, G, tp = cfg.n_heads, cfg.head_dim, cfg.state_size, cfg.n_groups, tp_mesh.size()
+        heads = local_count(H, tp_mesh, "n_heads", self)
+        if G % tp and tp % G:
+            raise NotImplementedError(f"{type(self).__name__}: n_groups = {G} and tp = {tp}: each process's heads "
+                                      f"must lie in whole groups or in one group; choose a tp that divides "
+                                      f"n_groups or that n_groups divides")
+        groups = max(G // tp, 1)
+        x, bc = (H, P), (G, N)
+        parallelize_module(self, tp_mesh, sequence_input(tp_mesh))
+        packed_in(self.in_proj, section_rows([x, x, bc, bc, (H, 1)], tp_mesh), tp_mesh)
+        packed_in(self.conv1d, section_rows([x, bc, bc], tp_mesh), tp_mesh)
+        parallelize_module(self, tp_mesh, {"out_proj": heads_out()})
+        shard_rows(self, tp_mesh)  # dt_bias, A_log, D: one per head
+        self.norm.parallelize(tp_mesh, sharded=True)
+        self.here = (heads, groups)
+
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, u: torch.Tensor, ctx, pos=None) -> torch.Tensor:
+        from zoo.core.parallel import local
+
         cfg = self.cfg
+        u = local(u)  # the whole sequence, this process computing its heads' share
         Bsz, T, _ = u.shape
-        H, P, N, G = cfg.n_heads, cfg.head_dim, cfg.state_size, cfg.n_groups
+        P, N = cfg.head_dim, cfg.state_size
+        H, G = self.here
+        d_inner = H * P
         state = ctx.state.layers[self.index] if ctx is not None and ctx.state is not None else None
         mask = ctx.key_mask[:, ctx.slots] if ctx is not None and ctx.key_mask is not None else None
-        z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, H], -1)
+        z, xBC, dt = self.in_proj(u).split([d_inner, d_inner + 2 * G * N, H], -1)
         if mask is not None:
             xBC = xBC * mask[..., None].to(xBC.dtype)
+        keep = state is not None and 1 < T <= Mamba2State.KEEP  # an update truncate() can undo in part
+        before = (ctx.slots, state.get(Bsz)[0].clone(), state.get(Bsz)[1].clone(), xBC) if keep else None
+        if state is not None and state.undo is not None:
+            state.undo = None
         xBC = self.conv1d(xBC, state.get(Bsz)[0] if state is not None else None)  # then SiLU
-        x, Bm, Cm = xBC.split([self.d_inner, G * N, G * N], -1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(cfg.dt_limit_min, cfg.dt_limit_max)
+        x, Bm, Cm = xBC.split([d_inner, G * N, G * N], -1)
+        dt = F.softplus(dt.float() + local(self.dt_bias).float()).clamp(cfg.dt_limit_min, cfg.dt_limit_max)
         if mask is not None:
             dt = dt * mask[..., None]  # a padded step: no decay, no input
         x = x.float().view(Bsz, T, H, P)
         heads = lambda t: t.float().view(Bsz, T, G, 1, N).expand(-1, -1, -1, H // G, -1).reshape(Bsz, T, H, N)  # noqa: E731
         q, k = heads(Cm).transpose(1, 2), heads(Bm).transpose(1, 2)  # (B, H, T, N)
         v = (x * dt[..., None]).transpose(1, 2)  # (B, H, T, P)
-        log_decay = (dt * -torch.exp(self.A_log.float())).transpose(1, 2)  # (B, H, T), <= 0
+        log_decay = (dt * -torch.exp(local(self.A_log).float())).transpose(1, 2)  # (B, H, T), <= 0
         S = state.get(Bsz)[1] if state is not None else None
         if state is not None and T == 1:
             y, S_new = recurrent.step(q[:, :, 0], k[:, :, 0], v[:, :, 0], log_decay[:, :, 0], S)
@@ -180,8 +236,42 @@ class Mamba2(Mixer):
             y, S_new = run(q, k, v, log_decay, S, chunk=chunk)
         if state is not None:
             S.copy_(S_new)
-        y = y.transpose(1, 2) + self.D.float()[:, None] * x  # (B, T, H, P), the D skip
-        y = self.norm(y.reshape(Bsz, T, self.d_inner), z)
+        if keep:
+            state.undo = (*before, k, v, log_decay)
+        y = y.transpose(1, 2) + local(self.D).float()[:, None] * x  # (B, T, H, P), the D skip
+        y = self.norm(y.reshape(Bsz, T, d_inner), z)
         return self.out_proj(y.to(u.dtype))
 
 
+class Mamba2State(FixedState):
+    """Mamba-2's decode state (``conv``, ``ssm``), which can forget the tokens of its last update when
+    that update took several tokens and at most :attr:`KEEP` (speculative decoding feeds the main model
+    two and may drop the second): it keeps the state from before that update and the update's
+    convolution inputs and SSM terms, and :meth:`truncate` steps the recurrence again over the tokens
+    that stay, as single-token decoding would have."""
+
+    KEEP = 8
+
+    def __init__(self, batch, device, **tensors):
+        super().__init__(batch, device, **tensors)
+        # (slots, conv before, ssm before, convolution inputs (B, T, C), k (B, H, T, N), v (B, H, T, P),
+        # log decay (B, H, T)) of the last update, when it can be undone
+        self.undo = None
+
+    def truncate(self, n: int) -> None:
+        if self.undo is None:
+            raise ValueError(f"this Mamba-2 state cannot drop slot {n} and later: only slots that its last update "
+                             f"wrote with 2 to {self.KEEP} tokens at once can be dropped")
+        slots, conv, ssm, inputs, k, v, log_decay = self.undo
+        first, T = int(slots[0]), len(slots)
+        if n >= first + T:
+            return
+        if n < first:
+            raise ValueError(f"this Mamba-2 state cannot drop slot {n} and later: its last update began at slot {first}")
+        m = n - first
+        S = ssm
+        for t in range(m):
+            S = recurrent.step(k[:, :, t], k[:, :, t], v[:, :, t], log_decay[:, :, t], S)[1]
+        self.ssm.copy_(S)
+        self.conv.copy_(torch.cat([conv, inputs[:, :m].transpose(1, 2).to(conv.dtype)], -1)[..., -conv.shape[-1]:])
+        self.undo = None

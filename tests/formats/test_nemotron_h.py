@@ -200,8 +200,10 @@ def test_what_zoo_cannot_read_is_refused_by_name():
     with pytest.raises(ConfigError, match="'hybrid_override_pattern'.*'X'"):
         config_to_spec({**{k: v for k, v in config.items() if k != "layers_block_type"},
                         "hybrid_override_pattern": "M-X"})
-    with pytest.raises(ConfigError, match="'num_nextn_predict_layers'"):
-        config_to_spec({**config, "num_nextn_predict_layers": 1})
+    with pytest.raises(ConfigError, match="'num_nextn_predict_layers'.*at most 1"):  # (one is read: test_nemotron3_mtp.py)
+        config_to_spec({**config, "num_nextn_predict_layers": 2})
+    with pytest.raises(ConfigError, match="'mtp_layers_block_type'.*'moe' is not a layer of the main model"):
+        config_to_spec({**config, "num_nextn_predict_layers": 1})  # NemotronHConfig's default: attention, moe
     with pytest.raises(ConfigError, match="'mamba_hidden_act'"):
         config_to_spec({**config, "mamba_hidden_act": "gelu"})
 

@@ -1,9 +1,10 @@
 """The Triton kernels under tensor and sequence parallelism (tp = 2, torchrun on two CPU processes, gloo,
 ``TRITON_INTERPRET=1``), where norms meet DTensors: the loss and every gradient with every kernel
 forced equal those of the reference path in the same layout (itself checked against one process in
-tests/train/test_tensor_parallel.py). The norms run on each process's rows (``local_map``), the GLU
-as it is (its input reaches only its own projections); the fused loss, which reads the sharded head
-whole, steps aside to the reference path and says so once.
+tests/train/test_tensor_parallel.py). The norms run on each process's rows (as ``local_map`` would),
+the GLU as it is (its input reaches only its own projections); the loss is vocabulary-parallel under
+TP and never asks for the fused kernel. A kernel without a rule for DTensors (RoPE given one, the
+fused loss asked about a sharded head) steps aside to the reference path and says so once.
 
 Tolerances: both paths compute in float32 and differ in rounding order only (tests/kernels/test_kernels.py):
 1e-5 relative, plus 1e-6 of each tensor's largest magnitude."""
@@ -21,7 +22,7 @@ SCRIPT = r'''import json, sys, warnings
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from zoo.core import kernels
 from zoo.components.kernels import glu, norms
 from zoo.core.spec import ModelSpec
@@ -66,6 +67,16 @@ for name in names:
         net.zero_grad()
         entry[setting] = {"loss": loss.item(), "grads": grads, "calls": dict(calls),
                           "messages": [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]}
+# A part without a rule for DTensors steps aside: the RoPE kernel given a DTensor, the fused loss
+# asked about the TP model, whose head is sharded (its loss under TP is vocabulary-parallel and never
+# asks).
+rope = next(iter(net.positions.values()))
+with warnings.catch_warnings(record=True) as seen, kernels.using("triton"):
+    warnings.simplefilter("always")
+    mesh = next(p for p in net.parameters() if isinstance(p, DTensor)).device_mesh
+    q = DTensor.from_local(torch.zeros(2, 4, 8, 16), mesh, [Replicate()])
+    report["aside"] = {"rope": kernels.fast(rope, q) is None, "loss": kernels.fast(net, torch.zeros(2, 16)) is None,
+                       "messages": [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]}
 if dist.get_rank() == 0:
     with open(out, "w") as f:
         json.dump(report, f)
@@ -97,6 +108,10 @@ def test_kernels_under_tensor_parallelism_give_the_reference_values(tmp_path):
             a, b = torch.tensor(fast["grads"][k]), torch.tensor(ref["grads"][k])
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(b.abs().max())), msg=f"{name} {k}")
         assert ref["messages"] == []
-    said = [m for name in names for m in report[name]["triton"]["messages"]]  # once per process, not per model
-    assert len(said) == 1 and said[0].startswith(
-        "Decoder (loss): the triton kernel takes plain tensors and it reads a tensor that is sharded"), said
+        assert fast["messages"] == []  # nothing stepped aside
+    aside = report["aside"]
+    assert aside["rope"] and aside["loss"], aside
+    assert len(aside["messages"]) == 2, aside["messages"]
+    assert "(rope): the triton kernel takes plain tensors and its input is a DTensor" in aside["messages"][0]
+    assert aside["messages"][1].startswith("Decoder (loss): the triton kernel takes plain tensors and it reads a "
+                                           "tensor that is sharded"), aside["messages"]

@@ -2,7 +2,8 @@
 shard each process is told it holds is the one it holds after ``start_model`` shards the model (a torchrun
 launch of four CPU processes, gloo), and the activation bytes each block's parts report per token are
 within 10% of what ``torch.autograd.graph.saved_tensors_hooks`` counts on a real forward (fp32 and bf16,
-tiny models of real-ish width: d_model 512, heads of 64)."""
+tiny models of real-ish width: d_model 512, heads of 64; the recurrent mixers' chunked forms on the CPU,
+crossing chunks)."""
 
 import collections
 import json
@@ -26,6 +27,11 @@ WIDE = dict(d_model=512, head_dim=64, d_ff=1024, vocab_size=1024)
 
 
 def wide(name):
+    if name == "linear-attention":  # RetNet's decays, elu + 1 and the sum normaliser
+        data = one_of_each("llama3-8b", **WIDE).to_dict()
+        data["layers"]["default"]["mixer"] = {"name": "linear_attention", "n_heads": 4, "head_dim": 64,
+                                              "feature_map": "elu1", "decay": "retnet", "normalize": "sum", "chunk": 16}
+        return ModelSpec.from_dict(data)
     data = one_of_each(name, **WIDE).to_dict()
     data["mtp"] = None
     return ModelSpec.from_dict(data)
@@ -70,7 +76,8 @@ def saved_bytes(model, ids):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", ["llama3-8b", "gemma2-2b", "deepseek-v3", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("name", ["llama3-8b", "gemma2-2b", "deepseek-v3", "qwen3-30b-a3b", "mamba2-2.7b",
+                                  "nemotron-h-8b", "qwen3-next-80b-a3b", "minimax-text-01", "linear-attention"])
 def test_activation_bytes_per_token_and_layer_match_saved_tensors(name, dtype):
     T = 256  # longer than gemma2's window (4 after shrinking); its eager path keeps scores per key
     model = build_model(wide(name), seed=0).to(dtype).train()
@@ -130,6 +137,20 @@ def test_expert_parallelism_splits_the_experts_then_fsdp_the_rest():
     assert thin["local_parameters"] == pytest.approx(experts / 32 + dense / 32, rel=0.01)
 
 
+def test_in_flight_under_expert_parallelism_counts_the_experts_as_their_own_unit():
+    """FSDP2 gathers the running block (its own unit and, inside it, its experts' unit) and prefetches the
+    next block's own unit: under EP without that block's experts; each unit is reduce-scattered apart."""
+    spec = wide("qwen3-30b-a3b")
+    layer = build_model(spec, device="meta").layers[0]
+    X = sum(p.numel() for n, p in layer.named_parameters() if ".experts." in n)
+    D = sum(p.numel() for p in layer.parameters()) - X
+    ep = plan(spec, "dp_shard=2,ep=4", seq_len=16)["in_flight_parts"]
+    assert ep["blocks"] == 2 * (D + X // 4) + 2 * D  # bf16
+    assert ep["block_gradient"] == 2 * (D + X // 4) + 4 * max(D, X // 4)
+    fsdp = plan(spec, "dp_shard=8", seq_len=16)["in_flight_parts"]  # the experts inside the block's unit
+    assert fsdp["blocks"] == 2 * 2 * (D + X) and fsdp["block_gradient"] == (2 + 4) * (D + X)
+
+
 def test_chunks_and_coordinates():
     assert [chunk_rows(10, 4, i) for i in range(4)] == [3, 3, 3, 1]
     assert [chunk_rows(2, 4, i) for i in range(4)] == [1, 1, 0, 0]
@@ -141,6 +162,7 @@ SCRIPT = '''import json, sys
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from zoo.core.spec import ModelSpec
 from zoo.testing import one_of_each
@@ -151,12 +173,31 @@ acc = Accelerator(cpu=True)
 out, cases = sys.argv[1], json.loads(sys.argv[2])
 rank = dist.get_rank()
 got = {}
+
+
+def local(p):
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def units(net):
+    """FSDP2's units as the trainer wrapped them: name -> the elements each gathers here (its own parameters unsharded)."""
+    found = {}
+    for name, m in net.named_modules():
+        if isinstance(m, FSDPModule):
+            inner = {id(p) for c in m.modules() if c is not m and isinstance(c, FSDPModule) for p in c.parameters()}
+            names = [n for n, p in m.named_parameters() if id(p) not in inner]
+            m.unshard()
+            found[name or "root"] = sum(local(m.get_parameter(n)).numel() for n in names)
+            m.reshard()
+    return found
+
+
 for key, (spec, layout) in cases.items():
     spec = ModelSpec.from_dict(spec)
     parallel = ParallelConfig(**layout)
-    sharded = parallel.dp_shard > 1 or parallel.dp_replicate > 1
+    sharded = parallel.dp_shard > 1 or parallel.dp_replicate > 1 or parallel.ep > 1
     net = start_model(spec, acc, seed=0, sharded=sharded, parallel=parallel)
-    got[key] = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in net.parameters())
+    got[key] = {"held": sum(local(p).numel() for p in net.parameters()), "units": units(net)}
 with open(f"{out}.{rank}", "w") as f:
     json.dump(got, f)
 '''
@@ -164,9 +205,11 @@ with open(f"{out}.{rank}", "w") as f:
 
 def _tiny(name, dense_only=False, **sizes):
     data = one_of_each(name, vocab_size=250, **sizes).to_dict()  # 250 rows: uneven FSDP2 chunks over 4
-    if dense_only:  # MLA on dense layers (the MoE has no tensor-parallel plan)
+    if dense_only:  # MLA on dense layers
         data.update(mtp=None, layer_pattern=["dense", "dense"])
         data["layers"].pop("moe")
+    if name == "deepseek-v3":  # no multi-token prediction: it has no tensor-parallel plan
+        data["mtp"] = None
     return data
 
 
@@ -178,6 +221,13 @@ CASES = {
     "deepseek-v3 mla fsdp2 x tp2": (_tiny("deepseek-v3", dense_only=True), {"dp_shard": 2, "tp": 2}),
     "deepseek-v3 fsdp4": (_tiny("deepseek-v3"), {"dp_shard": 4}),
     "qwen3-moe hsdp 2 x 2": (_tiny("qwen3-30b-a3b"), {"dp_replicate": 2, "dp_shard": 2}),
+    "qwen3-moe fsdp2 x ep2": (_tiny("qwen3-30b-a3b"), {"dp_shard": 2, "ep": 2}),
+    "qwen3-moe ep4": (_tiny("qwen3-30b-a3b"), {"dp_shard": 1, "ep": 4}),
+    "qwen3-moe tp2 x2": (_tiny("qwen3-30b-a3b"), {"dp_replicate": 2, "dp_shard": 1, "tp": 2}),
+    "deepseek-v3 fsdp2 x tp2": (_tiny("deepseek-v3"), {"dp_shard": 2, "tp": 2}),
+    "deepseek-v3 tp2 x ep2": (_tiny("deepseek-v3"), {"dp_shard": 1, "ep": 2, "tp": 2}),
+    "nemotron-h mamba2 fsdp2 x tp2": (_tiny("nemotron-h-8b"), {"dp_shard": 2, "tp": 2}),
+    "mamba2 tp4": (_tiny("mamba2-2.7b"), {"dp_shard": 1, "tp": 4}),
 }
 
 
@@ -194,8 +244,12 @@ def test_parameter_shards_equal_what_each_process_holds(tmp_path):
         for key, (spec, layout) in CASES.items():
             told = plan(ModelSpec.from_dict(spec), parse_layout(",".join(f"{k}={v}" for k, v in layout.items())),
                         seq_len=16, rank=rank)
-            assert told["local_parameters"] == held[key], (key, rank, told["local_parameters"], held[key])
-            assert told["bytes"]["parameters"] == 4 * held[key]
+            assert told["local_parameters"] == held[key]["held"], (key, rank, told["local_parameters"], held[key])
+            assert told["bytes"]["parameters"] == 4 * held[key]["held"]
+            # the FSDP2 units the in-flight row counts are the trainer's, each gathering what the plan says
+            # (under EP each MoE's experts are a unit of their own, apart from their block's)
+            if told["fsdp"]:
+                assert told["units"] == held[key]["units"], (key, rank, told["units"], held[key]["units"])
 
 
 def test_describe_parallel_prints_the_plan(capsys):

@@ -19,7 +19,7 @@ import pytest
 import zoo
 from zoo.train.config import ParallelConfig, TrainConfig
 
-from parallel_check import HELPERS, launch
+from parallel_check import HELPERS, MOE_HELPERS, MOE_SETS as SETS, MOE_TRAIN as TRAIN, assert_within, launch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,7 +30,6 @@ import zoo
 import zoo.core.parallel as zp
 from accelerate import Accelerator
 from torch.distributed.tensor import DTensor
-from zoo.components.ffn.moe import MoE
 from zoo.testing import one_of_each
 from zoo.train.checkpointer import full_state_dict
 from zoo.train.config import ParallelConfig
@@ -54,55 +53,7 @@ def recorded(x, output_splits, input_splits, group):
 zp._all_to_all = recorded
 
 
-''' + HELPERS + '''
-
-def routers(model):
-    """Record each MoE router's top-k indices, in call order."""
-    seen = []
-    for m in model.modules():
-        if isinstance(m, MoE):
-            m.router.register_forward_hook(lambda mod, args, r: seen.append(r.indices.detach().clone()))
-    return seen
-
-
-def moes(model):
-    return [m for m in model.modules() if isinstance(m, MoE)]
-
-
-def one_process(spec, steps, chunks):
-    """Loss, gradients and router choices of the first batch (float32 and float64; the batch's ``chunks``
-    micro-batches averaged), the summed expert load after it, and the weights after ``steps`` AdamW steps
-    (with the aux-loss-free bias update)."""
-    res = {}
-    for dtype in (torch.float32, torch.float64):
-        m = zoo.build_model(spec, seed=5).to(dtype)
-        m.train()
-        chosen = routers(m)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
-        for s in range(steps):
-            total = 0.0
-            for rows in batches[s].chunk(chunks):
-                loss = m(rows, labels=rows).loss / chunks
-                loss.backward()
-                total += loss.item()
-            if s == 0:
-                res[dtype] = {"loss": total, "grads": {k: p.grad.clone() for k, p in m.named_parameters()},
-                              "chosen": list(chosen), "load": [x.load.clone() for x in moes(m)]}
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            for x in moes(m):
-                x.after_optimizer_step(reduce=lambda t: t)
-        res[dtype]["after"] = {k: v.clone() for k, v in m.state_dict().items()}
-    return res
-
-
-def summed(t):
-    t = t.clone()
-    dist.all_reduce(t)
-    return t
-
-
+''' + HELPERS + MOE_HELPERS + '''
 report = {}
 for lname, layout in layouts.items():
     steps = layout.pop("steps")
@@ -170,11 +121,6 @@ MODELS = ["deepseek-v3", "qwen3-moe"]
 LAYOUTS = {"ep2": {"dp_replicate": 2, "dp_shard": 1, "ep": 2, "steps": 1},
            "ep4": {"dp_shard": 1, "ep": 4, "steps": 1},
            "fsdp_ep": {"dp_shard": 2, "ep": 2, "ac": "block", "steps": 3}}
-SETS = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.mixer.n_heads": 4,
-        "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.d_ff": 32, "layers.*.ffn.n_experts": 4,
-        "layers.*.ffn.top_k": 2}
-TRAIN = dict(overrides=SETS, steps=3, seq_len=32, global_batch=8, micro_batch=2, lr=3e-3, warmup_steps=1, seed=1,
-             cpu=True, progress=False, plot=False, export=False)
 
 
 @pytest.fixture(scope="module")
@@ -197,8 +143,7 @@ def test_loss_and_every_gradient_equal_one_process(report, layout, name):
     assert abs(got - r64) <= 16 * 2 ** -24 * abs(r64), entry["loss"]
     grads = entry["grads"]
     assert any(".experts.w_" in k for k in grads) and len(grads) > 12, grads  # every parameter, experts included
-    bad = {k: v for k, v in grads.items() if not v <= 4}
-    assert not bad, f"{layout} {name}: gradients off by these multiples of float32's own error: {bad}"
+    assert_within(grads, 4, f"{layout} {name}: gradients")
 
 
 @pytest.mark.parametrize("layout,name", RUNS)
@@ -224,9 +169,7 @@ def test_each_token_is_counted_once_in_the_expert_load(report, layout):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_three_optimizer_steps_of_fsdp_x_ep_equal_one_process(report, name):
-    after = report["parts"]["fsdp_ep"][name]["after"]
-    bad = {k: v for k, v in after.items() if not v <= 20}
-    assert not bad, f"{name}: weights after 3 steps off by these multiples of float32's own error: {bad}"
+    assert_within(report["parts"]["fsdp_ep"][name]["after"], 20, f"{name}: weights after 3 steps")
 
 
 def test_zoo_train_on_fsdp_x_ep_repeats_the_one_process_run(report):

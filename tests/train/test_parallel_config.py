@@ -189,3 +189,39 @@ def test_the_toml_example_in_the_docs_reads_as_it_says(tmp_path):
     config.check()
     assert config.parallel.sizes(8) == {"dp_replicate": 2, "dp_shard": 4, "ep": 1, "tp": 1}
     assert config.parallel.checkpointed(3) == [0, 1, 2]
+
+
+def test_an_accelerate_parallelism_config_sets_the_sizes_or_the_error_names_both():
+    env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
+           "PARALLELISM_CONFIG_DP_SHARD_SIZE": "4", "PARALLELISM_CONFIG_TP_SIZE": "8",
+           "PARALLELISM_CONFIG_CP_SIZE": "1", "PARALLELISM_CONFIG_SP_SIZE": "1"}
+    mine = ParallelConfig(ep=2, ac="block")
+    assert mine.with_accelerate(env) == ParallelConfig(dp_replicate=2, dp_shard=4, tp=8, ep=2, ac="block")
+    assert mine.with_accelerate({**env, "ACCELERATE_USE_PARALLELISM_CONFIG": "false"}) == mine
+    assert ParallelConfig(tp=8).with_accelerate(env).tp == 8  # agreeing is fine
+    with pytest.raises(ValueError, match=r"parallel.tp = 2 in zoo's settings, but the accelerate config's "
+                                         r"parallelism_config_tp_size = 8"):
+        ParallelConfig(tp=2).with_accelerate(env)
+    with pytest.raises(ValueError, match=r"parallelism_config_cp_size = 2, but zoo has no context parallelism"):
+        mine.with_accelerate({**env, "PARALLELISM_CONFIG_CP_SIZE": "2"})
+    with pytest.raises(ValueError, match=r"parallelism_config_tp_size \(PARALLELISM_CONFIG_TP_SIZE\) must be an integer"):
+        mine.with_accelerate({**env, "PARALLELISM_CONFIG_TP_SIZE": "x"})
+
+
+def test_zoo_train_takes_the_accelerate_parallelism_config_and_builds_its_own_mesh(tmp_path, monkeypatch):
+    """On one process the accelerate sizes (all 1) go through, and Accelerate is not left to build its
+    own parallelism config, which refuses CPU processes."""
+    from zoo.train.loop import train
+
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    for k in ("DP_REPLICATE", "DP_SHARD", "TP", "CP", "SP"):
+        monkeypatch.setenv(f"PARALLELISM_CONFIG_{k}_SIZE", "1")
+    r = train("llama3-8b", overrides={"n_layers": 1, "d_model": 32, "vocab_size": 256, "layers.*.mixer.n_heads": 4,
+                                      "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.d_ff": 64},
+              steps=1, seq_len=8, global_batch=1, micro_batch=1, warmup_steps=0, progress=False, plot=False,
+              cpu=True, out_dir=str(tmp_path / "run"))
+    assert r.step == 1 and "ACCELERATE_USE_PARALLELISM_CONFIG" not in os.environ
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
+    with pytest.raises(ValueError, match=r"parallel: tp 2 = 2, but 1 processes are running"):
+        train("llama3-8b", steps=1, cpu=True, out_dir=str(tmp_path / "other"))

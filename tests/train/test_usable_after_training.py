@@ -139,3 +139,54 @@ def test_an_unfinished_run_says_how_to_get_its_export(tmp_path, capsys, monkeypa
     monkeypatch.chdir(tmp_path)
     (tmp_path / "llama3-8b").mkdir()  # a folder is read as a checkpoint only when it holds one
     assert zoo.build("llama3-8b", device="meta").spec == zoo.get_spec("llama3-8b")
+
+
+def test_zoos_layout_is_written_tensor_by_tensor_from_a_mapping(tmp_path):
+    """save_native with state= writes from a meta model and a reader of one tensor at a time (the
+    export of a training checkpoint) the same tensors as safetensors' save_model of the whole model,
+    each read once; a parameter shared under two names (a plugin's tied head) is stored once, under
+    the name save_model keeps, so load_model reads it."""
+    from collections.abc import Mapping
+
+    from safetensors import safe_open
+    from safetensors.torch import load_model, save_model
+
+    from zoo.checkpoints.native import save_native
+
+    spec = zoo.get_spec("gpt3-125m", overrides={"n_layers": 2, "d_model": 32, "vocab_size": 64, "max_seq_len": 16,
+                                               "layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 4,
+                                               "layers.*.ffn.d_ff": 64, "head.tied": False})
+    model, plain = zoo.build_model(spec, seed=3), zoo.build_model(spec, device="meta")
+    for m in (model, plain):
+        m.lm_head.weight = m.embed.weight
+    whole = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    read = []
+
+    class Reader(Mapping):
+        def __getitem__(self, name):
+            read.append(name)
+            return whole[name]
+
+        def __iter__(self):
+            return iter(whole)
+
+        def __len__(self):
+            return len(whole)
+
+        def meta(self, name):
+            return whole[name].to("meta")
+
+    save_native(plain, tmp_path / "streamed", state=Reader())
+    save_model(model, str(tmp_path / "reference.safetensors"))
+    with safe_open(str(tmp_path / "streamed" / "model.safetensors"), "pt") as a, \
+            safe_open(str(tmp_path / "reference.safetensors"), "pt") as b:
+        tied = {k: v for k, v in a.metadata().items() if k != "format"}
+        assert tied == b.metadata() == {"lm_head.weight": "embed.weight"}
+        assert sorted(a.keys()) == sorted(b.keys()) == sorted(read) and len(read) == len(set(read))
+        for name in b.keys():
+            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
+    loaded = zoo.build_model(spec, seed=0)
+    loaded.lm_head.weight = loaded.embed.weight
+    load_model(loaded, str(tmp_path / "streamed" / "model.safetensors"), strict=True)
+    ids = torch.randint(0, 64, (1, 10))
+    torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)

@@ -278,6 +278,7 @@ def from_pretrained(
     token: Any = None,
     cache_dir: Optional[str] = None,
     progress: bool = True,
+    adapter: Optional[str | Path] = None,
     fp8: str = "dequantize",
 ) -> Decoder:
     """Load an HF checkpoint (local directory or hub repo id) into a zoo model.
@@ -295,13 +296,25 @@ def from_pretrained(
     file (or a directory holding one) is read by :mod:`zoo.checkpoints.gguf`, dequantised to ``dtype``
     (default float32). A directory in zoo's own layout (``spec.toml`` + ``model.safetensors``: what
     ``zoo train`` exports for a model no HF format describes) loads too, and so does a training run's
-    directory (its ``final/`` export); see :mod:`zoo.checkpoints.native`.
+    directory (its ``final/`` export); see :mod:`zoo.checkpoints.native`. ``adapter``: a PEFT LoRA
+    adapter directory (what ``zoo train --lora`` writes, or peft saves for the transformers model) to
+    apply on top (:func:`zoo.checkpoints.adapter.load_adapter`; ``zoo.merge_adapter`` folds it in).
     """
-    from zoo.checkpoints import gguf, native
-
     if fp8 not in ("dequantize", "keep"):
         raise ValueError(f"fp8={fp8!r}: use 'dequantize' (the default: full-precision weights) or 'keep' "
                          "(FP8 linear weights with their block scales)")
+    model = _from_pretrained(path_or_repo_id, revision=revision, dtype=dtype, device=device, strict=strict,
+                             token=token, cache_dir=cache_dir, progress=progress, fp8=fp8)
+    if adapter is not None:
+        from zoo.checkpoints.adapter import load_adapter
+
+        load_adapter(model, adapter)
+    return model
+
+
+def _from_pretrained(path_or_repo_id, *, revision, dtype, device, strict, token, cache_dir, progress, fp8) -> Decoder:
+    from zoo.checkpoints import gguf, native
+
     if gguf.is_gguf(path_or_repo_id):  # a llama.cpp file: metadata, tokenizer and (quantised) tensors in one
         return gguf.load(path_or_repo_id, dtype=_float_dtype(dtype), device=device, strict=strict, progress=progress)
     if Path(path_or_repo_id).is_dir():  # a training run's directory: its export

@@ -226,10 +226,11 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
-def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[bytes, dict[str, int], int]:
-    """A safetensors header for ``entries`` as safetensors writes it, each tensor's offset in the file,
-    and the file's size."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+            metadata: Optional[dict[str, str]] = None) -> tuple[bytes, dict[str, int], int]:
+    """A safetensors header for ``entries`` (and ``metadata`` beside ``format``) as safetensors writes
+    it, each tensor's offset in the file, and the file's size."""
+    header: dict[str, Any] = {"__metadata__": {**(metadata or {}), "format": "pt"}}
     start = 0
     for name, dtype, shape in sorted(entries, key=lambda e: (_WRITE_ORDER.index(_CODES[e[1]]), e[0])):
         end = start + _nbytes(dtype, shape)
@@ -249,12 +250,14 @@ def create_shard(path: Path, header: bytes, size: int) -> None:
 
 
 def stream_shards(layout: list[tuple[str, torch.dtype, tuple[int, ...]]], tensors: Iterator[tuple[str, torch.Tensor]],
-                  directory: Path, max_shard_size: int | str) -> list[str]:
-    """Write safetensors shards (one ``model.safetensors`` when they fit, else numbered shards and an
-    index) one tensor at a time: ``layout`` names each tensor's dtype and shape, in order; ``tensors``
-    then yields them in that order, and each is written at its place in its file and let go, so a
-    save holds about one tensor in memory. The files are those safetensors' own writer makes, byte for byte."""
-    limit = parse_size(max_shard_size)
+                  directory: Path, max_shard_size: Optional[int | str], *,
+                  metadata: Optional[dict[str, str]] = None) -> list[str]:
+    """Write safetensors shards (one ``model.safetensors`` when they fit, or always with
+    ``max_shard_size=None``; else numbered shards and an index) one tensor at a time: ``layout`` names
+    each tensor's dtype and shape, in order; ``tensors`` then yields them in that order, and each is
+    written at its place in its file and let go, so a save holds about one tensor in memory. The files
+    are those safetensors' own writer makes, byte for byte; ``metadata`` goes into each file's header."""
+    limit = float("inf") if max_shard_size is None else parse_size(max_shard_size)
     shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
     size = 0
     for entry in layout:
@@ -268,7 +271,7 @@ def stream_shards(layout: list[tuple[str, torch.dtype, tuple[int, ...]]], tensor
                                                for k in range(1, len(shards) + 1)]
     place: dict[str, tuple[Path, int, torch.dtype, tuple[int, ...]]] = {}
     for fname, shard in zip(files, shards):
-        header, offsets, total = _header(shard)
+        header, offsets, total = _header(shard, metadata)
         create_shard(directory / fname, header, total)
         place.update({name: (directory / fname, offsets[name], dtype, shape) for name, dtype, shape in shard})
     for name, t in tensors:

@@ -10,8 +10,10 @@ from zoo.checkpoints.maps import Rule
 @dataclass(frozen=True)
 class MTPLayout:
     """Where a checkpoint keeps the MTP modules: ``block`` is the prefix of depth d's block (``{n}``
-    stands for ``n_layers + d``, ``{d}`` for d, 0-based), the other fields the names of its own tensors
-    (``{block}`` is that prefix); ``copies``: it also stores the embedding and the head per depth."""
+    stands for ``n_layers + d``, ``{d}`` for d, 0-based; for a module of several blocks, ``{k}`` is the
+    running number of the block over all depths, ``d * blocks + j``, and ``{n}`` is ``n_layers + k``),
+    the other fields the names of its own tensors (``{block}`` is its first block's prefix, ``{last}``
+    its last block's); ``copies``: it also stores the embedding and the head per depth."""
 
     block: str
     enorm: str
@@ -26,6 +28,13 @@ DEEPSEEK = MTPLayout("model.layers.{n}.", "{block}enorm.weight", "{block}hnorm.w
                      "{block}shared_head.norm.weight", copies=True)
 
 
+#: Nemotron 3 (``nemotron_h``): an ``mtp.`` tree of ``mtp_layers_block_type`` layers numbered on over the
+#: depths, the fusion (enorm, hnorm, eh_proj) in the first, the head's norm (``final_layernorm``) in the
+#: last, as vLLM's ``nemotron_h_mtp`` names them; no copies of the embedding or head.
+NEMOTRON_H = MTPLayout("mtp.layers.{k}.", "{block}enorm.weight", "{block}hnorm.weight", "{block}eh_proj.weight",
+                       "{last}final_layernorm.weight", copies=False)
+
+
 #: Qwen3-Next (and Qwen3.5): an ``mtp.`` tree beside the model, the same parts under other names.
 QWEN3_NEXT = MTPLayout("mtp.layers.{d}.", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
                        "mtp.fc.weight", "mtp.norm.weight", copies=False)
@@ -34,9 +43,9 @@ QWEN3_NEXT = MTPLayout("mtp.layers.{d}.", "mtp.pre_fc_norm_embedding.weight", "m
 def mtp_rules(rules: list, spec, layout: MTPLayout = DEEPSEEK, *, hf_layer: str = "model.layers.{i}.",
               zoo_layer: str = "layers.{i}.") -> list:
     """The weight-name rules of the MTP modules, derived from a format's own per-layer ``rules``:
-    depth d's block under the names a main layer uses (``hf_layer`` moved to ``layout.block``),
-    beside its enorm, hnorm, eh_proj and head norm (and, in DeepSeek's layout, the copies of the
-    embedding, ``embed_tokens``, and of the head, ``shared_head.head``).
+    depth d's block (or blocks, ``block.{j}``) under the names a main layer uses (``hf_layer`` moved to
+    ``layout.block``), beside its enorm, hnorm, eh_proj and head norm (and, in DeepSeek's layout, the
+    copies of the embedding, ``embed_tokens``, and of the head, ``shared_head.head``).
 
     Returns the rules to put *before* the format's own (so that on loading, the main embedding and
     head, read after their copies, are the ones kept). Empty when the spec has no MTP.
@@ -48,20 +57,26 @@ def mtp_rules(rules: list, spec, layout: MTPLayout = DEEPSEEK, *, hf_layer: str 
     copy = Transform("copy", lambda ts, h: list(ts), lambda ts, h: [t.clone() for t in ts])
     if spec.mtp is None:
         return []
+    from zoo.model.mtp import mtp_layer_kinds
+
+    per = len(mtp_layer_kinds(spec))
     out: list[Rule] = []
     for d in range(spec.mtp.depth):
-        hf = layout.block.format(n=spec.n_layers + d, d=d)
+        blocks = [layout.block.format(n=spec.n_layers + d * per + j, d=d, k=d * per + j) for j in range(per)]
+        hf, last = blocks[0], blocks[-1]
         z = f"mtp.layers.{d}."
-        out += [rule(getattr(layout, name).format(block=hf, d=d), f"{z}{name}.weight")
+        out += [rule(getattr(layout, name).format(block=hf, last=last, d=d), f"{z}{name}.weight")
                 for name in ("enorm", "hnorm", "eh_proj", "norm")]
         if layout.copies:
             out += [rule(f"{hf}embed_tokens.weight", "embed.weight", copy),
                     rule(f"{hf}shared_head.head.weight", "embed.weight" if spec.head.tied else "lm_head.weight", copy)]
-        for r in rules:
-            if not r.per_layer or not all(n.startswith(zoo_layer) for n in r.zoo):
-                continue
-            out.append(Rule(tuple(n.replace(hf_layer, hf) for n in r.hf),
-                            tuple(n.replace(zoo_layer, f"{z}block.") for n in r.zoo), r.transform))
+        for j, prefix in enumerate(blocks):
+            zb = f"{z}block." if per == 1 else f"{z}block.{j}."
+            for r in rules:
+                if not r.per_layer or not all(n.startswith(zoo_layer) for n in r.zoo):
+                    continue
+                out.append(Rule(tuple(n.replace(hf_layer, prefix) for n in r.hf),
+                                tuple(n.replace(zoo_layer, zb) for n in r.zoo), r.transform))
     return out
 
 

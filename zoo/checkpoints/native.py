@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -31,6 +31,10 @@ def checkpoint_dir(directory: str | Path) -> Path:
 
 def unfinished_run(directory: Path) -> str:
     """What to say about a training run directory that has checkpoints but no export yet."""
+    if (directory / "adapter" / "adapter_config.json").is_file():  # a LoRA run that wrote no merged model
+        return (f"{directory} is a LoRA run that wrote its adapter ({directory / 'adapter'}) and no merged "
+                f"{RUN_EXPORT}/ export (lora.merge = false): load the base with the adapter, "
+                f"zoo.from_pretrained(BASE, adapter={str(directory / 'adapter')!r})")
     return (f"{directory} is a training run without its {RUN_EXPORT}/ export yet (the run has not finished): "
             f"finish it with the same zoo train command (it resumes from {directory / 'checkpoints'}), which "
             f"exports at the end")
@@ -42,15 +46,29 @@ def is_native(directory: str | Path) -> bool:
     return directory.is_dir() and (directory / SPEC_FILE).is_file() and not (directory / "config.json").exists()
 
 
-def save_native(model, directory: str | Path) -> Path:
+def save_native(model, directory: str | Path, *, state: Optional[Mapping[str, torch.Tensor]] = None) -> Path:
     """Write ``model`` in zoo's own layout: ``spec.toml`` and ``model.safetensors`` (replacing only
-    those, atomically, as :func:`zoo.save_pretrained` replaces its own files)."""
-    from safetensors.torch import save_model
+    those, atomically, as :func:`zoo.save_pretrained` replaces its own files).
 
-    from zoo.checkpoints.io import replace_checkpoint
+    The tensors are written one at a time (:func:`zoo.checkpoints.io.stream_shards`), so a save holds
+    about one tensor beyond the weights. ``state`` gives the weights by name when they are not
+    ``model``'s own (``model`` may then be on the meta device), as for :func:`zoo.save_pretrained`: a
+    training checkpoint's :class:`zoo.train.checkpointer.CheckpointWeights` is read tensor by tensor,
+    never gathered whole. Tied parameters are stored once, under the name safetensors' ``save_model``
+    keeps (the first in sorted order), so that ``load_model`` reads the file either way."""
+    from zoo.checkpoints.io import replace_checkpoint, stream_shards
 
+    groups: dict[int, list[str]] = {}  # one entry per distinct tensor: the names it goes by
+    for name, t in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), []).append(name)
+    kept = {min(names): sorted(names)[1:] for names in groups.values()}
+    if state is None:
+        state = {name: t.detach() for name, t in model.state_dict().items()}
+    meta = getattr(state, "meta", lambda name: state[name].to("meta"))  # dtype and shape, not the data
+    layout = [(name, meta(name).dtype, tuple(meta(name).shape)) for name in kept]
+    tied = {alias: name for name, aliases in kept.items() for alias in aliases}
     with replace_checkpoint(Path(directory)) as tmp:
-        save_model(model, str(tmp / WEIGHTS_FILE))
+        stream_shards(layout, ((name, state[name]) for name in kept), tmp, max_shard_size=None, metadata=tied)
         (tmp / SPEC_FILE).write_text(model.spec.to_toml())
     return Path(directory)
 

@@ -12,6 +12,8 @@ def add_sampling(p):
     p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set reaching this probability")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling")
     p.add_argument("--dtype", default=None, help="load weights as this dtype (float32, bfloat16, float16)")
+    p.add_argument("--adapter", default=None, metavar="DIR",
+                   help="a PEFT LoRA adapter directory to apply (what zoo train --lora writes to OUT_DIR/adapter)")
 
 
 def add_parser(sub):
@@ -25,7 +27,7 @@ def add_parser(sub):
     return p
 
 
-def load(checkpoint, dtype, fp8="dequantize"):
+def load(checkpoint, dtype, adapter=None, fp8="dequantize"):
     from zoo.checkpoints import from_pretrained, gguf, resolve
     from zoo.inference.tokenizer import Tokenizer
 
@@ -33,7 +35,7 @@ def load(checkpoint, dtype, fp8="dequantize"):
     tokenizer = Tokenizer(source)
     if not tokenizer.chat_template:
         raise ValueError(f"{checkpoint}: its tokenizer has no chat template; use zoo generate --prompt instead")
-    return from_pretrained(source, dtype=dtype, fp8=fp8), tokenizer
+    return from_pretrained(source, dtype=dtype, adapter=adapter, fp8=fp8), tokenizer
 
 
 def reply(model, tokenizer, messages, args, out=None):
@@ -52,7 +54,7 @@ def reply(model, tokenizer, messages, args, out=None):
 
 
 def run(args):
-    model, tokenizer = load(args.checkpoint, args.dtype)
+    model, tokenizer = load(args.checkpoint, args.dtype, args.adapter)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     while True:

@@ -28,6 +28,8 @@ def add_parser(sub):
                    help="a tokenizer.json, a directory holding one, or 'bytes' (a byte-level run of zoo train: "
                         "token ids are UTF-8 bytes); default: the checkpoint's own")
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-sequence token")
+    p.add_argument("--adapter", default=None, metavar="DIR",
+                   help="a PEFT LoRA adapter directory to apply (what zoo train --lora writes to OUT_DIR/adapter)")
     p.add_argument("--compile", action="store_true",
                    help="decode with a torch.compile'd step over a static cache (compiling takes a while; pays on long outputs)")
     return p
@@ -39,7 +41,7 @@ def run(args):
     if args.chat:
         from zoo.commands.chat import load, reply
 
-        model, tokenizer = load(args.checkpoint, args.dtype, fp8=args.fp8)
+        model, tokenizer = load(args.checkpoint, args.dtype, args.adapter, fp8=args.fp8)
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]
         reply(model, tokenizer, messages, args)
@@ -65,7 +67,7 @@ def run(args):
         from zoo.train.data import get_tokenizer
 
         tokenizer = get_tokenizer(args.tokenizer)
-    model = from_pretrained(directory, dtype=args.dtype, fp8=args.fp8)
+    model = from_pretrained(directory, dtype=args.dtype, adapter=args.adapter, fp8=args.fp8)
     ids = torch.tensor([tokenizer.encode(args.prompt)])
     stream = TextStream(tokenizer)
     out = sys.stdout

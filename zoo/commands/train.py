@@ -5,7 +5,8 @@ Several: ``accelerate launch [--config_file examples/accelerate/fsdp2-8gpu.yaml]
 or ``torchrun --nproc_per_node N -m zoo.cli train ...``. Every :class:`~zoo.train.config.TrainConfig`
 field is an option (``--global-batch 64``, ``--fsdp``, ``--data a.txt b.txt``), and so is every
 :class:`~zoo.train.config.ParallelConfig` field (``--dp-replicate 2 --dp-shard 4 --ac block``);
-``--config train.toml`` reads the fields (and a ``[parallel]`` table) from a file.
+``--config train.toml`` reads the fields (and ``[parallel]`` and ``[lora]`` tables) from a file.
+LoRA: ``zoo train --init-from DIR --lora r=16,alpha=32,targets=q_proj,v_proj``.
 """
 
 import dataclasses
@@ -28,8 +29,8 @@ def _add_fields(p, cls, prefix=""):
 
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            continue  # a section of its own (parallel)
+        if dataclasses.is_dataclass(_option_type(hints[f.name])):
+            continue  # a section of its own (parallel, lora)
         flag = "--" + f.name.replace("_", "-")
         tp = _option_type(hints[f.name])
         doc = f"{cls.__name__}.{f.name} (default: {f.default!r})"
@@ -54,12 +55,17 @@ def add_parser(sub):
                    help="a TOML file of TrainConfig fields with a [parallel] table; options given here override it")
     _add_fields(p, TrainConfig)
     _add_fields(p, ParallelConfig, prefix="parallel.")
+    p.add_argument("--lora", nargs="?", const="", default=__import__("argparse").SUPPRESS, metavar="KEY=VALUE,...",
+                   help="LoRA fine-tuning (with --init-from): only a low-rank adapter trains, written to "
+                        "OUT_DIR/adapter as a PEFT adapter; settings r, alpha, dropout, targets, rslora, merge, "
+                        "e.g. --lora r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj (none: the defaults, "
+                        "every linear projection of the blocks)")
     return p
 
 
 def config_of(args):
     """The TrainConfig the parsed options describe: the defaults, then ``--config``'s file, then each option given."""
-    from zoo.train.config import TrainConfig
+    from zoo.train.config import LoraSettings, TrainConfig
 
     given = {k: v for k, v in vars(args).items() if k not in ("model", "set", "config", "command", "_run")}
     base = TrainConfig.from_toml(args.config) if args.config else TrainConfig()
@@ -69,6 +75,8 @@ def config_of(args):
         fields["data"] = tuple(fields["data"])
     if fields.get("resume") in ("none", "None", ""):
         fields["resume"] = None
+    if "lora" in fields:  # the file's [lora] table, with the settings given here
+        fields["lora"] = dataclasses.replace(base.lora or LoraSettings(), **LoraSettings.parse(fields["lora"]))
     return dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, **parallel), **fields)
 
 
@@ -78,5 +86,6 @@ def run(args):
     result = train(args.model, config_of(args), overrides=parse_sets(args.set))
     if result.losses and result.main_process:
         print(f"step {result.step}: loss {result.losses[-1]:.4f}, z {result.z[-1]:.3g}, "
-              f"{result.tokens_per_s:,.0f} tokens/s; checkpoint {result.checkpoint}")
+              f"{result.tokens_per_s:,.0f} tokens/s; checkpoint {result.checkpoint}"
+              + (f"; adapter {result.adapter}" if result.adapter else ""))
     return 0

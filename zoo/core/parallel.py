@@ -9,7 +9,8 @@ tensors with local head counts.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -32,6 +33,34 @@ def grad_summed(t: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     return DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+@contextlib.contextmanager
+def parameters_grad_summed(modules: list[nn.Module], tp_mesh: Any) -> Iterator[None]:
+    """Within it, each parameter of ``modules`` (their submodules' included) reads as :func:`grad_summed`
+    of itself: for parts that run on this process's own tokens (its slice of the sequence) with their
+    parameters whole on every process of ``tp_mesh`` (a mixture of experts' router and shared expert), so
+    that each parameter's gradient sums every process's tokens. The parameters are put back on exit."""
+    swapped = [(m, n, p) for module in modules for m in module.modules() for n, p in m._parameters.items()
+               if p is not None]
+    try:
+        for m, n, p in swapped:
+            m._parameters[n] = grad_summed(p, tp_mesh)
+        yield
+    finally:
+        for m, n, p in swapped:
+            m._parameters[n] = p
+
+
+def statistic_summed(t: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
+    """The sum of ``t`` over the processes of ``tp_mesh``, whose gradient reaches this process's ``t``
+    unchanged (where :func:`summed` sums the gradient too): for statistics of this process's own tokens (a mixture of experts' expert counts and mean
+    router probabilities) in a loss every process of the group then computes whole and alike, and whose
+    backward each process takes for its own tokens (Megatron's "reduce from the tensor-parallel region")."""
+    from torch.distributed import _functional_collectives as funcol
+
+    total = funcol.wait_tensor(funcol.all_reduce(t.detach(), "sum", tp_mesh))
+    return total + (t - t.detach())  # exactly the sum forward; the identity backward
 
 
 def sequence_input(tp_mesh: Any, *, local: bool = False, extra: int = 2) -> Any:
@@ -58,6 +87,101 @@ def heads_out() -> Any:
     from torch.distributed.tensor.parallel import RowwiseParallel
 
     return RowwiseParallel(output_layouts=Shard(1))
+
+
+def rank_of(tp_mesh: Any) -> int:
+    """This process's index in ``tp_mesh``."""
+    return tp_mesh.get_local_rank()
+
+
+def units_here(n: int, tp_mesh: Any) -> tuple[int, int]:
+    """(first, count) of the ``n`` units (heads, groups) this process uses when a section of ``n`` units
+    serves the heads split over ``tp``: ``n / tp`` consecutive units when ``tp`` divides ``n``, or the one
+    unit its heads share when ``n`` divides ``tp`` (a group of B and C, a key head, held by ``tp / n``
+    processes)."""
+    tp, r = tp_mesh.size(), rank_of(tp_mesh)
+    return r * n // tp, max(n // tp, 1)
+
+
+def section_rows(sections: list[tuple[int, int]], tp_mesh: Any) -> torch.Tensor:
+    """This process's rows of a packed projection whose rows are the ``sections`` one after another, each
+    ``(units, width)``: ``units`` (heads, groups) of ``width`` rows; per section the units of
+    :func:`units_here`."""
+    rows, offset = [], 0
+    for units, width in sections:
+        first, count = units_here(units, tp_mesh)
+        rows.append(torch.arange(offset + first * width, offset + (first + count) * width))
+        offset += units * width
+    return torch.cat(rows)
+
+
+def shard_rows(module: nn.Module, mesh: Any) -> None:
+    """``module``'s own parameters made DTensors sharded by rows (``Shard(0)`` over ``mesh``), on the meta
+    device as on any other."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for n, p in list(module.named_parameters(recurse=False)):
+        module.register_parameter(n, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)], src_data_rank=None),
+                                                  requires_grad=p.requires_grad))
+
+
+def packed_in(module: nn.Module, rows: torch.Tensor, tp_mesh: Any) -> None:
+    """Tensor parallelism for a packed projection (``[z | xBC | dt]``, ``[q | k | v | z]``) or a depthwise
+    convolution over packed channels, whose sections split by heads one by one: its parameters are stored
+    by contiguous rows (``Shard(0)``, as ``ColwiseParallel`` stores them, so initialisation, checkpoints and
+    the full state dict are those of every layout), and its forward, on a local input, gathers them and
+    computes only ``rows`` (:func:`section_rows`), this process's rows of each section; their gradients
+    are reduce-scattered back onto the shards (a row two processes use gets both shares)."""
+    from torch.distributed.tensor import Partial
+
+    shard_rows(module, tp_mesh)
+    run = type(module).forward
+
+    def forward(*args, **kwargs):
+        saved = dict(module._parameters)
+        try:
+            for n, p in saved.items():
+                if p is not None:
+                    whole = p.full_tensor(grad_placements=[Partial()])
+                    module._parameters[n] = whole.index_select(0, rows.to(whole.device))
+            return run(module, *args, **kwargs)
+        finally:
+            module._parameters.update(saved)
+
+    module.forward = forward
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What this process computes with from a DTensor: a sharded parameter's shard (the gradient goes to
+    that shard); the whole of a replicated one, a parameter or the gathered sequence, used for this
+    process's heads only (its gradient summed over the processes); ``t`` itself when it is no DTensor."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    if not isinstance(t, DTensor):
+        return t
+    return t.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in t.placements])
+
+
+class _Summed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, group):
+        import torch.distributed as dist
+
+        ctx.group = group
+        t = t.clone()
+        dist.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _Summed.apply(grad.contiguous(), ctx.group), None
+
+
+def summed(t: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
+    """``t`` summed over the processes of ``tp_mesh``; differentiable (the gradient is summed the same way,
+    since each process's result feeds its own share of the loss): a norm's sum of squares over features
+    several processes hold."""
+    return _Summed.apply(t, tp_mesh.get_group())
 
 
 def expert_count(n_experts: int, ep_mesh: Any, part: nn.Module) -> int:
@@ -95,14 +219,10 @@ class ExpertParallel:
 
     def apply(self, module: nn.Module, ep_mesh: Any) -> nn.Module:
         """Shard ``module``'s parameters over ``ep_mesh`` and attach dispatch and combine to its forward."""
-        from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+        from torch.distributed.tensor import distribute_module
 
-        def shard(name, mod, mesh):
-            for n, p in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(n, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)], src_data_rank=None),
-                                                       requires_grad=p.requires_grad))
-
-        return distribute_module(module, ep_mesh, shard, self._dispatch, self._combine)
+        return distribute_module(module, ep_mesh, lambda name, mod, mesh: shard_rows(mod, mesh), self._dispatch,
+                                 self._combine)
 
     def _dispatch(self, module: nn.Module, inputs: tuple, ep_mesh: Any) -> tuple:
         import torch.distributed as dist

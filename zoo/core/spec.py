@@ -346,12 +346,13 @@ class LayerSpec:
 class MTPSpec:
     """Multi-token prediction (DeepSeek-V3): ``depth`` extra modules, module d predicting token
     t+1+d from the hidden state of module d-1 (the main model's for d = 1) and the embedding of
-    token t+d, through one block of layer kind ``layer`` (None: the last layer's kind). Training
-    adds ``weight / depth`` times each module's cross-entropy (DeepSeek's lambda / D)."""
+    token t+d, through one block of layer kind ``layer`` (None: the last layer's kind), or through
+    several blocks run in order when ``layer`` lists several kinds (Nemotron 3: attention, then MoE).
+    Training adds ``weight / depth`` times each module's cross-entropy (DeepSeek's lambda / D)."""
 
     depth: int = 1
     weight: float = 0.3
-    layer: Optional[str] = None
+    layer: Union[str, tuple[str, ...], None] = None
 
     def check(self) -> None:
         if self.depth < 1:
@@ -403,8 +404,14 @@ class ModelSpec:
             raise SpecError("z_loss", f"must be >= 0, got {self.z_loss}")
         if self.embedding.padded_vocab_size is not None and self.embedding.padded_vocab_size < self.vocab_size:
             raise SpecError("embedding.padded_vocab_size", "must be at least vocab_size")
-        if self.mtp is not None and self.mtp.layer is not None and self.mtp.layer not in self.layers:
-            raise SpecError("mtp.layer", f"{self.mtp.layer!r} is not a layer kind; kinds: {', '.join(self.layers)}")
+        if self.mtp is not None and self.mtp.layer is not None:
+            listed = isinstance(self.mtp.layer, tuple)
+            if listed and not self.mtp.layer:
+                raise SpecError("mtp.layer", "an empty list; name at least one layer kind (or leave it out)")
+            for j, kind in enumerate(self.mtp.layer if listed else (self.mtp.layer,)):
+                if kind not in self.layers:
+                    raise SpecError(f"mtp.layer[{j}]" if listed else "mtp.layer",
+                                    f"{kind!r} is not a layer kind; kinds: {', '.join(self.layers)}")
         # Cross-part checks: each part may declare `check_in(spec, layer_kind)` facts that need the model.
         for kind, layer in self.layers.items():
             for fname in ("mixer", "ffn", "norm", "block", "position"):

@@ -23,7 +23,7 @@ from zoo.core import precision as _precision
 from zoo.core import registry as _registry
 from zoo.core.context import ForwardContext
 from zoo.core.kinds import PositionEncoding, PositionState, rotary_dim_of
-from zoo.model.loss import LossOutput, lm_loss
+from zoo.model.loss import LossOutput, lm_loss, vocab_parallel_lm_loss
 from zoo.model.mtp import MTP
 from zoo.core.spec import ModelSpec
 from zoo.core.state import DecodeState, step_layout
@@ -150,8 +150,8 @@ class Decoder(_kinds.Kernels, nn.Module):
         checkpointing and FSDP2, then materialise and :meth:`init_weights`. The embedding is sharded by
         vocabulary rows and hands the blocks this process's slice of the sequence; that slice is the
         residual stream all through; the head (the embedding's rows when tied) computes this process's
-        vocabulary columns from the whole sequence, and the logits are gathered whole. A part without a
-        plan is an error naming it."""
+        vocabulary columns from the whole sequence; the loss keeps them sharded (vocabulary-parallel),
+        and a forward without labels gathers the logits whole. A part without a plan is an error naming it."""
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -321,6 +321,29 @@ class Decoder(_kinds.Kernels, nn.Module):
             logits = self._softcap(logits, self.spec.head.softcap)
         return logits
 
+    def _local_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, int, Any]:
+        """Under tensor parallelism: this process's vocabulary columns of the logits of the whole
+        sequence (``x`` is the sequence slice; it is gathered, and its gradient is summed and
+        scattered back), the first column's index, and the mesh. Padding columns beyond the
+        vocabulary are -inf, which the loss ignores as it ignores the columns cut off without TP."""
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+        weight, bias = self.head()
+        mesh = weight.device_mesh
+        x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
+        logits = F.linear(x.to_local(grad_placements=[Partial()]), weight.to_local(),
+                          None if bias is None else bias.to_local())
+        rows = -(-weight.shape[0] // mesh.size())  # DTensor's Shard(0): chunks of ceil(V / tp) rows
+        start = mesh.get_local_rank() * rows
+        if self.spec.head.scale is not None:
+            logits = logits * self.spec.head.scale
+        if self.spec.head.softcap is not None:
+            logits = self._softcap(logits, self.spec.head.softcap)
+        if start + logits.shape[-1] > self.spec.vocab_size:
+            padding = torch.arange(start, start + logits.shape[-1], device=logits.device) >= self.spec.vocab_size
+            logits = logits.masked_fill(padding, float("-inf"))
+        return logits, start, mesh
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -378,8 +401,12 @@ class Decoder(_kinds.Kernels, nn.Module):
         if attention_mask is not None:
             labels = labels.masked_fill(~attention_mask.bool(), -100)
         z_loss = self.spec.z_loss if z_loss is None else z_loss
-        fused = None if return_logits else _kernels.fast(self, hidden)
-        if fused is not None:  # never materialises the logits
+        parallel = getattr(self, "_tp", 1) > 1 and not return_logits
+        fused = None if return_logits or parallel else _kernels.fast(self, hidden)
+        if parallel:  # vocabulary-parallel: the logits stay sharded
+            logits, start, mesh = self._local_logits(hidden)
+            out = vocab_parallel_lm_loss(logits[:, :-1], labels[:, 1:], start=start, tp_mesh=mesh, z_loss=z_loss)
+        elif fused is not None:  # never materialises the logits
             out = LossOutput(*fused(self, hidden[:, :-1], labels[:, 1:], z_loss=z_loss))
         else:
             logits = self.logits_from_hidden(hidden)

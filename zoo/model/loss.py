@@ -44,3 +44,33 @@ def lm_loss(
     log_z = torch.logsumexp(flat, dim=-1)
     z = (log_z.pow(2) * valid).sum() / valid.sum().clamp(min=1)
     return LossOutput(loss=ce + z_loss * z if z_loss else ce, ce=ce, z=z)
+
+
+def vocab_parallel_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    start: int,
+    tp_mesh,
+    z_loss: float = 0.0,
+    ignore_index: int = -100,
+) -> LossOutput:
+    """:func:`lm_loss` on logits sharded by vocabulary (tensor parallelism): ``logits`` hold this
+    process's columns ``start, start + 1, ...`` of the whole sequence. Only the per-token
+    log-partitions and target logits cross the processes (a gather of one float per token and
+    process, and a sum), never the logits, and each process's gradient reaches its own columns. Every
+    process of ``tp_mesh`` returns the same loss."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    target = labels.reshape(-1)
+    valid = target != ignore_index
+    local = torch.logsumexp(flat, dim=-1, keepdim=True)  # (N, 1): this process's share of log Z
+    log_z = torch.logsumexp(DTensor.from_local(local, tp_mesh, [Shard(1)], run_check=False).full_tensor(), dim=-1)
+    mine = valid & (target >= start) & (target < start + flat.shape[-1])
+    picked = torch.where(mine, flat.gather(1, torch.where(mine, target - start, 0).unsqueeze(1)).squeeze(1), 0.0)
+    target_logit = DTensor.from_local(picked, tp_mesh, [Partial()], run_check=False).full_tensor()
+    count = valid.sum()
+    ce = ((log_z - target_logit) * valid).sum() / count
+    z = (log_z.pow(2) * valid).sum() / count.clamp(min=1)
+    return LossOutput(loss=ce + z_loss * z if z_loss else ce, ce=ce, z=z)

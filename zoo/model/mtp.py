@@ -4,7 +4,7 @@ Module d (1-based, up to ``spec.mtp.depth``) at position i reads the hidden stat
 i (the main model's final, normalised hidden state for d = 1) and the embedding of token t+d:
 
     h'  = eh_proj([enorm(embed(t[i+d])); hnorm(h[d-1][i])])     # embedding first, as the checkpoints
-    h_d = block(h')                                              # one layer of the recipe's kind
+    h_d = block(h')                                              # one layer of the recipe's kind (or several)
     logits_d = head(norm(h_d))                                    # the main model's head, own norm
 
 and its logits at i predict token t+1+d. Training adds ``weight / depth`` times each module's
@@ -28,27 +28,48 @@ from zoo.core.context import ForwardContext
 from zoo.core.state import DecodeState, step_layout
 
 
+def mtp_layer_kinds(spec) -> tuple[str, ...]:
+    """The layer kinds of each MTP module's blocks, in order: ``spec.mtp.layer`` (one kind or a list),
+    else the last layer's kind."""
+    layer = spec.mtp.layer or spec.layer_kind(spec.n_layers - 1)
+    return layer if isinstance(layer, tuple) else (layer,)
+
+
 def mtp_layer_kind(spec) -> str:
-    """The layer kind of the MTP blocks: ``spec.mtp.layer``, else the last layer's."""
-    return spec.mtp.layer or spec.layer_kind(spec.n_layers - 1)
+    """The layer kind of the MTP block, for a module of one block (``spec.mtp.layer``, else the last
+    layer's kind)."""
+    kinds = mtp_layer_kinds(spec)
+    if len(kinds) > 1:
+        raise ValueError(f"mtp.layer: each module here runs {len(kinds)} blocks ({', '.join(kinds)}); "
+                         "this layout stores one block per module")
+    return kinds[0]
 
 
 class MTPModule(nn.Module):
-    """One depth: the two input norms, the projection of their concatenation, a block, the head's norm."""
+    """One depth: the two input norms, the projection of their concatenation, a block (or, for several
+    layer kinds, a list of blocks run in order), the head's norm."""
 
     def __init__(self, spec, index: int):
         super().__init__()
         d = spec.d_model
-        layer = spec.layers[mtp_layer_kind(spec)]
-        self.enorm, self.hnorm = layer.norm.build(dim=d), layer.norm.build(dim=d)
+        kinds = mtp_layer_kinds(spec)
+        first = spec.layers[kinds[0]]
+        self.enorm, self.hnorm = first.norm.build(dim=d), first.norm.build(dim=d)
         self.eh_proj = nn.Linear(2 * d, d, bias=False)
-        # index: this depth's entry in the MTP decode state (MTP.new_state).
-        self.block = layer.block.build(spec=spec, layer=layer, index=index)
-        self.norm = layer.norm.build(dim=d)  # DeepSeek's shared_head.norm
+        # index: this depth's first entry in the MTP decode state (MTP.new_state), one per block.
+        blocks = [spec.layers[k].block.build(spec=spec, layer=spec.layers[k], index=index + j) for j, k in enumerate(kinds)]
+        self.block = blocks[0] if len(blocks) == 1 else nn.ModuleList(blocks)
+        self.norm = spec.layers[kinds[-1]].norm.build(dim=d)  # DeepSeek's shared_head.norm
+
+    def blocks(self) -> list[nn.Module]:
+        return list(self.block) if isinstance(self.block, nn.ModuleList) else [self.block]
 
     def forward(self, h: torch.Tensor, e: torch.Tensor, ctx: ForwardContext, pos) -> torch.Tensor:
+        """``pos``: one position state per block."""
         x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))
-        return self.block(x, ctx, pos)
+        for block, p in zip(self.blocks(), pos):
+            x = block(x, ctx, p)
+        return x
 
 
 class MTP(nn.Module):
@@ -57,19 +78,19 @@ class MTP(nn.Module):
     def __init__(self, spec):
         super().__init__()
         self.depth, self.weight = spec.mtp.depth, spec.mtp.weight
-        self.layers = nn.ModuleList(MTPModule(spec, d) for d in range(self.depth))
-        kind = mtp_layer_kind(spec)
-        # The last main layer of the same kind: its position encoding serves the MTP blocks.
-        self.like = max(i for i in range(spec.n_layers) if spec.layer_kind(i) == kind)
+        kinds = mtp_layer_kinds(spec)
+        self.layers = nn.ModuleList(MTPModule(spec, d * len(kinds)) for d in range(self.depth))
+        # For each block, the last main layer of its kind: its position encoding serves the block.
+        self.like = [max(i for i in range(spec.n_layers) if spec.layer_kind(i) == kind) for kind in kinds]
 
     def new_state(self, batch: Optional[int], max_len: Optional[int] = None, *, dtype, device) -> DecodeState:
-        states = [m.block.mixer.new_state(batch, max_len, dtype=dtype, device=device) for m in self.layers]
+        states = [b.mixer.new_state(batch, max_len, dtype=dtype, device=device) for m in self.layers for b in m.blocks()]
         return DecodeState(states, batch=batch, max_len=max_len, device=device)
 
     def run(self, model, depth: int, h: torch.Tensor, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Module ``depth`` (0-based) on hidden states ``h`` (B, T, d) and next tokens ``ids`` (B, T):
-        its block's output (before the head's norm)."""
-        pos = model.position_state(ctx.position_ids, h.dtype, self.like)
+        its last block's output (before the head's norm)."""
+        pos = [model.position_state(ctx.position_ids, h.dtype, i) for i in self.like]
         return self.layers[depth](h, model.embed_tokens(ids), ctx, pos)
 
     def logits(self, model, depth: int, out: torch.Tensor) -> torch.Tensor:

@@ -272,10 +272,12 @@ def components(model_or_name: Any, overrides: Optional[dict[str, Any]] = None) -
         ("z-loss", str(spec.z_loss)),
     ]
     if spec.mtp is not None:
-        from zoo.model.mtp import mtp_layer_kind
+        from zoo.model.mtp import mtp_layer_kinds
 
-        rows.append(("mtp", f"depth {spec.mtp.depth}, weight {spec.mtp.weight}, block of layer kind "
-                            f"{mtp_layer_kind(spec)!r}"))
+        kinds = mtp_layer_kinds(spec)
+        rows.append(("mtp", f"depth {spec.mtp.depth}, weight {spec.mtp.weight}, "
+                            f"{'block of layer kind' if len(kinds) == 1 else 'blocks of layer kinds'} "
+                            f"{', '.join(map(repr, kinds))}"))
     return rows
 
 

@@ -12,18 +12,21 @@ mixed precision):
   each part's :attr:`~zoo.core.kinds.Part.expert_parameters` by experts over ``ep``; FSDP2 then splits dim
   0 of what is left as ``torch.chunk`` does, the dense parameters over ``dp_shard x ep``, the experts over
   ``dp_shard`` (on their dim 1 when a process holds fewer experts than ``dp_shard``, as torchtitan
-  places them; HSDP replicates over ``dp_replicate``). The expert-parallel figures follow the spec;
-  the trainer's expert parallelism is still to come;
-- **in flight** (FSDP2): the root unit (embeddings, final norm, head) stays gathered from forward to
-  backward; the largest block is gathered in the compute dtype twice (the running one and the one
-  prefetched) and its unsharded gradient is held once in the compute dtype and once in float32 for the
-  reduce-scatter. Without FSDP2 under mixed precision, autocast's compute-dtype copies of the weights
-  are kept for backward;
+  places them; HSDP replicates over ``dp_replicate``). Under tensor parallelism a mixture of experts
+  is whole on every process of a tp group (it runs on the process's slice of the sequence);
+- **in flight** (FSDP2, its units as the trainer wraps them): the root unit (embeddings, final norm,
+  head) stays gathered from forward to backward; the largest block is gathered in the compute dtype
+  while it runs, and the next block's unit is prefetched; the running block's unsharded gradient is held
+  in the compute dtype, and the largest unit's once more in float32 for the reduce-scatter. Under expert
+  parallelism each MoE's experts are a unit of their own (over ``dp_shard``), gathered inside their
+  block's while it runs: the block prefetched is then the next block's unit without its experts, and
+  the float32 copy is the larger of a block's dense part and its experts. Without FSDP2 under mixed
+  precision, autocast's compute-dtype copies of the weights are kept for backward;
 - **activations**: what each block's parts report they keep for backward
   (:meth:`~zoo.core.kinds.Part.activation_bytes`), per token, times the micro-batch's tokens; a
   checkpointed block keeps its input only, and one block at a time is recomputed in backward;
-- **logits and loss**: the head's input, the logits (gathered whole under tensor parallelism) and the
-  float32 log-probabilities the cross-entropy keeps.
+- **logits and loss**: the head's input, the logits (this process's vocabulary columns under tensor
+  parallelism) and the float32 log-probabilities the cross-entropy keeps.
 
 Not counted: the allocator's fragmentation, communication buffers beyond FSDP2's, the CUDA context, and
 the decode state (none in training).
@@ -101,12 +104,19 @@ def _local_shape(p: torch.Tensor) -> torch.Size:
     return p.to_local().shape if isinstance(p, DTensor) else p.shape
 
 
-def _units(model: nn.Module) -> list[tuple[str, list[tuple[nn.Module, str, torch.Tensor]]]]:
-    """FSDP2's units as zoo wraps them: the root holding what no block holds, then one per block; each a
-    list of (owning module, parameter name, parameter), every parameter once."""
+def _units(model: nn.Module, experts_apart: bool = False) -> list[tuple[str, list[tuple[nn.Module, str, torch.Tensor]]]]:
+    """FSDP2's units as zoo's trainer wraps them (``zoo.train.loop``): under expert parallelism
+    (``experts_apart``) first each module holding a part's stacked experts (an MoE's ``experts``, the
+    multi-token prediction modules' included), then the root holding what no block holds, then one per
+    block (less its experts); each a (name, list of (owning part, parameter name, parameter)), every
+    parameter once."""
     seen: set[int] = set()
     # each parameter's nearest enclosing part, and its name there (``experts.w_up`` of an MoE)
     nearest = {id(p): (part, n) for part in model.modules() if is_part(part) for n, p in part.named_parameters()}
+
+    def expert(p):
+        owner, n = nearest.get(id(p), (None, ""))
+        return owner is not None and n in owner.expert_parameters
 
     def params(modules):
         out = []
@@ -117,9 +127,14 @@ def _units(model: nn.Module) -> list[tuple[str, list[tuple[nn.Module, str, torch
                     out.append((*nearest.get(id(p), (m, n)), p))
         return out
 
+    units = []
+    if experts_apart:
+        for name, m in model.named_modules():
+            if any(expert(p) for p in m.parameters(recurse=False)):
+                units.append((name, params([m])))
     in_layers = {id(m) for layer in model.layers for m in layer.modules()}
     blocks = [(f"layers.{i}", params(layer.modules())) for i, layer in enumerate(model.layers)]
-    return [("root", params(m for m in model.modules() if id(m) not in in_layers)), *blocks]
+    return [*units, ("root", params(m for m in model.modules() if id(m) not in in_layers)), *blocks]
 
 
 def plan(
@@ -178,7 +193,7 @@ def plan(
     dense_group, dense_index = dp_shard * ep, at["dp_shard"] * ep + at["ep"]
     local = 0
     gathered: dict[str, int] = {}  # per FSDP unit: its parameters as gathered (tensor/expert-parallel shards)
-    for unit, params in _units(model):
+    for unit, params in _units(model, experts_apart=fsdp and ep > 1):
         whole = 0
         for owner, name, p in params:
             shape = list(_local_shape(p))
@@ -220,14 +235,21 @@ def plan(
     V = spec.vocab_size
     softcap = c * V if spec.head.softcap else 0  # the tanh the soft-cap keeps
     # the head's input (gathered under tensor parallelism), the float32 logits and log-probabilities the
-    # cross-entropy keeps, the soft-cap's tanh; the final norm's; the token ids the embedding keeps
-    logits = (spec.d_model * c + 8 * V + softcap + 16 + final_norm) * tokens
+    # cross-entropy keeps and the soft-cap's tanh (this process's vocabulary columns under tensor
+    # parallelism: the loss is vocabulary-parallel); the final norm's; the token ids the embedding keeps
+    logits = (spec.d_model * c + (8 * V + softcap) / tp + 16 + final_norm) * tokens
 
     # -- in flight -----------------------------------------------------------------------------------
-    block = max((gathered[u] for u in gathered if u != "root"), default=0)
+    # Each block's units: its own, and (under EP) its experts' units, gathered inside it while it runs.
+    blocks = {f"layers.{i}": [u for u in gathered if u == f"layers.{i}" or u.startswith(f"layers.{i}.")]
+              for i in range(len(model.layers))}
+    running = max((sum(gathered[u] for u in us) for us in blocks.values()), default=0)
+    prefetched = max((gathered[b] for b in blocks), default=0)  # the next block's own unit
+    largest = max((gathered[u] for u in gathered if u != "root"), default=0)  # reduce-scattered one at a time
+    block = running
     if fsdp:
-        in_flight = {"root_unit": gathered["root"] * c, "blocks": 2 * block * c,
-                     "block_gradient": block * (c + (MASTER_BYTES if mixed else 0))}
+        in_flight = {"root_unit": gathered["root"] * c, "blocks": (running + prefetched) * c,
+                     "block_gradient": running * c + (largest * MASTER_BYTES if mixed else 0)}
     else:
         in_flight = {"compute_copies": local * c if mixed else 0}
 
@@ -253,6 +275,7 @@ def plan(
         "device": device,
         "local_parameters": local,
         "gathered_block_parameters": block,
+        "units": gathered,
         "in_flight_parts": in_flight,
         "activation_bytes_per_token": per_layer,
         "activations_kept": kept,

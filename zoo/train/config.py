@@ -35,14 +35,26 @@ def _fits(value: Any, hint: Any) -> bool:
     return isinstance(value, hint) if isinstance(hint, type) else True
 
 
-def check_types(config: Any) -> None:
-    """Refuse a field whose value is not of its declared type, naming it (``cpu = "no"`` is no bool)."""
+def check_types(config: Any, prefix: Optional[str] = None) -> None:
+    """Refuse a field whose value is not of its declared type, naming it (``cpu = "no"`` is no bool)
+    as ``prefix.field`` (default: the class name)."""
     hints = typing.get_type_hints(type(config))
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if not _fits(value, hints[f.name]):
             want = str(hints[f.name]).replace("typing.", "").replace("<class '", "").replace("'>", "")
-            raise ValueError(f"{type(config).__name__}.{f.name} must be {want}, got {value!r}")
+            raise ValueError(f"{prefix or type(config).__name__}.{f.name} must be {want}, got {value!r}")
+
+
+def _section(cls: type, value: Any, name: str) -> Any:
+    """A ``[name]`` table (a dict) read as the fields of the dataclass ``cls``; an unknown key is an error naming it."""
+    if not isinstance(value, dict):
+        return value
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name}.{unknown[0]}: not a {name} setting; they are {sorted(known)}")
+    return cls(**value)
 
 
 @dataclass
@@ -98,6 +110,38 @@ class ParallelConfig:
     def check(self) -> None:
         self.checkpointed(1)
 
+    def with_accelerate(self, env: Optional[dict[str, str]] = None) -> "ParallelConfig":
+        """These settings with the sizes of an accelerate config's ``parallelism_config`` (which
+        ``accelerate launch`` passes as ``PARALLELISM_CONFIG_*`` variables): its ``dp_replicate_size``,
+        ``dp_shard_size`` and ``tp_size`` become ``dp_replicate``, ``dp_shard`` and ``tp``. Sizes set in
+        zoo's own ``parallel`` settings too must agree with it, or the error names both. Context and
+        sequence parallelism (``cp_size``, ``sp_size`` above 1) are refused: zoo has neither."""
+        env = os.environ if env is None else env
+        if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+            return self
+        sizes = {}
+        for theirs, ours in (("DP_REPLICATE", "dp_replicate"), ("DP_SHARD", "dp_shard"), ("TP", "tp"),
+                             ("CP", None), ("SP", None)):
+            key = f"PARALLELISM_CONFIG_{theirs}_SIZE"
+            try:
+                size = int(env.get(key, "1"))
+            except ValueError:
+                raise ValueError(f"the accelerate config's parallelism_config_{theirs.lower()}_size ({key}) "
+                                 f"must be an integer, got {env[key]!r}") from None
+            if ours is None:
+                if size > 1:
+                    raise ValueError(f"the accelerate config sets parallelism_config_{theirs.lower()}_size = {size}, "
+                                     f"but zoo has no {'context' if theirs == 'CP' else 'sequence (Ulysses)'} "
+                                     "parallelism; set it to 1 (zoo's tensor parallelism shards the sequence "
+                                     "between blocks: parallelism_config_tp_size or parallel.tp)")
+                continue
+            mine, default = getattr(self, ours), getattr(ParallelConfig, ours)
+            if mine != default and mine != size:
+                raise ValueError(f"parallel.{ours} = {mine} in zoo's settings, but the accelerate config's "
+                                 f"parallelism_config_{theirs.lower()}_size = {size}; set one of them, or make them agree")
+            sizes[ours] = size
+        return dataclasses.replace(self, **sizes)
+
     def check_model(self, spec: Any) -> None:
         """Refuse, naming the field, an ``ep`` the model ``spec`` cannot split its experts over: ``ep`` > 1
         needs an FFN that shards its experts (``parallelize_experts``, as the ``moe`` FFN does), and must
@@ -116,6 +160,76 @@ class ParallelConfig:
             if isinstance(n, int) and n % self.ep:
                 raise ValueError(f"parallel.ep = {self.ep} does not divide {at}.n_experts = {n}; "
                                  f"choose an ep that divides {n}")
+
+
+@dataclass
+class LoraSettings:
+    """LoRA fine-tuning through peft (the ``[lora]`` table of a training config; ``--lora r=16,alpha=32``
+    on the command line): rank-``r`` updates ``B @ A`` scaled by ``alpha / r`` on the linear modules
+    ``targets`` names, the base weights frozen. A target is a module name or its end (``q_proj`` picks
+    every layer's, as peft matches); none: every linear projection of the blocks (attention and MLP).
+    At the end the adapter is written as a PEFT adapter directory (``out_dir/adapter``) and, with
+    ``merge``, the merged model as a normal checkpoint (``out_dir/final``)."""
+
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    targets: tuple[str, ...] = ()  # zoo module names (q_proj, k_proj, v_proj, o_proj, gate, up, down); (): all of the blocks'
+    rslora: bool = False  # scale by alpha / sqrt(r)
+    merge: bool = True  # also export the merged model to out_dir/final
+
+    def __post_init__(self):
+        if isinstance(self.targets, (list, str)):
+            self.targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
+
+    def check(self) -> None:
+        check_types(self, "lora")
+        if self.r < 1:
+            raise ValueError(f"lora.r must be at least 1, got {self.r}")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"lora.alpha must be a positive number, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        empty = [t for t in self.targets if not t.strip()]
+        if empty:
+            raise ValueError(f"lora.targets: an empty module name in {list(self.targets)}")
+
+    @classmethod
+    def parse(cls, text: str) -> dict[str, Any]:
+        """The settings ``--lora r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj`` gives, by name:
+        comma-separated ``key=value`` pairs, where names after ``targets=`` without an ``=`` of their own
+        are more targets; an empty text gives none (the defaults)."""
+        hints = typing.get_type_hints(cls)
+        values: dict[str, Any] = {}
+        key = None
+        for item in (i.strip() for i in text.split(",") if i.strip()):
+            if "=" not in item:
+                if key != "targets":
+                    raise ValueError(f"--lora: {item!r} is not key=value (the settings are "
+                                     f"{', '.join(hints)}; e.g. --lora r=16,alpha=32,targets=q_proj,v_proj)")
+                values["targets"] += (item,)
+                continue
+            key, value = (s.strip() for s in item.split("=", 1))
+            if key not in hints:
+                raise ValueError(f"--lora: {key!r} is not a LoRA setting; they are {', '.join(hints)}")
+            values[key] = _parsed(key, value, hints[key])
+        return values
+
+
+def _parsed(key: str, value: str, hint: Any) -> Any:
+    """A ``--lora`` value as its field's type: an int, a float, a bool (true/false) or a tuple of names."""
+    try:
+        if hint is int:
+            return int(value)
+        if hint is float:
+            return float(value)
+    except ValueError:
+        raise ValueError(f"--lora: {key}={value!r} is not {'an integer' if hint is int else 'a number'}") from None
+    if hint is bool:
+        if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(f"--lora: {key}={value!r} is not true or false")
+        return value.lower() in ("true", "1", "yes")
+    return (value,) if value else ()
 
 
 @dataclass
@@ -160,18 +274,15 @@ class TrainConfig:
     export: bool = True  # write the trained weights with zoo.save_pretrained to out_dir/final
     export_format: Optional[str] = None  # HF model_type to export as; None: the first that fits the spec
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # a dict is read as its fields
+    lora: Optional[LoraSettings] = None  # LoRA fine-tuning (a dict is read as its fields); None: every weight trains
 
     def __post_init__(self):
-        if isinstance(self.parallel, dict):
-            known = {f.name for f in dataclasses.fields(ParallelConfig)}
-            unknown = sorted(set(self.parallel) - known)
-            if unknown:
-                raise ValueError(f"parallel.{unknown[0]}: not a parallel setting; they are {sorted(known)}")
-            self.parallel = ParallelConfig(**self.parallel)
+        self.parallel = _section(ParallelConfig, self.parallel, "parallel")
+        self.lora = _section(LoraSettings, self.lora, "lora")
 
     @classmethod
     def from_toml(cls, path: str | Path, **fields: Any) -> "TrainConfig":
-        """A config from a TOML file of TrainConfig fields, with a ``[parallel]`` table; ``fields`` override it."""
+        """A config from a TOML file of TrainConfig fields, with ``[parallel]`` and ``[lora]`` tables; ``fields`` override it."""
         import tomllib
 
         try:
@@ -189,6 +300,8 @@ class TrainConfig:
     def check(self) -> None:
         check_types(self)
         self.parallel.check()
+        if self.lora is not None:
+            self.lora.check()
         for f in dataclasses.fields(self):  # NaN passes every comparison below: refuse it first
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -234,6 +347,7 @@ class TrainResult:
     out_dir: Path
     checkpoint: Optional[Path] = None
     export: Optional[Path] = None
+    adapter: Optional[Path] = None  # a LoRA run's PEFT adapter directory
     plot: Optional[Path] = None
     tokens_per_s: float = 0.0
     main_process: bool = True

@@ -248,7 +248,11 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
                                   "pip install 'zoo-lm[train]'", name="accelerate") from None
 
     config = dataclasses.replace(config or TrainConfig(), **fields)
+    config = dataclasses.replace(config, parallel=config.parallel.with_accelerate())
     config.check()
+    # zoo builds its own meshes from those sizes: Accelerate's own mesh (from its parallelism_config)
+    # refuses CPU processes, and its FSDP2 + TP path does not run with this transformers.
+    os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
     # The scheduler steps once per optimizer step, whatever the number of processes.
     acc = Accelerator(mixed_precision=_mixed_precision(config), cpu=_on_cpu(config), step_scheduler_with_optimizer=False)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -305,6 +309,9 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
         raise ValueError(f"parallel: tp {tp} on {acc.num_processes} processes leaves {dp_size} data-parallel "
                          "groups, which zoo shards with FSDP2 (x TP), but fsdp is off; turn fsdp on, or set tp to "
                          "the number of processes")
+    fmt = getattr(pretrained, "checkpoint_format", None)  # export in the format the weights came in
+    if config.lora is not None:
+        _check_lora(config, spec, config.export_format or fmt, tp=tp, ep=layout["ep"], fsdp=use_fsdp)
     _check_fsdp_launch(use_fsdp)
     # Each process writes its own shard of the weights under FSDP2 or TP.
     per_process = use_fsdp or tp > 1
@@ -328,11 +335,11 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     # Model: meta first; FSDP2 shards before anything is allocated.
     torch.manual_seed(config.seed)
     net = start_model(spec, acc, seed=config.seed, sharded=use_fsdp, parallel=config.parallel)
-    fmt = getattr(pretrained, "checkpoint_format", None)  # export in the format the weights came in
     hf_config = dict(getattr(pretrained, "hf_config", {}))  # and with its token ids and kept config fields
     if pretrained is not None and ckpt_state is None:
         load_full_state_dict(net, pretrained.state_dict(), sharded=per_process)
     del pretrained
+    lora_counts = _add_lora(net, config, acc.print) if config.lora is not None else None
     net.train()
     optimizer = torch.optim.AdamW(param_groups(net, config.weight_decay), lr=config.lr,
                                   betas=(config.beta1, config.beta2), eps=config.eps)
@@ -363,6 +370,8 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     tokens_per_step = config.global_batch * config.seq_len
     per_rank = config.micro_batch * accum
     result = TrainResult(step=step, losses=[], ce=[], z=[], out_dir=out_dir, main_process=acc.is_main_process)
+    if lora_counts is not None:
+        result.extra["lora"] = lora_counts
     from tqdm.auto import tqdm
 
     bar = tqdm(total=config.steps, initial=step, disable=not (config.progress and acc.is_local_main_process),
@@ -428,11 +437,49 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     if step >= config.steps:
         if config.plot and acc.is_main_process:
             result.plot = plot_losses(metrics_file, out_dir / "loss.png")
-        if config.export and acc.is_main_process:
+        if config.export and acc.is_main_process and config.lora is not None:
+            from zoo.checkpoints.adapter import save_adapter
+
+            result.adapter = save_adapter(net, out_dir / "adapter", model_type=config.export_format or fmt,
+                                          base=config.init_from)
+        if config.export and acc.is_main_process and (config.lora is None or config.lora.merge):
             result.export = export(result.checkpoint, out_dir / "final", model_type=config.export_format or fmt,
                                    tokenizer=tokenizer, hf_config=hf_config, source_format=fmt, log=acc.print)
     acc.wait_for_everyone()
     return result
+
+
+def _check_lora(config: TrainConfig, spec: ModelSpec, model_type: Optional[str], *, tp: int, ep: int,
+                fsdp: bool) -> None:
+    """Before any compute: LoRA trains on one process or data-parallel (DDP), its targets name linear
+    modules of the model, and the format the adapter is written in can name each of them."""
+    from zoo.checkpoints.adapter import require_peft, hf_module_names, lora_targets
+
+    require_peft()
+    if tp > 1 or ep > 1 or fsdp:
+        raise ValueError(f"lora: LoRA trains on one process or data-parallel (DDP), not with "
+                         f"{'tensor parallelism (tp)' if tp > 1 else 'expert parallelism (ep)' if ep > 1 else 'FSDP2'}; "
+                         "set tp = 1 and ep = 1, and leave fsdp, dp_shard and dp_replicate unset")
+    plain = build_model(spec, device="meta")
+    if config.export:
+        hf_module_names(plain, lora_targets(plain, config.lora.targets), model_type)
+    else:
+        lora_targets(plain, config.lora.targets)
+
+
+def _add_lora(net: nn.Module, config: TrainConfig, log: Callable[[str], None]) -> dict[str, Any]:
+    """Wrap the targets with LoRA (only the adapter trains) and log what trains; returns the counts."""
+    from zoo.checkpoints.adapter import add_lora, lora_layers, trainable
+
+    lora = config.lora
+    add_lora(net, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets, rslora=lora.rslora,
+             seed=config.seed)
+    count, total = trainable(net)
+    layers = lora_layers(net)
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in layers})
+    log(f"LoRA r={lora.r} alpha={lora.alpha:g} on {len(layers)} modules ({', '.join(leaves)}): {count:,} trainable "
+        f"parameters of {total:,} ({100 * count / total:.3f}%)")
+    return {"trainable": count, "total": total, "percent": 100 * count / total, "modules": sorted(layers)}
 
 
 def step_terms(sums: dict[str, torch.Tensor], accelerator) -> dict[str, float]:
@@ -475,6 +522,7 @@ def export(checkpoint: Path, path: Path, *, model_type: Optional[str] = None, to
     Without ``model_type``, the first registered checkpoint format that describes the checkpoint's
     spec exactly is used; when none does, the model is written in zoo's own layout (``spec.toml`` and
     ``model.safetensors``, :mod:`zoo.checkpoints.native`), which ``zoo.from_pretrained`` loads.
+    A LoRA run's checkpoint is written as the merged model (:class:`zoo.checkpoints.adapter.MergedWeights`).
     """
     from zoo.checkpoints import save_pretrained, save_tokenizer
     from zoo.checkpoints.format import CheckpointError
@@ -482,8 +530,15 @@ def export(checkpoint: Path, path: Path, *, model_type: Optional[str] = None, to
     from zoo.core.registry import list_components
     from zoo.train.checkpointer import CheckpointWeights
 
-    spec = ModelSpec.from_dict(json.loads((Path(checkpoint) / "state.json").read_text())["spec"])
-    weights = CheckpointWeights(checkpoint, dtype=dtype)
+    state = json.loads((Path(checkpoint) / "state.json").read_text())
+    spec = ModelSpec.from_dict(state["spec"])
+    lora = (state.get("config") or {}).get("lora")
+    if lora:  # a LoRA run's: the merged model, each adapted weight merged as it is read
+        from zoo.checkpoints.adapter import MergedWeights
+
+        weights = MergedWeights(CheckpointWeights(checkpoint), lora, dtype=dtype)
+    else:
+        weights = CheckpointWeights(checkpoint, dtype=dtype)
     plain = build_model(spec, device="meta")  # names, shapes and heads for the weight-name map; no data
     plain.checkpoint_format, plain.hf_config = source_format, dict(hf_config or {})
     tokenizer = tokenizer if hasattr(tokenizer, "save") else None
@@ -495,9 +550,7 @@ def export(checkpoint: Path, path: Path, *, model_type: Optional[str] = None, to
             if model_type:
                 raise
             errors.append(f"{fmt}: {str(exc)[:120]}")
-    # zoo's own layout is one safetensors file of the whole model: assembled here, on this host
-    plain.load_state_dict({name: weights[name] for name in plain.state_dict()}, assign=True)
-    save_native(plain, path)
+    save_native(plain, path, state=weights)  # zoo's own layout, streamed as the HF formats are
     save_tokenizer(plain, path, tokenizer)
     log(f"no Hugging Face checkpoint format describes this model ({'; '.join(errors[:2])}); "
         f"wrote it in zoo's own layout to {path} (spec.toml, model.safetensors), which zoo.from_pretrained loads")

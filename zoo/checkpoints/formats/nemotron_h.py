@@ -38,9 +38,20 @@ What transformers 5.23 builds, read as it reads it:
   stand for the new ones, and the layer types ``mamba`` / ``attention`` for ``linear_attention`` /
   ``full_attention``, as transformers maps them.
 
-Not read: multi-token prediction (``num_nextn_predict_layers`` > 0; ``mtp_layers_block_type`` says
-its layers, which transformers 5.23 does not build) is refused by name; so is ``mlp_bias`` with MoE
-layers (zoo's stacked experts and their shared expert have no biases).
+Multi-token prediction (Nemotron 3 Super and Ultra; transformers 5.23 declares the fields, builds
+nothing and drops the ``mtp.*`` tensors): ``num_nextn_predict_layers`` modules (at most 1, as vLLM's
+``nemotron_h_mtp`` reads; Megatron-Bridge repeats that one module for further depths, with shared
+weights), each a run of ``mtp_layers_block_type`` layers (default ``[full_attention, moe]``; the legacy
+``mtp_hybrid_override_pattern`` string, ``*E``, as transformers maps it), of the main model's layer
+kinds: zoo's ``spec.mtp`` with ``layer`` the list of those kinds. Its tensors, as vLLM names them
+(zoo.checkpoints.mtp.NEMOTRON_H)::
+
+    mtp.layers.0.{enorm, hnorm, eh_proj}.weight        the fusion, in the first layer
+    mtp.layers.{j}.norm.weight, mtp.layers.{j}.mixer.*  layer j of the module, as a main layer's
+    mtp.layers.{last}.final_layernorm.weight           the head's norm, in the last layer
+
+and the main model's embedding and head (no copies). ``mlp_bias`` with MoE layers is refused by name
+(zoo's stacked experts and their shared expert have no biases).
 """
 
 from __future__ import annotations
@@ -51,7 +62,9 @@ from zoo.checkpoints.common import activation, activation_name, pattern
 from zoo.checkpoints.format import CheckpointFormat, Fields
 from zoo.checkpoints.formats.mamba2 import MIXER_TENSORS, Mamba2Format
 from zoo.checkpoints.maps import ZOO_LAYER, ZOO_MIXER, rule, stacked_experts
+from zoo.checkpoints.mtp import NEMOTRON_H, mtp_rules, read_mtp
 from zoo.core.spec import ModelSpec, SpecError
+from zoo.model.mtp import mtp_layer_kinds
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
@@ -62,11 +75,12 @@ LEGACY_FIELDS = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "m
                  "mamba_dt_init_floor": "time_step_floor", "mamba_conv_bias": "use_conv_bias",
                  "mamba_chunk_size": "chunk_size"}
 #: Declared by NemotronHConfig, read by nothing zoo builds (see the module docstring), or belonging
-#: to the MoE layers and MTP modules this format refuses when they are used.
+#: to the MoE layers where there are none.
 UNUSED = ("expand", "time_step_limit", "mamba_proj_bias", "attention_bias", "sliding_window", "residual_in_fp32",
           "rescale_prenorm_residual", "use_mamba_kernels", "num_logits_to_keep", "mamba_ssm_cache_dtype",
-          "output_router_logits", "n_shared_experts", "moe_shared_expert_overlap", "mtp_layers_block_type",
-          "mtp_hybrid_override_pattern", "num_hidden_layers")
+          "output_router_logits", "n_shared_experts", "moe_shared_expert_overlap", "num_hidden_layers")
+#: NemotronHConfig's MTP layers when mtp_layers_block_type is not given.
+MTP_DEFAULT = [ATTENTION, MOE]
 KINDS = {MAMBA: "mamba", ATTENTION: "attention", MLP: "mlp", MOE: "moe"}
 #: Spec paths (under ``layers.``, or within any layer kind) -> the config field they are read from.
 SPEC_FIELDS = {
@@ -116,6 +130,10 @@ class NemotronH(CheckpointFormat):
 
     # -- the weight-name map ----------------------------------------------------------------------
     def rules(self, spec):
+        rules = self.main_rules(spec)
+        return mtp_rules(rules, spec, NEMOTRON_H, hf_layer=H) + rules
+
+    def main_rules(self, spec):
         m = f"{H}mixer."
         return [
             rule("backbone.embeddings.weight", "embed.weight"),
@@ -157,6 +175,39 @@ class NemotronH(CheckpointFormat):
                 raise f.error(key, f"layer type {t!r} is not one of {sorted(KINDS)}")
         return types
 
+    def mtp(self, f: Fields, types: list[str]):
+        """The spec's ``mtp`` table (None without MTP): ``num_nextn_predict_layers`` modules of the
+        ``mtp_layers_block_type`` layers, read as transformers reads them."""
+        key = "mtp_layers_block_type"
+        listed = f.get(key, kind=list)
+        if listed is not None and not all(isinstance(t, str) for t in listed):
+            raise f.error(key, f"must list layer type names, got {listed!r}")
+        text = f.get("mtp_hybrid_override_pattern", kind=str)
+        mtp = read_mtp(f)
+        if listed is None or [LEGACY_TYPES.get(t, t) for t in listed] == MTP_DEFAULT:
+            if text is not None:  # transformers takes the pattern where the list is its default
+                bad = sorted(set(text) - set(PATTERN))
+                if bad:
+                    raise f.error("mtp_hybrid_override_pattern", f"has {bad[0]!r}; expected M (Mamba-2), * (attention), "
+                                                                 "- (MLP) or E (MoE)")
+                listed, key = [PATTERN[c] for c in text], "mtp_hybrid_override_pattern"
+        listed = [LEGACY_TYPES.get(t, t) for t in (MTP_DEFAULT if listed is None else listed)]
+        if not mtp:
+            return None
+        if mtp["depth"] > 1:
+            raise f.error("num_nextn_predict_layers", f"is {mtp['depth']}; a nemotron_h checkpoint stores one MTP module "
+                                                      "(vLLM reads one; Megatron repeats it, sharing its weights), so "
+                                                      "zoo reads at most 1")
+        if not listed:
+            raise f.error(key, "lists no layers; an MTP module needs at least one")
+        for t in listed:
+            if t not in KINDS:
+                raise f.error(key, f"layer type {t!r} is not one of {sorted(KINDS)}")
+            if t not in types:
+                raise f.error(key, f"layer type {t!r} is not a layer of the main model (layers_block_type); zoo builds "
+                                   "the MTP layers as the main model's layers of their type")
+        return {**mtp, "layer": [KINDS[t] for t in listed]}
+
     def config_to_spec(self, config, *, strict=False):
         config = dict(config)
         for old, new in LEGACY_FIELDS.items():  # transformers lets the old name win, as here
@@ -166,9 +217,7 @@ class NemotronH(CheckpointFormat):
         types = self.layer_types(f)
         d, eps = f.require("hidden_size"), float(f.get("layer_norm_epsilon"))
         f.expect("mamba_hidden_act", ("silu",), "Mamba-2's convolution and gate use SiLU")
-        if f.get("num_nextn_predict_layers", 0, kind=int):
-            raise f.error("num_nextn_predict_layers", "multi-token prediction modules are not read by zoo's "
-                                                      "nemotron_h format; set it to 0 to load the main model")
+        mtp = self.mtp(f, types)
         for key in UNUSED:
             f.get(key)
         norm = {"name": "rmsnorm", "eps": eps, "scale_in_fp32": True}  # weight times the fp32 normed x
@@ -217,33 +266,39 @@ class NemotronH(CheckpointFormat):
             "max_seq_len": f.require("max_position_embeddings"), "position": "nope", "final_norm": norm,
             "layers": layers, "layer_pattern": list(pattern([KINDS[t] for t in types])),
             "head": {"tied": f.get("tie_word_embeddings", False)},
+            **({"mtp": mtp} if mtp else {}),
         }
         f.finish(strict)
         try:
             return ModelSpec.from_dict(spec)
         except SpecError as exc:  # a value out of range: name the config field behind it
-            field = SPEC_FIELDS.get(exc.path.removeprefix("layers."), "config")
+            field = "mtp_layers_block_type" if exc.path.startswith("mtp.") else \
+                SPEC_FIELDS.get(exc.path.removeprefix("layers."), "config")
             raise f.error(field, str(exc)) from None
 
     # -- spec -> config ---------------------------------------------------------------------------
+    @staticmethod
+    def layer_type(layer, where: str):
+        """A layer's nemotron_h type and the part that configures it."""
+        if layer.block.name == "ffn_only" and layer.ffn.name == "mlp":
+            return MLP, layer.ffn
+        if layer.block.name == "ffn_only" and layer.ffn.name == "moe":
+            return MOE, layer.ffn
+        if layer.block.name == "mixer_only" and layer.mixer.name == "mamba2":
+            return MAMBA, layer.mixer
+        if layer.block.name == "mixer_only" and layer.mixer.name == "attention":
+            return ATTENTION, layer.mixer
+        raise ValueError(f"nemotron_h's layers are a mamba2 or attention mixer in a mixer_only block, or an "
+                         f"mlp in an ffn_only block; {where} is {layer.mixer.name!r} / {layer.ffn.name!r} "
+                         f"in {layer.block.name!r}")
+
     def spec_to_config(self, spec):
         if spec.position.name != "nope":
             raise ValueError("nemotron_h has no position encoding")
         types, parts = [], {}
         for i in range(spec.n_layers):
             layer = spec.layer(i)
-            if layer.block.name == "ffn_only" and layer.ffn.name == "mlp":
-                kind, part = MLP, layer.ffn
-            elif layer.block.name == "ffn_only" and layer.ffn.name == "moe":
-                kind, part = MOE, layer.ffn
-            elif layer.block.name == "mixer_only" and layer.mixer.name == "mamba2":
-                kind, part = MAMBA, layer.mixer
-            elif layer.block.name == "mixer_only" and layer.mixer.name == "attention":
-                kind, part = ATTENTION, layer.mixer
-            else:
-                raise ValueError(f"nemotron_h's layers are a mamba2 or attention mixer in a mixer_only block, or an "
-                                 f"mlp in an ffn_only block; layer {i} is {layer.mixer.name!r} / {layer.ffn.name!r} "
-                                 f"in {layer.block.name!r}")
+            kind, part = self.layer_type(layer, f"layer {i}")
             if repr(parts.setdefault(kind, part)) != repr(part):
                 raise ValueError(f"nemotron_h has one configuration per kind of layer; layer {i}'s {kind} differs")
             types.append(kind)
@@ -256,6 +311,12 @@ class NemotronH(CheckpointFormat):
             "max_position_embeddings": spec.max_seq_len, "layer_norm_epsilon": norm.eps,
             "tie_word_embeddings": spec.head.tied, "num_nextn_predict_layers": 0,
         }
+        if spec.mtp is not None:
+            if spec.mtp.depth > 1:
+                raise ValueError(f"nemotron_h stores one MTP module; this spec has mtp.depth = {spec.mtp.depth}")
+            cfg["num_nextn_predict_layers"] = 1
+            cfg["mtp_layers_block_type"] = [self.layer_type(spec.layers[k], f"MTP layer kind {k!r}")[0]
+                                            for k in mtp_layer_kinds(spec)]
         if MAMBA in parts:
             m = parts[MAMBA]
             if m.dt_limit_max is not None or m.norm_eps != norm.eps or m.dt_limit_min != m.dt_min:
