@@ -192,3 +192,15 @@ def test_zoo_verify_keeps_fp8(tmp_path, capsys):
     quantized_checkpoint(tmp_path / "hf", tmp_path / "fp8")
     assert main(["verify", str(tmp_path / "fp8"), "--fp8", "keep", "--seq-len", "16", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["passed"] is True
+
+
+def test_zoo_generate_keeps_fp8(tmp_path, capsys):
+    """``zoo generate --fp8 keep`` prints what the dequantised model generates (bytes tokenizer, vocabulary 256)."""
+    from zoo.cli import main
+
+    make_tiny("llama", tmp_path / "hf", overrides={"vocab_size": 256}, std=0.05)
+    quantized_checkpoint(tmp_path / "hf", tmp_path / "fp8", block=32)
+    assert main(["generate", str(tmp_path / "fp8"), "--prompt", "ab", "-n", "5", "--no-stop", "--tokenizer", "bytes",
+                 "--fp8", "keep"]) == 0
+    new = zoo.generate(zoo.from_pretrained(tmp_path / "fp8"), torch.tensor([list(b"ab")]), 5)[0, 2:]
+    assert capsys.readouterr().out == "ab" + bytes(new.tolist()).decode("utf-8", "replace").rstrip("\ufffd") + "\n"
