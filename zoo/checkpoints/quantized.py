@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+import functools
 import warnings
 from typing import Any, Iterable, Optional
 
@@ -232,6 +233,7 @@ def _once(message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
+@functools.lru_cache(maxsize=None)
 def scaled_mm_supported(device: torch.device) -> bool:
     """Whether ``device`` has block-scaled fp8 ``scaled_mm`` (1 x 128 activations, 128 x 128 weights):
     cuBLAS offers it on compute capability 9.x (H100, H200); Ada (8.9) has fp8 products with per-tensor
