@@ -11,7 +11,8 @@ reads each tensor into its own buffer, so it should stay near 1x.
     python benchmarks/load_memory.py --fp8 --dtype bfloat16   # the same, its projections block-scaled fp8
 
 With ``--fp8`` the made checkpoint is quantised as DeepSeek-V3 ships (float8_e4m3fn projections with
-a float32 scale per 128 x 128 block, everything else bf16), and both loaders dequantise it on load.
+a float32 scale per 128 x 128 block, everything else bf16), and both loaders dequantise it on load;
+a third row loads it with ``fp8="keep"`` (the projections stay FP8 beside their scales).
 The extra column gives the peak growth beyond the loaded parameters, beside the largest tensor:
 dequantising tensor by tensor, zoo should need about one model in the target dtype plus one tensor.
 """
@@ -30,11 +31,12 @@ import gc, json, sys, torch
 dtype = getattr(torch, sys.argv[3]) if sys.argv[3] != "auto" else None
 # Each loader first builds the model on the meta device once, so the modules it imports on the
 # way (the modeling code, kernels) are not counted as weight memory.
-if sys.argv[1] == "zoo":
+if sys.argv[1].startswith("zoo"):
     import zoo
     from zoo.checkpoints import config_to_spec, read_config
     zoo.build_model(config_to_spec(read_config(sys.argv[2])), device="meta")
-    load = lambda p: zoo.from_pretrained(p, dtype=dtype)
+    fp8 = "keep" if sys.argv[1] == "zoo-fp8-keep" else "dequantize"
+    load = lambda p: zoo.from_pretrained(p, dtype=dtype, fp8=fp8)
 else:
     import transformers
     transformers.utils.logging.disable_progress_bar()
@@ -53,7 +55,7 @@ model = load(sys.argv[2])
 # Memory-mapped weights are paged in on first use: touch every one, as a first forward would.
 with torch.no_grad():
     for p in model.parameters():
-        p.sum()
+        (p.view(torch.uint8) if p.element_size() == 1 else p).sum()  # float8 has no sum
 n = sum(p.numel() * p.element_size() for p in model.parameters())
 largest = max(p.numel() * p.element_size() for p in model.parameters())
 print(json.dumps({"before": before, "after": peak(), "param_bytes": n, "largest": largest}))
@@ -120,7 +122,8 @@ def main() -> None:
             path = Path(tmp) / "fp8"
         size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
         print(f"checkpoint {path}: {size / 2**20:.0f} MiB of safetensors; loading in {args.dtype}")
-        rows = {name: measure(name, path, args.dtype) for name in ("zoo", "transformers")}
+        loaders = ("zoo", "transformers") + (("zoo-fp8-keep",) if args.fp8 else ())
+        rows = {name: measure(name, path, args.dtype) for name in loaders}
     print(f"{'loader':<14} {'peak RSS growth':>16} {'x checkpoint':>13} {'x loaded params':>16} "
           f"{'beyond params':>14} {'largest tensor':>15}")
     for name, r in rows.items():

@@ -42,6 +42,7 @@ class LayerNorm(Norm):
 
     kernel: ClassVar[str] = "layernorm"
     backends: ClassVar[tuple] = ("triton", "torch")
+    kernel_on_shards: ClassVar[str] = "rows"  # under sequence parallelism: each process's rows
 
     @dataclass(frozen=True)
     class Config:
@@ -87,6 +88,7 @@ class RMSNorm(Norm):
     """
 
     kernel: ClassVar[str] = "rmsnorm"
+    kernel_on_shards: ClassVar[str] = "rows"  # under sequence parallelism: each process's rows
     backends: ClassVar[tuple] = ("triton", "torch")
 
     @dataclass(frozen=True)

@@ -121,6 +121,7 @@ class GLU(MLP):
     """``down(act(gate(x)) * up(x))``: the gated FFN with any activation."""
 
     kernel: ClassVar[str] = "glu"  # act(gate) * up fused in one kernel
+    kernel_on_shards: ClassVar[str] = "layers"  # x reaches only gate and up, whose outputs are local
     backends: ClassVar[tuple] = ("triton", "torch")
 
     @dataclass(frozen=True)

@@ -1,18 +1,25 @@
 """Linear + cross-entropy fused and chunked: the loss from hidden states and the head weight
 without ever holding the (tokens x vocab) logits, let alone an fp32 copy of them.
 
-Tokens are processed in chunks. For each chunk the logits are computed by one matmul in the
-input dtype (as the reference head does); one Triton program per token then reads its row in
-blocks, applies the final-logit soft-cap, finds the log-partition ``lse`` online, and overwrites
-the row with the token's gradient of ``CE + z_loss * lse^2`` (soft-cap derivative included).
-Two more matmuls, which also apply the mean's 1/n, turn that into the chunk's hidden-state
-gradient and its share of the weight gradient, so the backward only scales what the forward
-already computed.
+Forward: tokens are processed in chunks. For each chunk the logits are computed by one matmul in
+the input dtype (as the reference head does); one Triton program per token then reads its row in
+blocks, applies the final-logit soft-cap and finds the log-partition ``lse`` online. The forward
+keeps only ``lse`` (one float per token) for the backward, besides its inputs.
 
-The weight gradient is accumulated across chunks in fp32 for bf16/fp16 weights (in the weight's
-dtype otherwise; ``accumulate_dtype`` changes that). Ignored labels (``ignore_index``) count
-neither in the mean nor in z; any other label outside [0, V) is refused. Nothing waits for the
-device: the mean's 1/n stays a tensor.
+Backward: block by block of the vocabulary (about a sixteenth of it), token chunk by chunk, the
+logits are computed again and a Triton program per token overwrites its row with the gradient of
+``CE + z_loss * lse^2`` (soft-cap derivative included; entries in [-1, 1]). Two matmuls turn the
+tile into its share of the hidden-state gradient and the block's weight gradient; the mean's 1/n
+and the incoming gradient are applied after them, so fp16 rows do not underflow. The price of
+holding no full-size gradient from the forward to the backward is the recomputed logits: four
+head-sized matmuls instead of three.
+
+Each block's weight gradient is summed across chunks in fp32 for bf16/fp16 (in the dtype otherwise;
+``accumulate_dtype`` changes that) and rounded once into the gradient returned, so the float32 sum
+held is one block's, not the head's (4.2 GB for llama3-70b). With several blocks the hidden-state
+gradient is summed across them in the same dtype. Ignored labels (``ignore_index``) count neither
+in the mean nor in z; any other label outside [0, V) is refused. Nothing waits for the device: the
+mean's 1/n stays a tensor.
 """
 
 import math
@@ -32,8 +39,9 @@ def _tanh(x):
 
 
 @triton.jit
-def _ce_rows(LOGITS, stride, LABELS, LOSS, LSE, V, softcap, ce_scale, z_scale, ignore_index,
-             HAS_CAP: tl.constexpr, WANT_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+def _ce_rows(LOGITS, stride, LABELS, LOSS, LSE, V, softcap, ignore_index,
+             HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Per token: the log-partition ``lse`` (found online over blocks of its row) and ``lse - x_label``."""
     row = tl.program_id(0).to(tl.int64)
     ptr = LOGITS + row * stride
     label = tl.load(LABELS + row)
@@ -57,33 +65,56 @@ def _ce_rows(LOGITS, stride, LABELS, LOSS, LSE, V, softcap, ce_scale, z_scale, i
         target = softcap * _tanh(target / softcap)
     tl.store(LOSS + row, tl.where(valid, lse - target, 0.0))
     tl.store(LSE + row, tl.where(valid, lse, 0.0))
-    if WANT_GRAD:
-        # d/dx (ce_scale * (lse - x_label) + z_scale * lse^2) = (ce_scale + 2 z_scale lse) p - ce_scale [label]
-        coef = tl.where(valid, ce_scale + 2.0 * z_scale * lse, 0.0)
-        hit = tl.where(valid, ce_scale, 0.0)
-        for start in range(0, V, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            mask = cols < V
-            raw = tl.load(ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_CAP:
-                t = _tanh(raw / softcap)
-                x = softcap * t
-            else:
-                x = raw
-            g = coef * tl.exp(x - lse) - tl.where(cols == safe, hit, 0.0)
-            if HAS_CAP:
-                g = g * (1.0 - t * t)
-            tl.store(ptr + cols, g.to(LOGITS.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ce_grad(TILE, stride, LABELS, LSE, col0, C, softcap, z_scale, ignore_index,
+             HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Overwrite a tile of logits (vocabulary columns ``col0 .. col0 + C``) with each token's gradient
+    of ``(lse - x_label) + z_scale * lse^2``, from the ``lse`` the forward found: (1 + 2 z lse) p - [label]."""
+    row = tl.program_id(0).to(tl.int64)
+    ptr = TILE + row * stride
+    label = tl.load(LABELS + row)
+    valid = label != ignore_index
+    lse = tl.load(LSE + row)
+    coef = tl.where(valid, 1.0 + 2.0 * z_scale * lse, 0.0)
+    hit = tl.where(valid, 1.0, 0.0)
+    for start in range(0, C, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < C
+        raw = tl.load(ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_CAP:
+            t = _tanh(raw / softcap)
+            x = softcap * t
+        else:
+            x = raw
+        g = coef * tl.exp(x - lse) - tl.where(col0 + cols == label, hit, 0.0)
+        if HAS_CAP:
+            g = g * (1.0 - t * t)
+        tl.store(ptr + cols, g.to(TILE.dtype.element_ty), mask=mask)
 
 
 def _chunk_rows(n: int, d: int, v: int) -> int:
-    """Rows per chunk so that a chunk's logits are about the size of the hidden states."""
+    """Rows per chunk so that a chunk's logits (over ``v`` columns) are about the size of the hidden states."""
     return max(1, min(n, triton.next_power_of_2(math.ceil(n * d / v)) if v > d else n))
+
+
+def _vocab_cols(v: int, d: int) -> int:
+    """Vocabulary rows of the head per backward block: about a sixteenth of the vocabulary (at least
+    one kernel block), so the block's float32 weight-gradient sum is a sixteenth of the head's."""
+    return min(v, max(BLOCK_V, triton.next_power_of_2(math.ceil(v / 16))))
+
+
+def _logits(h, weight, bias, dtype):
+    out = h @ weight.to(dtype).t()
+    if bias is not None:
+        out += bias.to(dtype)
+    return out.contiguous()
 
 
 class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, bias, labels, softcap, z_loss, ignore_index, want_grad, acc_dtype):
+    def forward(ctx, h, weight, bias, labels, softcap, z_loss, ignore_index, want_grad, acc_dtype, dtype):
         n, d = h.shape
         v = weight.shape[0]
         valid = labels != ignore_index
@@ -94,57 +125,80 @@ class _FusedLinearCE(torch.autograd.Function):
         scale = 1.0 / valid.sum().clamp(min=1).float()  # a tensor: no host sync for the mean's 1/n
         loss_rows = torch.empty(n, dtype=torch.float32, device=h.device)
         lse_rows = torch.empty(n, dtype=torch.float32, device=h.device)
-        grad_h = torch.empty_like(h) if want_grad and h.requires_grad else None
-        grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=h.device) \
-            if want_grad and weight.requires_grad else None
-        grad_b = torch.zeros(v, dtype=torch.float32, device=h.device) \
-            if want_grad and bias is not None and bias.requires_grad else None
+        w = weight.to(dtype)  # autocast's cast of the head, for the forward only
         rows = _chunk_rows(n, d, v)
         for start in range(0, n, rows):
-            hc = h[start:start + rows]
-            logits = hc @ weight.t()
-            if bias is not None:
-                logits += bias
-            logits = logits.contiguous()
-            # The rows get the per-token gradient (entries in [-1, 1]); the 1/n of the mean is applied
-            # after the matmuls below, so that fp16 rows do not underflow at large n.
+            hc = h[start:start + rows].to(dtype)
+            logits = _logits(hc, w, bias, dtype)
             _ce_rows[(hc.shape[0],)](
                 logits, logits.stride(0), labels[start:start + rows], loss_rows[start:], lse_rows[start:], v,
-                float(softcap or 1.0), 1.0, z_loss, ignore_index,
-                HAS_CAP=softcap is not None, WANT_GRAD=want_grad, BLOCK_V=min(BLOCK_V, triton.next_power_of_2(v)),
+                float(softcap or 1.0), ignore_index,
+                HAS_CAP=softcap is not None, BLOCK_V=min(BLOCK_V, triton.next_power_of_2(v)),
             )
-            if grad_h is not None:
-                torch.mm(logits, weight, out=grad_h[start:start + rows])
-            if grad_w is not None:
-                grad_w.addmm_(logits.t().to(grad_w.dtype), hc.to(grad_w.dtype))
-            if grad_b is not None:
-                grad_b += logits.float().sum(0)
-        for g in (grad_h, grad_w, grad_b):
-            if g is not None:
-                g.mul_(scale.to(g.dtype))
+        del w, logits
         ce = loss_rows.sum() * scale
         z = lse_rows.pow(2).sum() * scale
         loss = ce + z_loss * z  # a tensor of its own: ce and z are marked non-differentiable
-        ctx.save_for_backward(grad_h, grad_w, grad_b)
-        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        # Kept for the backward: the inputs themselves and one float per token (no gradient-sized tensor).
+        if want_grad:
+            ctx.save_for_backward(h, weight, bias, labels, lse_rows, scale)
+        ctx.settings = (softcap, z_loss, ignore_index, acc_dtype, dtype)
         ctx.mark_non_differentiable(ce, z)
         return loss, ce, z
 
     @staticmethod
     def backward(ctx, grad_loss, _ce, _z):
-        # The gradients were computed in the forward; scale them in place (no second full-size
-        # copy under gradient accumulation). A second backward through the same graph
-        # (retain_graph) is refused by autograd: the saved tensors have changed.
-        grad_h, grad_w, grad_b = ctx.saved_tensors
-        w_dtype, b_dtype = ctx.dtypes
-
-        def scaled(g, dtype):
-            if g is None:
-                return None
-            g = g.mul_(grad_loss.to(g.dtype))
-            return g if dtype is None or g.dtype == dtype else g.to(dtype)
-
-        return scaled(grad_h, None), scaled(grad_w, w_dtype), scaled(grad_b, b_dtype), None, None, None, None, None, None
+        """Block by block of the vocabulary, the logits are computed again and overwritten with their
+        gradient rows: the block's weight gradient is summed over the token chunks in ``acc_dtype`` and
+        rounded once into the gradient returned, and the hidden-state gradient is summed over the
+        blocks (in ``acc_dtype`` when there are several). Beyond the gradients returned, the backward
+        holds one block's float32 sums and one chunk's logits."""
+        h, weight, bias, labels, lse, scale = ctx.saved_tensors
+        softcap, z_loss, ignore_index, acc_dtype, dtype = ctx.settings
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        n, d = h.shape
+        v = weight.shape[0]
+        factor = grad_loss.float() * scale  # the mean's 1/n and the incoming gradient
+        cols = _vocab_cols(v, d)
+        rows = _chunk_rows(n, d, cols)
+        single = cols >= v  # one block: the hidden-state gradient needs no sum across blocks
+        grad_h = None
+        if need_h:  # in one block, written once in the matmuls' dtype; over several, summed in acc_dtype
+            grad_h = torch.empty(n, d, dtype=dtype, device=h.device) if single else \
+                torch.zeros(n, d, dtype=acc_dtype, device=h.device)
+        grad_w = torch.empty_like(weight) if need_w else None
+        grad_b = torch.empty_like(bias) if need_b else None
+        for c0 in range(0, v, cols):
+            wc = weight[c0:c0 + cols].to(dtype)
+            bc = bias[c0:c0 + cols] if bias is not None else None
+            acc_w = torch.zeros(wc.shape, dtype=acc_dtype, device=h.device) if need_w else None
+            acc_b = torch.zeros(wc.shape[0], dtype=torch.float32, device=h.device) if need_b else None
+            w_acc = wc if single else wc.to(acc_dtype)
+            for r0 in range(0, n, rows):
+                hc = h[r0:r0 + rows].to(dtype)
+                tile = _logits(hc, wc, bc, dtype)
+                _ce_grad[(hc.shape[0],)](
+                    tile, tile.stride(0), labels[r0:r0 + rows], lse[r0:r0 + rows], c0, wc.shape[0],
+                    float(softcap or 1.0), z_loss, ignore_index,
+                    HAS_CAP=softcap is not None, BLOCK_V=min(BLOCK_V, triton.next_power_of_2(wc.shape[0])),
+                )
+                if need_h and single:
+                    torch.mm(tile, wc, out=grad_h[r0:r0 + rows])
+                elif need_h:
+                    grad_h[r0:r0 + rows].addmm_(tile.to(acc_dtype), w_acc)
+                if need_w:
+                    acc_w.addmm_(tile.t().to(acc_dtype), hc.to(acc_dtype))
+                if need_b:
+                    acc_b += tile.float().sum(0)
+                del tile
+            if need_w:
+                grad_w[c0:c0 + cols] = acc_w.mul_(factor.to(acc_dtype))
+            if need_b:
+                grad_b[c0:c0 + cols] = acc_b.mul_(factor)
+            del wc, w_acc, acc_w, acc_b
+        if need_h:
+            grad_h = grad_h.mul_(factor.to(grad_h.dtype)).to(h.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(h, weight, labels, *, bias=None, softcap=None, z_loss=0.0, ignore_index=-100,
@@ -163,14 +217,14 @@ def fused_linear_cross_entropy(h, weight, labels, *, bias=None, softcap=None, z_
     want_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (h2, weight, bias))
     device = h.device.type
-    if torch.is_autocast_enabled(device):  # cast as autocast would for the head matmul, then run without it
-        dt = torch.get_autocast_dtype(device)
-        h2, weight, bias = (t.to(dt) if t is not None else None for t in (h2, weight, bias))
+    # Under autocast the head's matmuls take autocast's dtype, as they would in the reference; the
+    # casts happen inside, block by block, so that no cast copy of the head is kept for the backward.
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     if accumulate_dtype is None:
-        accumulate_dtype = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
+        accumulate_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
     with torch.autocast(device, enabled=False), on_device(h2):
         return _FusedLinearCE.apply(h2.contiguous(), weight, bias, labels2.contiguous(), softcap, float(z_loss),
-                                    ignore_index, want_grad, accumulate_dtype)
+                                    ignore_index, want_grad, accumulate_dtype, dtype)
 
 
 def decoder_loss(model, hidden, labels, *, z_loss, ignore_index=-100):

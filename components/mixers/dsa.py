@@ -34,6 +34,7 @@ from torch import nn
 
 from zoo.core.kinds import Cost, LayerState, no_plan
 from zoo.core.registry import register
+from zoo.core.precision import compute_dtype
 from zoo.core.spec import SpecError, positive
 
 from zoo.components.mixers._masks import dense_mask
@@ -95,7 +96,7 @@ class LightningIndexer(nn.Module):
         q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim)
         q = self.rotate(q, cos[:, :, None], sin[:, :, None])
         logits = torch.einsum("bthd,bsd->bths", q.float(), keys.float()) * self.head_dim ** -0.5
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5  # (B, T, H)
+        w = self.weights_proj(x.to(compute_dtype(self.weights_proj))).float() * self.n_heads ** -0.5  # (B, T, H)
         return torch.einsum("bth,bths->bts", w, F.relu(logits))
 
     def select(self, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from torch import nn
 
 from zoo.core.kinds import Cost, Mixer
 from zoo.core.parallel import grad_summed
+from zoo.core.precision import dense_weight
 from zoo.core.registry import register
 from zoo.core.spec import Part, SpecError, part_field, positive
 from zoo.core.state import KVState
@@ -187,7 +188,7 @@ class MLA(Mixer):
 
     def up_weights(self):
         """``W_UK`` (H, nope, kv_lora_rank) and ``W_UV`` (H, v, kv_lora_rank), views of kv_b_proj."""
-        w = self.kv_b_proj.weight.view(-1, self.nope + self.v_dim, self.kv_lora_rank)
+        w = dense_weight(self.kv_b_proj).view(-1, self.nope + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope], w[:, self.nope :]
 
     def forward(self, x, ctx, pos):

@@ -300,15 +300,17 @@ def test_without_dtype_dequantised_weights_take_the_stored_dtype(copy, fp8):
      r"'model.norm.weight' has the scale .* stored as torch.float32"),
     (lambda t: t.update({W + "_scale_inv": torch.ones(1, 2, dtype=torch.int32)}), rf"'{W}_scale_inv' is torch.int32"),
 ])
-def test_bad_scales_name_the_tensor(copy, edit, message):
+@pytest.mark.parametrize("mode", ["dequantize", "keep"])
+def test_bad_scales_name_the_tensor(copy, edit, message, mode):
     rewrite(copy, edit)
     with pytest.raises(CheckpointError, match=message):
-        zoo.from_pretrained(copy)
+        zoo.from_pretrained(copy, fp8=mode)
 
 
-def test_block_size_that_does_not_fit_the_scales(copy):
+@pytest.mark.parametrize("mode", ["dequantize", "keep"])
+def test_block_size_that_does_not_fit_the_scales(copy, mode):
     config = json.loads((copy / "config.json").read_text())
     config["quantization_config"]["weight_block_size"] = [64, 64]
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"scale '.*_scale_inv' has shape .* 64x64 blocks"):
-        zoo.from_pretrained(copy)
+        zoo.from_pretrained(copy, fp8=mode)

@@ -203,12 +203,16 @@ def tiny_llama(tmp_path_factory):
     return path
 
 
-def test_an_fp8_block_larger_than_every_weight_is_refused(tiny_llama, tmp_path):
+FP8_MODES = pytest.mark.parametrize("mode", ["dequantize", "keep"])  # from_pretrained(fp8=...)
+
+
+@FP8_MODES
+def test_an_fp8_block_larger_than_every_weight_is_refused(tiny_llama, tmp_path, mode):
     """A block of 2^20 rows matches a one-entry scale grid, and each scale would be widened to 2^20 rows
     (at [1e9, 1e9], 4 GB per weight)."""
     fp8 = fp8_checkpoint(tiny_llama, tmp_path / "fp8", block=(1 << 20, 1 << 20))
     with pytest.raises(CheckpointError, match=r"weight_block_size \[1048576, 1048576\] has blocks of 1048576 rows"):
-        zoo.from_pretrained(fp8, progress=False)
+        zoo.from_pretrained(fp8, progress=False, fp8=mode)
 
 
 def test_an_fp8_block_within_the_weights_loads(tiny_llama, tmp_path):
@@ -218,11 +222,12 @@ def test_an_fp8_block_within_the_weights_loads(tiny_llama, tmp_path):
                                atol=0, rtol=0)
 
 
+@FP8_MODES
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
-def test_an_fp8_scale_that_is_nan_infinite_or_negative_is_refused_naming_it(tiny_llama, tmp_path, value):
+def test_an_fp8_scale_that_is_nan_infinite_or_negative_is_refused_naming_it(tiny_llama, tmp_path, value, mode):
     fp8 = fp8_checkpoint(tiny_llama, tmp_path / "fp8", scale_value=value)
     with pytest.raises(CheckpointError, match=r"scale 'model\.layers\.0\.self_attn\.q_proj\.weight_scale_inv' holds"):
-        zoo.from_pretrained(fp8, progress=False)
+        zoo.from_pretrained(fp8, progress=False, fp8=mode)
 
 
 # -- MiniMax's decay tables ---------------------------------------------------------------------------

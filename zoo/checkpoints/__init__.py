@@ -24,7 +24,7 @@ from zoo.core import kinds
 from zoo.checkpoints.hub import resolve
 from zoo.checkpoints.io import WeightFiles, reading, regular_file, replace_checkpoint, stream_shards
 from zoo.checkpoints.maps import bind
-from zoo.checkpoints.quantized import read_quantization, without_quantization
+from zoo.checkpoints.quantized import FIELD as QUANTIZATION, keep_fp8, kept_tensors, read_quantization, with_scales, without_quantization
 from zoo.model.decoder import Decoder, build_model
 from zoo.checkpoints.mtp import missing_depth, without_absent_mtp
 from zoo.core.precision import fp32_tensors, narrower
@@ -150,8 +150,9 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
     model is touched.
     """
     names = _names(fmt, files, renames)
-    bound = list(bind(fmt.rules(model.spec), model))
+    bound = with_scales(list(bind(fmt.rules(model.spec), model)), model)
     meta = dict(model.state_dict(keep_vars=True))
+    as_stored = kept_tensors(model)  # float8 weights and their scales (fp8="keep")
     needed = {h for b in bound for h in b.hf}
     missing = sorted(needed - set(names))
     depth = missing_depth(bound, missing)
@@ -188,7 +189,7 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
                 raise CheckpointError(
                     f"{files.where[names[h]]}: tensor {names[h]!r} is {stored}, where zoo's {', '.join(b.zoo)} "
                     "needs floating-point weights; the file is corrupt or is not this model")
-            if dtype is None and stored.is_floating_point and not fp32 >= set(b.zoo):
+            if dtype is None and stored.is_floating_point and not (fp32 | as_stored) >= set(b.zoo):
                 first_of.setdefault(stored, names[h])
     if len(first_of) > 1:
         (common, first), (odd, name) = list(first_of.items())[:2]
@@ -206,8 +207,8 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
                   disable=not progress):
         # Map (no copy) what is kept as stored; read what will be converted.
         keep = (device is None or torch.device(device).type == "cpu")
-        hf_tensors = [files.get(names[h], mapped=keep and (dtype is None or files.dtype(names[h]) == dtype))
-                      for h in b.hf]
+        hf_tensors = [files.get(names[h], mapped=keep and (dtype is None or files.dtype(names[h]) == dtype
+                                                          or as_stored >= set(b.zoo))) for h in b.hf]
         try:
             zoo_tensors = b.transform.to_zoo(hf_tensors, b.heads)
         except (RuntimeError, ValueError) as exc:
@@ -226,7 +227,7 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
                     f"{want} (via {b.transform.name}); the config does not describe these weights"
                     + (f": {hint}" if hint else "")
                 )
-            target_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            target_dtype = dtype if dtype is not None and t.is_floating_point() and zname not in as_stored else t.dtype
             if zname in fp32 and narrower(target_dtype):
                 target_dtype = torch.float32
             t = t.to(device=device or "cpu", dtype=target_dtype)
@@ -278,6 +279,7 @@ def from_pretrained(
     cache_dir: Optional[str] = None,
     progress: bool = True,
     adapter: Optional[str | Path] = None,
+    fp8: str = "dequantize",
 ) -> Decoder:
     """Load an HF checkpoint (local directory or hub repo id) into a zoo model.
 
@@ -287,7 +289,10 @@ def from_pretrained(
     ``model.hf_config``, written back on saving); ``strict=True`` refuses them. ``progress=False``
     hides the progress bar that long loads show. Block-scaled FP8 checkpoints (``quantization_config``
     with ``quant_method: "fp8"``, as DeepSeek-V3 ships) are dequantised tensor by tensor as they are
-    read (:mod:`zoo.checkpoints.quantized`); other quantization methods are refused by name. A GGUF
+    read (:mod:`zoo.checkpoints.quantized`); ``fp8="keep"`` keeps the linear layers' weights in FP8
+    with their block scales instead (:class:`~zoo.checkpoints.quantized.FP8Linear`: block-scaled
+    ``scaled_mm`` on an H100/H200, else each weight dequantised for its own product), and saving writes
+    them back as stored. Other quantization methods are refused by name. A GGUF
     file (or a directory holding one) is read by :mod:`zoo.checkpoints.gguf`, dequantised to ``dtype``
     (default float32). A directory in zoo's own layout (``spec.toml`` + ``model.safetensors``: what
     ``zoo train`` exports for a model no HF format describes) loads too, and so does a training run's
@@ -295,8 +300,11 @@ def from_pretrained(
     adapter directory (what ``zoo train --lora`` writes, or peft saves for the transformers model) to
     apply on top (:func:`zoo.checkpoints.adapter.load_adapter`; ``zoo.merge_adapter`` folds it in).
     """
+    if fp8 not in ("dequantize", "keep"):
+        raise ValueError(f"fp8={fp8!r}: use 'dequantize' (the default: full-precision weights) or 'keep' "
+                         "(FP8 linear weights with their block scales)")
     model = _from_pretrained(path_or_repo_id, revision=revision, dtype=dtype, device=device, strict=strict,
-                             token=token, cache_dir=cache_dir, progress=progress)
+                             token=token, cache_dir=cache_dir, progress=progress, fp8=fp8)
     if adapter is not None:
         from zoo.checkpoints.adapter import load_adapter
 
@@ -304,7 +312,7 @@ def from_pretrained(
     return model
 
 
-def _from_pretrained(path_or_repo_id, *, revision, dtype, device, strict, token, cache_dir, progress) -> Decoder:
+def _from_pretrained(path_or_repo_id, *, revision, dtype, device, strict, token, cache_dir, progress, fp8) -> Decoder:
     from zoo.checkpoints import gguf, native
 
     if gguf.is_gguf(path_or_repo_id):  # a llama.cpp file: metadata, tokenizer and (quantised) tensors in one
@@ -331,10 +339,14 @@ def _from_pretrained(path_or_repo_id, *, revision, dtype, device, strict, token,
             spec = without_absent_mtp(spec, fmt, set(_names(fmt, files, renames)))
             check_layers(spec, fmt, files, renames)
             model = build_model(spec, device="meta")
+            if quant is not None and fp8 == "keep":
+                files = keep_fp8(model, bind(fmt.rules(spec), model), _names(fmt, files, renames), files)
             load_weights(model, fmt, files, dtype=dtype, device=device, renames=renames, progress=progress)
     model.eval()
     model.checkpoint_format = fmt.model_type
     model.hf_config = {k: inner[k] for k in (*CARRIED, *ignored) if k in inner}
+    if kept_tensors(model):  # written back when the model is saved with its FP8 weights
+        model.hf_config[QUANTIZATION] = config[QUANTIZATION]
     model.source = directory
     return model
 
@@ -408,6 +420,8 @@ def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Option
     fmt = get_format(model_type)
     spec = model.spec
     carried = dict(getattr(model, "hf_config", {}))
+    quantization = carried.pop(QUANTIZATION, None) if kept_tensors(model) else None
+    carried.pop(QUANTIZATION, None)
     if fmt.model_type != getattr(model, "checkpoint_format", None):  # kept fields belong to their own format
         carried = {k: v for k, v in carried.items() if k in CARRIED}
     config = {**carried, **spec_to_config(spec, fmt.model_type)}
@@ -423,7 +437,9 @@ def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Option
     state = model.state_dict() if state is None else state
     meta = getattr(state, "meta", lambda name: state[name].to("meta"))  # dtype and shape, not the data
     config["dtype"] = str(meta(next(iter(model.state_dict()))).dtype).removeprefix("torch.")
-    bound = list(bind(fmt.rules(spec), model))
+    bound = with_scales(list(bind(fmt.rules(spec), model)), model)
+    if quantization is not None:  # FP8 weights kept as stored: the config says how to read them
+        config[QUANTIZATION] = quantization
     # Each HF tensor's name, dtype and shape, from the transforms run on the meta device: the files'
     # headers are written first, then each rule's tensors, converted as they are written.
     layout = [(name, t.dtype, tuple(t.shape)) for b in bound

@@ -13,15 +13,27 @@ zoo reads such checkpoints for any format, tensor by tensor: each weight that ha
 dequantised as it is read, so memory holds the model in the loaded dtype plus one tensor in
 flight. The model is an ordinary full-precision model; saving it writes that dtype and no
 ``quantization_config``. Every other quantization method is refused by name.
+
+``from_pretrained(..., fp8="keep")`` keeps them as stored instead: each ``nn.Linear`` whose weight
+is one stored tensor with a scale becomes an :class:`FP8Linear` holding the float8 weight and its
+scales (routed experts, stacked from one tensor per expert, are still dequantised). Its forward
+multiplies through block-scaled ``scaled_mm`` on a GPU that has it (compute capability 9.x, 128 x 128
+blocks) and otherwise dequantises its own weight for the one product, so the model's memory stays
+near its FP8 size. Saving writes the float8 weights, their scales and the ``quantization_config``
+back unchanged.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+import functools
+import warnings
+from typing import Any, Iterable, Optional
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from zoo.checkpoints.format import CheckpointError, ConfigError, is_kind
 
@@ -35,8 +47,8 @@ class BlockFP8:
 
     block: tuple[int, int] = (128, 128)
 
-    def reading(self, files, dtype: Optional[torch.dtype]) -> "DequantizedFiles":
-        return DequantizedFiles(files, self, dtype)
+    def reading(self, files, dtype: Optional[torch.dtype], keep: Iterable[str] = ()) -> "DequantizedFiles":
+        return DequantizedFiles(files, self, dtype, keep)
 
 
 def read_quantization(config: dict[str, Any], source: Optional[str | Path] = None) -> Optional[BlockFP8]:
@@ -116,10 +128,13 @@ class DequantizedFiles:
     tensor: a scale without its weight, an fp8 weight without its scale, a scale beside a weight
     that is not float8_e4m3fn, a scale that is not floating-point, and a scale grid that does not
     match the weight's blocks.
+
+    The weights named in ``keep`` (stored names) are given as stored, float8 beside their scales,
+    which are then tensors of their own (for :class:`FP8Linear`); their scales are checked as read.
     """
 
-    def __init__(self, files, quant: BlockFP8, dtype: Optional[torch.dtype]):
-        self.files, self.block = files, quant.block
+    def __init__(self, files, quant: BlockFP8, dtype: Optional[torch.dtype], keep: Iterable[str] = ()):
+        self.files, self.block, self.quant, self.keep = files, quant.block, quant, set(keep)
         self.directory, self.where = files.directory, files.where
         names = files.names()
         self.scale_of = {n[: -len(SCALE_SUFFIX)]: n for n in names if n.endswith(SCALE_SUFFIX)}
@@ -136,7 +151,8 @@ class DequantizedFiles:
                  and files.dtype(n).is_floating_point]
         # Without dtype=, dequantised weights take the dtype the checkpoint's other weights are stored in.
         self.target = dtype or (plain[0] if plain else torch.float32)
-        self._names = [n for n in names if n not in scales]
+        kept_scales = {self.scale_of[w] for w in self.keep}
+        self._names = [n for n in names if n not in scales or n in kept_scales]
 
     def _check_pair(self, weight: str, scale: str) -> None:
         files = self.files
@@ -182,11 +198,19 @@ class DequantizedFiles:
         return self.files.shape(name)
 
     def dtype(self, name: str) -> torch.dtype:
-        return self.target if name in self.scale_of else self.files.dtype(name)
+        return self.target if name in self.scale_of and name not in self.keep else self.files.dtype(name)
 
     def get(self, name: str, *, mapped: bool = False) -> torch.Tensor:
-        if name not in self.scale_of:
+        if name in self.keep:  # as stored; its scale's values are checked when the scale is read
             return self.files.get(name, mapped=mapped)
+        if name not in self.scale_of:
+            if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in self.keep:
+                return self._scale(name[: -len(SCALE_SUFFIX)])
+            return self.files.get(name, mapped=mapped)
+        return dequantize_blocks(self.files.get(name), self._scale(name), self.block, self.target)
+
+    def _scale(self, name: str) -> torch.Tensor:
+        """The scale of weight ``name``, refused by name when an entry is NaN, infinite or negative."""
         scale = self.files.get(self.scale_of[name])
         bad = ~torch.isfinite(scale) | (scale < 0)
         if bad.any():
@@ -195,4 +219,162 @@ class DequantizedFiles:
                 f"{self.files.where[self.scale_of[name]]}: scale {self.scale_of[name]!r} holds {value} ({int(bad.sum())} "
                 "entries NaN, infinite or negative): a block scale is a finite number >= 0, so the weight "
                 f"{name!r} cannot be read; the checkpoint is corrupt")
-        return dequantize_blocks(self.files.get(name), scale, self.block, self.target)
+        return scale
+
+
+# -- FP8 kept as FP8 -------------------------------------------------------------------------------
+
+_said: set[str] = set()
+
+
+def _once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+@functools.lru_cache(maxsize=None)
+def scaled_mm_supported(device: torch.device) -> bool:
+    """Whether ``device`` has block-scaled fp8 ``scaled_mm`` (1 x 128 activations, 128 x 128 weights):
+    cuBLAS offers it on compute capability 9.x (H100, H200); Ada (8.9) has fp8 products with per-tensor
+    or per-row scales only, and Blackwell's block-scaled formats are others."""
+    return (device.type == "cuda" and hasattr(F, "scaled_mm")
+            and torch.cuda.get_device_capability(device)[0] == 9)
+
+
+def quantize_activations(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (M, K) as float8_e4m3fn with one float32 scale per ``group`` columns of a row (amax / 448,
+    DeepSeek-V3's ``act_quant``): ``x ~ q * scale`` per group. K must be a multiple of ``group``."""
+    g = x.float().unflatten(-1, (-1, group))
+    scale = g.abs().amax(-1).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    return (g / scale[..., None]).to(torch.float8_e4m3fn).flatten(-2), scale
+
+
+class FP8Linear(nn.Module):
+    """An ``nn.Linear`` whose weight stays float8_e4m3fn with one float scale per ``block`` block
+    (``weight_scale_inv``, as stored in the checkpoint); ``dtype`` is the dtype it computes and
+    returns in (the model's). For inference: the weight has no gradient.
+
+    The forward takes block-scaled ``scaled_mm`` where :func:`scaled_mm_supported` says the device
+    has it and the shapes fit its 128 x 128 blocks: the input is quantised per 1 x 128 group as
+    DeepSeek-V3's own inference does, so the result is close to, not equal to, the dequantised
+    product. The first such product on a device is checked against the dequantised one; if it fails
+    or differs, a message says so once and the dequantised path is used from then on. Everywhere
+    else the weight is dequantised for the one product (in float32, rounded once to ``dtype``, as a
+    dequantising load does), so the result equals the dequantised model's exactly.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, block: tuple[int, int],
+                 dtype: torch.dtype, scale_dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.block, self.compute_dtype = in_features, out_features, block, dtype
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device),
+                                   requires_grad=False)
+        grid = scale_shape((out_features, in_features), block)
+        self.register_buffer("weight_scale_inv", torch.empty(grid, dtype=scale_dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"block={self.block}, dtype={self.compute_dtype}")
+
+    def dense_weight(self) -> torch.Tensor:
+        """The full-precision weight (``dtype``), built for the caller and not kept."""
+        return dequantize_blocks(self.weight, self.weight_scale_inv, self.block, self.compute_dtype)
+
+    _checked: dict[torch.device, bool] = {}  # device -> whether scaled_mm passed its first check there
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fits_scaled_mm(x):
+            ok = FP8Linear._checked.get(x.device)
+            if ok is None:
+                ok = FP8Linear._checked[x.device] = self._check_scaled_mm(x)
+            if ok:
+                return self._scaled_mm(x)
+        return F.linear(x, self.dense_weight(), self.bias)
+
+    def _fits_scaled_mm(self, x: torch.Tensor) -> bool:
+        return (x.is_cuda and x.dtype == torch.bfloat16 and self.block == (128, 128)
+                and self.in_features % 128 == 0 and self.out_features % 128 == 0 and scaled_mm_supported(x.device))
+
+    def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """cuBLAS's layout: activation scales token-major with the token count a multiple of 4 (x is
+        zero-padded), the weight column-major and its scales' K blocks padded to a multiple of 4."""
+        rows = x.reshape(-1, self.in_features)
+        M = rows.shape[0]
+        q, scale = quantize_activations(F.pad(rows, (0, 0, 0, -M % 4)))
+        s = self.weight_scale_inv.float()
+        s = F.pad(s, (0, -s.shape[1] % 4))
+        out = F.scaled_mm(q, self.weight.t(), scale.t().contiguous().t(), F.ScalingType.BlockWise1x128,
+                          s.t(), F.ScalingType.BlockWise128x128, output_dtype=x.dtype)[:M]
+        out = out if self.bias is None else out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _check_scaled_mm(self, x: torch.Tensor) -> bool:
+        """The first block-scaled product on a device against the dequantised one: within what
+        quantising the input to e4m3 makes of it (2^-4 per element; 0.1 of the norm is far beyond)."""
+        want = F.linear(x, self.dense_weight(), self.bias).float()
+        try:
+            got = self._scaled_mm(x).float()
+        except RuntimeError as exc:
+            _once(f"FP8Linear: block-scaled scaled_mm failed on {x.device} ({exc}); dequantising each weight "
+                  "for its product instead")
+            return False
+        err = float((got - want).norm() / want.norm().clamp(min=1e-30))
+        if not err < 0.1:
+            _once(f"FP8Linear: block-scaled scaled_mm on {x.device} is {err:.3g} of the norm from the dequantised "
+                  "product; dequantising each weight for its product instead")
+            return False
+        return True
+
+    def _apply(self, fn, recurse=True):
+        """``.to(device)`` moves the float8 weight and its scales; ``.to(dtype)`` changes only the dtype
+        it computes in (and its bias): the stored numbers stay as they are."""
+        weight, scale = self.weight.data, self.weight_scale_inv
+        super()._apply(fn, recurse)
+        if self.weight.dtype != weight.dtype:
+            self.compute_dtype = self.weight.dtype
+            self.weight.data = weight.to(self.weight.device)
+        if self.weight_scale_inv.dtype != scale.dtype:
+            self.weight_scale_inv = scale.to(self.weight_scale_inv.device)
+        return self
+
+
+def keep_fp8(model: nn.Module, bound, names: dict[str, str], files: DequantizedFiles) -> DequantizedFiles:
+    """Make each ``nn.Linear`` of ``model`` (on the meta device) whose weight is one stored fp8 tensor
+    (through an identity rule of ``bound``; ``names``: the format's spelling -> the stored name) an
+    :class:`FP8Linear`, and give back ``files`` that read those weights and their scales as stored."""
+    from zoo.checkpoints.maps import IDENTITY
+
+    kept = []
+    for b in bound:
+        stored = names.get(b.hf[0]) if len(b.hf) == 1 else None
+        if b.transform is not IDENTITY or len(b.zoo) != 1 or not b.zoo[0].endswith(".weight") \
+                or stored not in files.scale_of:
+            continue
+        path = b.zoo[0].removesuffix(".weight")
+        module = model.get_submodule(path)
+        if type(module) is not nn.Linear:
+            continue
+        parent, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent), attr, FP8Linear(
+            module.in_features, module.out_features, bias=module.bias is not None, block=files.block,
+            dtype=files.target, scale_dtype=files.files.dtype(files.scale_of[stored]), device="meta"))
+        kept.append(stored)
+    return files.quant.reading(files.files, files.target, keep=kept)
+
+
+def with_scales(bound: list, model: nn.Module) -> list:
+    """``bound`` and, for each weight of an :class:`FP8Linear`, the rule of its scale: the HF name
+    and the zoo name, each with ``_scale_inv``."""
+    from zoo.checkpoints.maps import IDENTITY, Bound
+
+    fp8 = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    extra = [Bound((b.hf[0] + SCALE_SUFFIX,), (b.zoo[0] + SCALE_SUFFIX,), IDENTITY, None)
+             for b in bound if len(b.zoo) == 1 and b.zoo[0] in fp8]
+    return bound + extra
+
+
+def kept_tensors(model: nn.Module) -> set[str]:
+    """The zoo names of every float8 weight and scale kept by an :class:`FP8Linear`: read and written as stored."""
+    return {f"{n}.{t}" for n, m in model.named_modules() if isinstance(m, FP8Linear) for t in ("weight", "weight" + SCALE_SUFFIX)}

@@ -27,7 +27,7 @@ def add_parser(sub):
     return p
 
 
-def load(checkpoint, dtype, adapter=None):
+def load(checkpoint, dtype, adapter=None, fp8="dequantize"):
     from zoo.checkpoints import from_pretrained, gguf, resolve
     from zoo.inference.tokenizer import Tokenizer
 
@@ -35,7 +35,7 @@ def load(checkpoint, dtype, adapter=None):
     tokenizer = Tokenizer(source)
     if not tokenizer.chat_template:
         raise ValueError(f"{checkpoint}: its tokenizer has no chat template; use zoo generate --prompt instead")
-    return from_pretrained(source, dtype=dtype, adapter=adapter), tokenizer
+    return from_pretrained(source, dtype=dtype, adapter=adapter, fp8=fp8), tokenizer
 
 
 def reply(model, tokenizer, messages, args, out=None):

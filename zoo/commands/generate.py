@@ -22,6 +22,8 @@ def add_parser(sub):
     p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set reaching this probability")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling")
     p.add_argument("--dtype", default=None, help="load weights as this dtype (float32, bfloat16, float16); default as stored")
+    p.add_argument("--fp8", choices=["dequantize", "keep"], default="dequantize",
+                   help="an FP8 checkpoint's linear weights: dequantised on load (default) or kept in FP8")
     p.add_argument("--tokenizer", default=None, metavar="TOKENIZER",
                    help="a tokenizer.json, a directory holding one, or 'bytes' (a byte-level run of zoo train: "
                         "token ids are UTF-8 bytes); default: the checkpoint's own")
@@ -39,7 +41,7 @@ def run(args):
     if args.chat:
         from zoo.commands.chat import load, reply
 
-        model, tokenizer = load(args.checkpoint, args.dtype, args.adapter)
+        model, tokenizer = load(args.checkpoint, args.dtype, args.adapter, fp8=args.fp8)
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]
         reply(model, tokenizer, messages, args)
@@ -65,7 +67,7 @@ def run(args):
         from zoo.train.data import get_tokenizer
 
         tokenizer = get_tokenizer(args.tokenizer)
-    model = from_pretrained(directory, dtype=args.dtype, adapter=args.adapter)
+    model = from_pretrained(directory, dtype=args.dtype, adapter=args.adapter, fp8=args.fp8)
     ids = torch.tensor([tokenizer.encode(args.prompt)])
     stream = TextStream(tokenizer)
     out = sys.stdout

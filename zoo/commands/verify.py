@@ -14,6 +14,8 @@ def add_parser(sub):
                    "model_type ('all') or of one (a model_type such as llama or gemma2, not a family or preset "
                    "name), with transformers itself, and verify it (offline)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--fp8", choices=["dequantize", "keep"], default="dequantize",
+                   help="an FP8 checkpoint's linear weights: dequantised on load (default) or kept in FP8")
     p.add_argument("--reference", metavar="FILE", help="verify against a stored reference (no transformers needed)")
     p.add_argument("--save-reference", metavar="FILE", help="store the inputs and reference outputs in FILE")
     p.add_argument("--revision", help="hub revision (branch, tag or commit)")
@@ -44,7 +46,7 @@ def run_tiny(args):
         with tempfile.TemporaryDirectory() as tmp:
             make_tiny(model_type, tmp)
             r = verify(tmp, dtype=args.dtype, seq_len=args.seq_len, batch_size=args.batch_size,
-                       tolerances=_tolerances(args))
+                       tolerances=_tolerances(args), fp8=args.fp8)
         r.source = f"tiny {model_type}"
         reports.append(r)
         if not args.json:
@@ -76,6 +78,6 @@ def run(args):
 
     report = verify(args.path, dtype=args.dtype, reference=args.reference, save_reference=args.save_reference,
                     revision=args.revision, seq_len=args.seq_len, batch_size=args.batch_size,
-                    tolerances=_tolerances(args))
+                    tolerances=_tolerances(args), fp8=args.fp8)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
     return 0 if report.passed else 1

@@ -300,11 +300,114 @@ def implementation(component: str, backend: str) -> Callable:
 
 
 def fast(module: Any, x: torch.Tensor) -> Optional[Callable]:
-    """The fast implementation to call for ``module`` on ``x``, or ``None`` for the reference."""
+    """The fast implementation to call for ``module`` on ``x``, or ``None`` for the reference.
+
+    Kernels take plain tensors. Under tensor or sequence parallelism a part may meet DTensors: as its
+    ``kernel_on_shards`` says, the kernel then runs on each process's local rows (``local_map``), runs
+    as it is (its input only reaches sub-layers that take DTensors), or steps aside to the reference
+    path with a one-time message naming the part, the backend and why."""
     name = select(module, x)
     if name is None or name not in components().get(module.kernel, {}):
         return None
-    return implementation(module.kernel, name)
+    fn = implementation(module.kernel, name)
+    if not _dtensor_classes():  # torch without torch.distributed
+        return fn
+    rule = getattr(module, "kernel_on_shards", None)
+    whole = [t for t in getattr(module, "kernel_tensors", tuple)() if isinstance(t, _dtensor_classes())]
+    if rule == "rows":
+        if not isinstance(x, _dtensor_classes()) and not any(isinstance(p, _dtensor_classes())
+                                                             for p in module.parameters(recurse=False)):
+            return fn if not whole else _step_aside(module, name, "it reads a sharded tensor whole")
+        return _on_rows(module, fn, x, name)
+    if whole:
+        return _step_aside(module, name, "it reads a tensor that is sharded over processes (a DTensor) whole")
+    if isinstance(x, _dtensor_classes()) and rule != "layers":
+        return _step_aside(module, name, "its input is a DTensor (tensor or sequence parallelism)")
+    return fn
+
+
+def _dtensor_classes() -> tuple:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return ()
+    return (DTensor,)
+
+
+_said: set = set()
+
+
+def _step_aside(module: Any, backend: str, why: str) -> None:
+    """None (the reference path), saying once per part class and reason that it steps aside."""
+    import warnings
+
+    key = (type(module).__name__, module.kernel, backend, why)
+    if key not in _said:
+        _said.add(key)
+        warnings.warn(f"{type(module).__name__} ({module.kernel}): the {backend} kernel takes plain tensors and "
+                      f"{why}: running the reference path instead", RuntimeWarning, stacklevel=3)
+    return None
+
+
+class _LocalView:
+    """``module`` with some of its parameters replaced by local tensors, for a kernel that reads them
+    as attributes (``module.weight``, ``module.cfg``)."""
+
+    def __init__(self, module: Any, tensors: dict):
+        self._module = module
+        self.__dict__.update(tensors)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _settled(t):
+    """``t``, waited for when it is still an ``AsyncCollectiveTensor`` (a collective's result DTensor has
+    not waited for yet), whose data a kernel must not read before then."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+class _Settled(torch.autograd.Function):
+    """The identity on a local tensor, settled (:func:`_settled`) both ways: the input a kernel reads,
+    and the gradient its backward reads. (Waiting outside autograd would cut the input's gradient.)"""
+
+    @staticmethod
+    def forward(ctx, t):
+        return _settled(t).view(t.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _settled(g)
+
+
+def _on_rows(module: Any, fn: Callable, x: Any, backend: str) -> Optional[Callable]:
+    """``fn`` run on this process's rows of ``x`` (as ``local_map`` would) with the part's (replicated)
+    parameters whole; their gradient is summed over the mesh dimensions that split the rows. None
+    (stepping aside) where that would be wrong: the last dimension split, or a parameter not replicated."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    params = {n: p for n, p in module.named_parameters(recurse=False) if p is not None}
+    if not isinstance(x, DTensor):
+        return _step_aside(module, backend, "its parameters are DTensors but its input is not")
+    if any(isinstance(pl, Shard) and pl.dim % x.ndim == x.ndim - 1 for pl in x.placements) or \
+            any(not pl.is_shard() and not pl.is_replicate() for pl in x.placements):
+        return _step_aside(module, backend, f"its input is split or partial along the normalised dimension ({x.placements})")
+    if any(not isinstance(p, DTensor) or p.device_mesh != x.device_mesh
+           or not all(pl.is_replicate() for pl in p.placements) for p in params.values()):
+        return _step_aside(module, backend, "its parameters are not replicated on its input's mesh")
+    rows_split = tuple(Partial() if pl.is_shard() else Replicate() for pl in x.placements)
+    names = list(params)
+
+    def on_rows(_module, x_):
+        # local_map's own conversion would do the same, but it cuts the gradient of an input whose
+        # local tensor is still an AsyncCollectiveTensor (an embedding's reduce-scattered output).
+        local = {n: _Settled.apply(params[n].to_local(grad_placements=rows_split)) for n in names}
+        y = fn(_LocalView(module, local), _Settled.apply(x_.to_local(grad_placements=x_.placements)))
+        return DTensor.from_local(_Settled.apply(y), x_.device_mesh, x_.placements, run_check=False)
+
+    return on_rows
 
 
 def attention_backend(name: str) -> Callable:

@@ -76,6 +76,19 @@ class Kernels:
         """Called by ``zoo.core.kernels.backend_table``: the backend this part runs without a fast one."""
         return "torch"
 
+    #: How its fast kernel meets DTensors (tensor and sequence parallelism; ``zoo.core.kernels.fast``):
+    #: ``"rows"``: it maps each row of the input to a row over the last dimension with parameters
+    #: per feature (a norm), so it runs on each process's rows through ``local_map``; ``"layers"``:
+    #: its input only reaches its own sub-layers, which take DTensors themselves, so it runs as it is;
+    #: None: given a DTensor, it steps aside to the reference path and says so once.
+    kernel_on_shards: ClassVar[Optional[str]] = None
+
+    def kernel_tensors(self) -> tuple:
+        """Called by ``zoo.core.kernels.fast``: the tensors besides its input that its fast kernel reads
+        whole (a sharded one makes it step aside). Default: none; a ``"rows"`` part's own parameters
+        are looked at for it."""
+        return ()
+
 
 class Part(Kernels, nn.Module):
     """The hooks every module-like part (norm, activation, FFN, mixer, block, position, router, rope

@@ -53,3 +53,16 @@ def apply_keeping_fp32(model: nn.Module, apply: Callable[..., nn.Module], fn, re
         else:
             m._buffers[n] = kept
     return model
+
+
+def dense_weight(linear: nn.Module) -> torch.Tensor:
+    """A linear layer's weight in full precision: ``weight`` of an ``nn.Linear``, or a dequantised copy
+    from a layer that keeps it quantised (``dense_weight()``, as
+    :class:`~zoo.checkpoints.quantized.FP8Linear` does)."""
+    fn = getattr(linear, "dense_weight", None)
+    return fn() if callable(fn) else linear.weight
+
+
+def compute_dtype(linear: nn.Module) -> torch.dtype:
+    """The dtype a linear layer computes in: its weight's, or the one a quantised layer states."""
+    return getattr(linear, "compute_dtype", None) or linear.weight.dtype

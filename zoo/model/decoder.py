@@ -303,6 +303,10 @@ class Decoder(_kinds.Kernels, nn.Module):
             return self.embed.weight, self.head_bias
         return self.lm_head.weight, self.lm_head.bias
 
+    def kernel_tensors(self) -> tuple:
+        """The fused loss reads the head whole: sharded over tensor-parallel processes, it steps aside."""
+        return tuple(t for t in self.head() if t is not None)
+
     def logits_from_hidden(self, x: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             logits = self.lm_head(x)  # called as a module, so that a plan's hooks on it run (tensor parallelism)
@@ -397,8 +401,9 @@ class Decoder(_kinds.Kernels, nn.Module):
         if attention_mask is not None:
             labels = labels.masked_fill(~attention_mask.bool(), -100)
         z_loss = self.spec.z_loss if z_loss is None else z_loss
-        fused = None if return_logits else _kernels.fast(self, hidden)
-        if getattr(self, "_tp", 1) > 1 and not return_logits:  # vocabulary-parallel: the logits stay sharded
+        parallel = getattr(self, "_tp", 1) > 1 and not return_logits
+        fused = None if return_logits or parallel else _kernels.fast(self, hidden)
+        if parallel:  # vocabulary-parallel: the logits stay sharded
             logits, start, mesh = self._local_logits(hidden)
             out = vocab_parallel_lm_loss(logits[:, :-1], labels[:, 1:], start=start, tp_mesh=mesh, z_loss=z_loss)
         elif fused is not None:  # never materialises the logits

@@ -234,11 +234,13 @@ def verify(
     seed: int = 0,
     revision: Optional[str] = None,
     tolerances: Optional[dict[str, float]] = None,
+    fp8: str = "dequantize",
 ) -> Report:
     """Compare zoo with the reference on ``path_or_repo_id``; see :class:`Report`.
 
     ``reference=FILE`` compares against a stored reference (no transformers needed);
-    ``save_reference=FILE`` stores this run's reference for later.
+    ``save_reference=FILE`` stores this run's reference for later. ``fp8="keep"`` loads an FP8
+    checkpoint's linear weights in FP8 (see :func:`zoo.checkpoints.from_pretrained`).
     """
     from safetensors.torch import save_file
 
@@ -268,7 +270,7 @@ def verify(
         dtype = meta.get("dtype", dtype)
         ref_name = f"stored reference {Path(reference).name} ({meta.get('reference', 'unknown')})"
     # zoo's own checks (config, weight names and shapes) come before the reference runs.
-    model = from_pretrained(directory, dtype=_dtype(dtype))
+    model = from_pretrained(directory, dtype=_dtype(dtype), fp8=fp8)
     if reference is None:
         gen = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)
@@ -310,6 +312,7 @@ def nonfinite_weights(model: torch.nn.Module) -> list[str]:
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if not t.is_floating_point():
             continue
+        t = t.float() if t.element_size() == 1 else t  # float8 (an FP8 checkpoint kept as stored) has no isinf
         nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
         if nan or inf:
             first = tuple(int(i) for i in (~torch.isfinite(t)).nonzero()[0])

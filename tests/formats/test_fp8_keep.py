@@ -1,0 +1,206 @@
+"""FP8 checkpoints kept as FP8 (``from_pretrained(..., fp8="keep")``): each linear layer's weight stays
+float8_e4m3fn beside its block scales in an FP8Linear, dequantised for its own product on the CPU.
+
+The reference is the dequantising load of the same checkpoint (tests/formats/test_fp8.py checks that
+against transformers and an independent dequantisation): the same numbers through the same
+operations, so the logits are equal, not close.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import zoo
+from zoo.checkpoints.quantized import FP8Linear, quantize_activations, scaled_mm_supported
+from zoo.checkpoints.tiny import make_tiny
+
+from test_fp8 import IDS, logits, quantized_checkpoint, rewrite
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """A tiny DeepSeek-V3 in 32 x 32 blocks (MLA projections, dense FFN, shared and routed experts,
+    all with partial blocks), its routers' selection bias randomised."""
+    root = tmp_path_factory.mktemp("dsv3")
+    make_tiny("deepseek_v3", root / "hf", std=0.1)
+    rewrite(root / "hf", lambda t: t.update({n: torch.randn(v.shape, generator=torch.Generator().manual_seed(1))
+                                             for n, v in t.items() if n.endswith("e_score_correction_bias")}))
+    quantized_checkpoint(root / "hf", root / "fp8", block=32)
+    return root / "fp8"
+
+
+def test_linear_weights_stay_fp8_and_the_logits_equal_the_dequantised_model(deepseek):
+    kept, ref = zoo.from_pretrained(deepseek, fp8="keep"), zoo.from_pretrained(deepseek)
+    mla, dense, moe = kept.layers[1].mixer, kept.layers[0].ffn, kept.layers[1].ffn
+    for m in (mla.q_a_proj, mla.q_b_proj, mla.kv_a_proj, mla.kv_b_proj, mla.o_proj, dense.gate, dense.down,
+              moe.shared.up):
+        assert isinstance(m, FP8Linear) and m.weight.dtype == torch.float8_e4m3fn
+    stored = load_file(deepseek / "model.safetensors")
+    assert torch.equal(mla.kv_b_proj.weight.view(torch.uint8),
+                       stored["model.layers.1.self_attn.kv_b_proj.weight"].view(torch.uint8))
+    assert torch.equal(mla.kv_b_proj.weight_scale_inv, stored["model.layers.1.self_attn.kv_b_proj.weight_scale_inv"])
+    # The routed experts (one tensor per expert, stacked) are dequantised; the routers were never quantised.
+    assert moe.experts.w_up.dtype == torch.float32 and moe.router.weight.dtype == torch.float32
+    assert torch.equal(moe.experts.w_up, ref.layers[1].ffn.experts.w_up)
+    assert torch.equal(logits(kept), logits(ref))
+    # In bf16: each weight the fp32 dequantisation rounded once, as the dequantising load rounds it.
+    kept16, ref16 = (zoo.from_pretrained(deepseek, fp8=m, dtype=torch.bfloat16) for m in ("keep", "dequantize"))
+    assert kept16.layers[1].mixer.o_proj.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(logits(kept16), logits(ref16))
+
+
+def test_decoding_reads_the_dequantised_up_projection(deepseek):
+    """MLA's absorbed decode folds kv_b_proj's weight into the queries: it asks for the full-precision weight."""
+    kept, ref = zoo.from_pretrained(deepseek, fp8="keep"), zoo.from_pretrained(deepseek)
+    a = zoo.generate(kept, IDS[:, :8], max_new_tokens=6)
+    assert torch.equal(a, zoo.generate(ref, IDS[:, :8], max_new_tokens=6))
+
+
+def test_deepseek_v32_keeps_its_indexer_in_fp8(tmp_path):
+    """DSA's lightning indexer casts its input to its weights projection's dtype: kept in FP8, that is
+    the dtype it computes in, not float8."""
+    make_tiny("deepseek_v32", tmp_path / "hf", std=0.1)
+    quantized_checkpoint(tmp_path / "hf", tmp_path / "fp8", block=32)
+    kept, ref = zoo.from_pretrained(tmp_path / "fp8", fp8="keep"), zoo.from_pretrained(tmp_path / "fp8")
+    assert isinstance(kept.layers[0].mixer.indexer.weights_proj, FP8Linear)
+    assert torch.equal(logits(kept), logits(ref))
+    assert torch.equal(zoo.generate(kept, IDS[:, :8], max_new_tokens=4), zoo.generate(ref, IDS[:, :8], max_new_tokens=4))
+
+
+def test_to_a_dtype_keeps_the_fp8_numbers(deepseek):
+    kept = zoo.from_pretrained(deepseek, fp8="keep").to(torch.bfloat16)
+    o = kept.layers[1].mixer.o_proj
+    assert o.weight.dtype == torch.float8_e4m3fn and o.weight_scale_inv.dtype == torch.float32
+    assert o.compute_dtype == torch.bfloat16
+    assert torch.equal(logits(kept), logits(zoo.from_pretrained(deepseek).to(torch.bfloat16)))
+
+
+def test_save_writes_the_fp8_tensors_and_scales_unchanged(deepseek, tmp_path):
+    model = zoo.from_pretrained(deepseek, fp8="keep")
+    zoo.save_pretrained(model, tmp_path / "out")
+    source, saved = load_file(deepseek / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert set(saved) == {n for n in source if not (".experts." in n and n.endswith("_scale_inv"))}
+    for name, t in source.items():
+        if t.dtype == torch.float8_e4m3fn and ".experts." not in name:
+            assert saved[name].dtype == t.dtype and torch.equal(saved[name].view(torch.uint8), t.view(torch.uint8)), name
+            assert torch.equal(saved[name + "_scale_inv"], source[name + "_scale_inv"]), name
+    # Routed experts were dequantised on load: they are written unquantised, each in full precision.
+    expert = "model.layers.1.mlp.experts.7.down_proj.weight"
+    assert saved[expert].dtype == torch.float32 and expert + "_scale_inv" not in saved
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["quantization_config"] == json.loads((deepseek / "config.json").read_text())["quantization_config"]
+    again = zoo.from_pretrained(tmp_path / "out", fp8="keep")
+    assert torch.equal(logits(again), logits(model))
+
+
+def test_fp8_takes_dequantize_or_keep(deepseek):
+    with pytest.raises(ValueError, match=r"fp8='fp4'.*'dequantize'.*'keep'"):
+        zoo.from_pretrained(deepseek, fp8="fp4")
+
+
+def test_an_unquantised_checkpoint_loads_as_it_is_with_keep(deepseek, tmp_path):
+    hf = deepseek.parent / "hf"
+    assert torch.equal(logits(zoo.from_pretrained(hf, fp8="keep")), logits(zoo.from_pretrained(hf)))
+
+
+def test_the_activation_quantiser_of_the_gpu_path():
+    """Per 1 x 128 group: amax / 448, so each group's largest value is exactly 448 times its scale and
+    every value is within e4m3 rounding (2^-4 relative, or 2^-10 of the scale below the normal range)."""
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
+    q, scale = quantize_activations(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (5, 2)
+    back = q.double().unflatten(-1, (2, 128)) * scale[..., None]
+    g = x.unflatten(-1, (2, 128))
+    assert ((back - g).abs() <= g.abs() * 2**-4 + scale[..., None] * 2**-10).all()
+    assert torch.equal(q.float().unflatten(-1, (2, 128)).abs().amax(-1), torch.full((5, 2), 448.0))
+    assert not scaled_mm_supported(torch.device("cpu"))
+
+
+# Peak memory of loading and running one forward, each mode in a fresh interpreter (Linux: the peak
+# is reset after imports through /proc/self/clear_refs and read from VmHWM).
+CHILD = textwrap.dedent(r"""
+    import gc, json, sys, torch, zoo
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    zoo.from_pretrained(sys.argv[1], fp8=sys.argv[2])  # imports and first-use allocations, not counted
+    gc.collect()
+    open("/proc/self/clear_refs", "w").write("5")
+    before = status("VmRSS")
+    model = zoo.from_pretrained(sys.argv[1], fp8=sys.argv[2])
+    with torch.no_grad():
+        model(torch.arange(16)[None])
+    print(json.dumps({"growth": status("VmHWM") - before}))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmHWM from /proc")
+def test_keeping_fp8_needs_far_less_memory_than_dequantising(tmp_path):
+    """A llama of 4 layers, 512 wide (14M parameters in its projections: 54 MB in float32, 14 MB in
+    fp8): kept, the load and a forward grow the peak by under half of what the dequantised model needs."""
+    make_tiny("llama", tmp_path / "hf", overrides={"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4,
+                                                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+                                                   "vocab_size": 256}, std=0.02)
+    quantized_checkpoint(tmp_path / "hf", tmp_path / "fp8")
+    growth = {}
+    for mode in ("dequantize", "keep"):
+        out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "fp8"), mode], capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        growth[mode] = json.loads(out.stdout.strip().splitlines()[-1])["growth"]
+    print({k: f"{v / 2**20:.1f} MiB" for k, v in growth.items()})
+    assert growth["keep"] < 0.5 * growth["dequantize"], growth
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or not scaled_mm_supported(torch.device("cuda")),
+                    reason="needs a GPU with block-scaled scaled_mm (compute capability 9.x)")
+def test_block_scaled_scaled_mm_on_the_gpu():
+    """On an H100/H200, a 256 x 384 FP8Linear takes scaled_mm (its first product checked against the
+    dequantised one) and lands within what quantising its input to e4m3 makes of the product."""
+    torch.manual_seed(0)
+    m = FP8Linear(384, 256, bias=False, block=(128, 128), dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(256, 384, device="cuda")
+    blocks = w.reshape(2, 128, 3, 128)
+    scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+    m.weight.data = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(256, 384)
+    m.weight_scale_inv.copy_(scale)
+    x = torch.randn(3, 7, 384, device="cuda", dtype=torch.bfloat16)
+    got = m(x).float()
+    assert FP8Linear._checked[x.device] is True
+    want = torch.nn.functional.linear(x.double(), m.dense_weight().double())
+    assert (got - want).norm() / want.norm() < 2**-4
+
+
+def test_zoo_verify_keeps_fp8(tmp_path, capsys):
+    """``zoo verify --fp8 keep``: the kept model against transformers' dequantising load (block-aligned
+    shapes, where transformers reads the block layout as zoo does; see test_fp8.py)."""
+    from test_fp8 import WHOLE
+
+    from zoo.cli import main
+
+    make_tiny("llama", tmp_path / "hf", overrides=WHOLE, std=0.05)
+    quantized_checkpoint(tmp_path / "hf", tmp_path / "fp8")
+    assert main(["verify", str(tmp_path / "fp8"), "--fp8", "keep", "--seq-len", "16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["passed"] is True
+
+
+def test_zoo_generate_keeps_fp8(tmp_path, capsys):
+    """``zoo generate --fp8 keep`` prints what the dequantised model generates (bytes tokenizer, vocabulary 256)."""
+    from zoo.cli import main
+
+    make_tiny("llama", tmp_path / "hf", overrides={"vocab_size": 256}, std=0.05)
+    quantized_checkpoint(tmp_path / "hf", tmp_path / "fp8", block=32)
+    assert main(["generate", str(tmp_path / "fp8"), "--prompt", "ab", "-n", "5", "--no-stop", "--tokenizer", "bytes",
+                 "--fp8", "keep"]) == 0
+    new = zoo.generate(zoo.from_pretrained(tmp_path / "fp8"), torch.tensor([list(b"ab")]), 5)[0, 2:]
+    assert capsys.readouterr().out == "ab" + bytes(new.tolist()).decode("utf-8", "replace").rstrip("\ufffd") + "\n"
