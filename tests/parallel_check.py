@@ -1,6 +1,6 @@
 """What the torchrun tests of the parallel layouts (tests/train/test_tensor_parallel.py, tests/train/test_expert_parallel.py)
 share: helpers their scripts define (:data:`HELPERS`, Python source put into each script) and the launch of
-one script on four CPU processes (:func:`launch`)."""
+one script on several CPU processes (:func:`launch`)."""
 
 import json
 import os
@@ -45,16 +45,17 @@ def report_and_train(report, out, model, parallel, train):
 '''
 
 
-def launch(tmp: Path, name: str, script: str, *args) -> dict:
-    """Run ``script`` on four processes (``torchrun --standalone``, one thread each) with the report path
-    and ``args`` (JSON) as its arguments; returns the report (``parts``) and the ``.train`` report
-    (``train``) it wrote, and ``tmp``."""
+def launch(tmp: Path, name: str, script: str, *args, processes: int = 4) -> dict:
+    """Run ``script`` on ``processes`` processes (``torchrun --standalone``, one thread each) with the report
+    path and ``args`` (JSON) as its arguments; returns the report (``parts``) and the ``.train`` report
+    (``train``, None if it wrote none) it wrote, and ``tmp``."""
     path, out = tmp / f"{name}.py", tmp / "report.json"
     path.write_text(script)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", str(path),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes), str(path),
            str(out), *(json.dumps(a) for a in args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {"parts": json.loads(out.read_text()), "train": json.loads((tmp / "report.json.train").read_text()),
+    train = tmp / "report.json.train"
+    return {"parts": json.loads(out.read_text()), "train": json.loads(train.read_text()) if train.exists() else None,
             "tmp": tmp}

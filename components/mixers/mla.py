@@ -186,8 +186,12 @@ class MLA(Mixer):
         return self.kv_a_norm(c).view(B, 1, T, -1), k_rope.view(B, 1, T, -1)
 
     def up_weights(self):
-        """``W_UK`` (H, nope, kv_lora_rank) and ``W_UV`` (H, v, kv_lora_rank), views of kv_b_proj."""
-        w = self.kv_b_proj.weight.view(-1, self.nope + self.v_dim, self.kv_lora_rank)
+        """``W_UK`` (H, nope, kv_lora_rank) and ``W_UV`` (H, v, kv_lora_rank), views of kv_b_proj (of this
+        process's heads under tensor parallelism)."""
+        w = self.kv_b_proj.weight
+        if hasattr(w, "to_local"):  # sharded by heads under tensor parallelism: this process's heads
+            w = w.to_local()
+        w = w.view(-1, self.nope + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope], w[:, self.nope :]
 
     def forward(self, x, ctx, pos):
