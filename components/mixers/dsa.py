@@ -120,8 +120,9 @@ class LightningIndexer(nn.Module):
         allowed = allowed.expand_as(scores)
         # A stable sort settles ties (ReLU makes exact zeros common) for the earlier key, so a
         # query picks the same keys whatever the row's length (prefill, decode, left padding).
-        idx = scores.masked_fill(~allowed, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
-        idx = idx[..., : self.topk]
+        # The selection takes no gradient: sorting detached scores keeps no indices for backward.
+        idx = scores.detach().masked_fill(~allowed, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
+        idx = idx[..., : self.topk].contiguous()  # a copy: the view would keep every key's index for backward
         return idx, allowed.gather(-1, idx)
 
 
@@ -314,6 +315,29 @@ class DSA(MLA):
             dsa, mla = self.cost(context).flops, MLA.cost(self, context).flops
             rows.append(f"{context // 1024}k: {dsa / 1e6:.3g} vs {mla / 1e6:.3g} MFLOP ({mla / dsa:.2f}x)")
         out["attention FLOPs/token DSA vs dense MLA"] = "; ".join(rows)
+        return out
+
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token, training: while every key is selected (``seq_len`` at most ``index_topk``), MLA's;
+        beyond, MLA's latents (whole on every process) and, of this process's heads, the selected path: the
+        projected queries, the queries absorbed into the latent space, the gathered latents and rotary key
+        parts of the ``index_topk`` keys with their indices and mask, the float32 probabilities and their copy, the latent output and
+        the output projection's input, plus the rotated key part. A layer with its own indexer and a loss
+        for it adds, whole on every process (it runs on the gathered sequence): the key's LayerNorm, the
+        keys and queries of the score product, the per-head scores before the ReLU (``index_n_heads``
+        per key of the ``seq_len``), the head weights, and the loss's log-probabilities and terms (one
+        float32 per key, each with its mask)."""
+        c, w = dtype.itemsize, max(dtype.itemsize, 4)  # activations; the float32 (at least) of the indexer
+        k = self.cfg.index_topk
+        if seq_len <= k:
+            out = super().activation_bytes(seq_len, dtype, tp=tp, device=device)
+        else:
+            H, C, R = self.n_heads / tp, self.kv_lora_rank, self.rope
+            out = self._latent_activation_bytes(seq_len, dtype, device=device) + 2 * R * c \
+                + k * ((C + R) * c + 1 + 8) + H * (c * (self.qk_dim + C + R + C + self.v_dim) + k * (w + c))
+        if self.source is None and self.cfg.indexer_loss > 0:
+            HI, D = self.cfg.index_n_heads, self.cfg.index_head_dim
+            out += D * c + 8 + D * w + HI * D * w + HI * w + seq_len * (HI * w + 2 * w + 2)
         return out
 
     # -- forward -------------------------------------------------------------------------------------
