@@ -3,7 +3,7 @@ whose plans go beyond attention, MLA and the dense FFNs: DeepSeek Sparse Attenti
 GLM-5's with a layer sharing the previous layer's selection), multi-token prediction (DeepSeek-V3's, two
 depths), learned positions (GPT-3), sinusoidal positions (the 2017 Transformer) and ALiBi (the
 zoo-alibi-dyt plugin). Each gives the one-process loss and EVERY gradient, and the initial weights of
-one process; the indexer's top-k selection equals one process's.
+one process, on a batch with a left-padded row; the indexer's top-k selection equals one process's.
 
 Tolerances: in float32, those of tests/train/test_tensor_parallel.py (in units of the one-process float32
 run's own error against float64 on the same weights and data); the same parallel run in float64 equals
@@ -58,6 +58,8 @@ SPECS = {"deepseek-v3.2": lambda: dense("deepseek-v3.2-exp"), "glm-5": lambda: d
          "gpt3": lambda: dense("gpt3-125m"), "transformer-2017": lambda: dense("transformer-2017"), "alibi": alibi}
 gen = torch.Generator().manual_seed(0)
 ids = torch.randint(0, 256, (4, 16), generator=gen)
+mask = torch.ones_like(ids)
+mask[0, :3] = 0  # a left-padded row
 
 
 ''' + HELPERS + '''
@@ -93,7 +95,7 @@ def one_process(spec):
     for dtype in (torch.float32, torch.float64):
         m = zoo.build_model(spec, seed=5).to(dtype)
         taken = selections(m)
-        loss = m.loss(ids).loss
+        loss = m.loss(ids, attention_mask=mask).loss
         loss.backward()
         res[dtype] = {"loss": loss.item(), "grads": {k: p.grad.clone() for k, p in m.named_parameters()},
                       "taken": taken}
@@ -116,7 +118,7 @@ for name in models:
     for dtype in (torch.float32, torch.float64):
         net = start_model(spec, acc, seed=5, sharded=False, parallel=parallel).to(dtype)
         taken = selections(net)
-        loss = net(ids, labels=ids).loss
+        loss = net(ids, attention_mask=mask, labels=ids).loss
         loss.backward()
         grads = {key(k): whole(p.grad) for k, p in net.named_parameters()}
         init = full_state_dict(net, sharded=True)  # no step was taken: still the initial weights
