@@ -36,7 +36,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 
 def tiny(name):
     data = one_of_each(name, vocab_size=256).to_dict()
-    if name == "deepseek-v3":  # MLA on dense layers (the MoE has no tensor-parallel plan yet)
+    if name.startswith("deepseek-v3"):  # MLA (DSA) on dense layers (the MoE has no tensor-parallel plan yet)
         data.update(mtp=None, layer_pattern=["dense", "dense"])
         data["layers"].pop("moe")
     return ModelSpec.from_dict(data)
@@ -51,6 +51,7 @@ def dense_qwen3():
 
 SPECS = {"llama3-8b": lambda: tiny("llama3-8b"), "gemma2-2b": lambda: tiny("gemma2-2b"), "qwen3": dense_qwen3,
          "olmo2-7b": lambda: tiny("olmo2-7b"), "deepseek-v3": lambda: tiny("deepseek-v3"),
+         "deepseek-v3.2": lambda: tiny("deepseek-v3.2-exp"),
          "qwen3-moe": lambda: tiny("qwen3-30b-a3b")}
 gen = torch.Generator().manual_seed(0)
 batches = [torch.randint(0, 256, (4, 16), generator=gen) for _ in range(3)]
@@ -122,8 +123,8 @@ for lname, layout in layouts.items():
 report_and_train(report, out, "llama3-8b", {"dp_shard": 2, "tp": 2}, train)
 '''
 
-DENSE = ["llama3-8b", "gemma2-2b", "qwen3", "olmo2-7b", "deepseek-v3"]
-MODELS = {"tp2": DENSE + ["qwen3-moe"], "tp4": ["llama3-8b", "olmo2-7b", "deepseek-v3"], "fsdp_tp": DENSE}
+DENSE = ["llama3-8b", "gemma2-2b", "qwen3", "olmo2-7b", "deepseek-v3", "deepseek-v3.2"]
+MODELS = {"tp2": DENSE + ["qwen3-moe"], "tp4": ["llama3-8b", "olmo2-7b", "deepseek-v3", "deepseek-v3.2"], "fsdp_tp": DENSE}
 LAYOUTS = {"tp2": {"dp_replicate": 2, "tp": 2, "dp_shard": 1, "fsdp": False},  # two independent tp = 2 groups
            "tp4": {"tp": 4, "dp_shard": 1, "fsdp": False},
            "fsdp_tp": {"dp_shard": 2, "tp": 2, "ac": "block", "fsdp": True}}
