@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 
 
 def parse_args(argv=None):
@@ -116,13 +117,17 @@ def worker(args):
             dist.barrier()
             continue
 
-        def build():
+        def build(accelerator):
             if parallel is None:
                 return zoo.build_model(spec, device=acc.device, seed=5)
-            return start_model(spec, acc, seed=5, sharded=sizes.get("dp_shard", 1) > 1 or "ep" in sizes, parallel=parallel)
+            sharded = sizes.get("dp_shard", 1) > 1 or "ep" in sizes
+            return start_model(spec, accelerator, seed=5, sharded=sharded, parallel=parallel)
 
-        # parity: one batch in float32 against one process (float32 and float64), on rank 0
-        net = build()
+        # parity: one batch in float32 (FSDP2 gathering float32, not the bf16 of training) against one
+        # process (float32 and float64), on rank 0
+        fp32 = types.SimpleNamespace(device=acc.device, num_processes=acc.num_processes, mixed_precision="no",
+                                     state=acc.state)
+        net = build(fp32)
         if cuda:
             torch.backends.cuda.matmul.allow_tf32 = False
         loss = net(rows_of, labels=rows_of).loss
@@ -150,7 +155,7 @@ def worker(args):
             del ref
         del grads
         # throughput and memory: bf16 autocast (CUDA), AdamW
-        net = build()
+        net = build(acc)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
         if cuda:
             torch.cuda.empty_cache()
