@@ -1,8 +1,10 @@
 #!/bin/sh
 # The first run on a CUDA GPU (about 8 minutes on one H200): the CUDA tests, which stop at the first
 # kernel that disagrees with its reference, then every kernel benchmark, which checks parity again
-# before it times anything. Writes OUT/pytest.txt, OUT/gpu_kernels.json and OUT/gpu_kernels.md (the
-# README's table).
+# before it times anything, then the parallel training check over the GPUs present (parity of each
+# layout with one process, tokens/s, peak memory against zoo describe --parallel; capped at 3 minutes).
+# Writes OUT/pytest.txt, OUT/gpu_kernels.json and OUT/gpu_kernels.md (the README's table),
+# OUT/gpu_training.json and OUT/gpu_training.md.
 #
 #     sh benchmarks/gpu_check.sh [OUT]        # OUT defaults to gpu-check/
 set -eu
@@ -19,4 +21,6 @@ if ! TRITON_INTERPRET=0 python -m pytest -x -q -m cuda tests/kernels/test_kernel
 fi
 cat "$out/pytest.txt"
 TRITON_INTERPRET=0 python benchmarks/gpu_kernels.py --repeats 10 --json "$out/gpu_kernels.json" --markdown "$out/gpu_kernels.md"
-echo "done: $out/gpu_kernels.md"
+TRITON_INTERPRET=0 timeout 180 python benchmarks/gpu_training.py --steps 3 --json "$out/gpu_training.json" \
+    --markdown "$out/gpu_training.md" > "$out/gpu_training.txt" 2>&1 || echo "the training check failed: see $out/gpu_training.txt" >&2
+echo "done: $out/gpu_kernels.md $out/gpu_training.md"

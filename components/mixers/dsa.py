@@ -8,7 +8,7 @@ uses), and the score of key ``s`` for query ``t`` is
 
     I[t, s] = sum_h  w_h(x_t) * relu(q_{t,h} . k_s / sqrt(head_dim)),   w(x) = W_w x / sqrt(n_heads)
 
-computed in float32 (``index_rope_layout = "pairs_to_half"``: the rotated dimensions are read as
+computed in float32 (or the activations' dtype where that is wider: float64 for a reference) (``index_rope_layout = "pairs_to_half"``: the rotated dimensions are read as
 interleaved pairs and written half-split first, as GLM-5's indexer does). Selection is the top ``topk`` of ``I[t, :]`` among the keys the query may see
 (causal, not padding); ties at the cut (ReLU makes exact zeros common) go to the earlier key.
 
@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.core.kinds import Cost, LayerState, no_plan
+from zoo.core.kinds import Cost, LayerState
+from zoo.core.parallel import grad_summed
 from zoo.core.registry import register
 from zoo.core.precision import compute_dtype
 from zoo.core.spec import SpecError, positive
@@ -44,6 +45,11 @@ from zoo.components.mixers.mla import MLA
 def check_topk(topk: int, field: str = "index_topk") -> None:
     if not isinstance(topk, int) or isinstance(topk, bool) or topk <= 0:
         raise SpecError(field, f"must be a positive number of keys per query, got {topk!r}")
+
+
+def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """float32, or ``dtype`` where it is wider (float64)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def rotate_half_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -90,13 +96,14 @@ class LightningIndexer(nn.Module):
 
     def scores(self, x: torch.Tensor, q_latent: torch.Tensor, keys: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Index scores (B, Tq, Tk) in float32 of the queries at ``x``/``q_latent`` against ``keys``
+        """Index scores (B, Tq, Tk) in float32 (at least) of the queries at ``x``/``q_latent`` against ``keys``
         (B, Tk, head_dim), before any mask."""
         B, T, _ = x.shape
         q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim)
         q = self.rotate(q, cos[:, :, None], sin[:, :, None])
-        logits = torch.einsum("bthd,bsd->bths", q.float(), keys.float()) * self.head_dim ** -0.5
-        w = self.weights_proj(x.to(compute_dtype(self.weights_proj))).float() * self.n_heads ** -0.5  # (B, T, H)
+        wide = at_least_fp32(x.dtype)
+        logits = torch.einsum("bthd,bsd->bths", q.to(wide), keys.to(wide)) * self.head_dim ** -0.5
+        w = self.weights_proj(x.to(compute_dtype(self.weights_proj))).to(wide) * self.n_heads ** -0.5  # (B, T, H)
         return torch.einsum("bth,bths->bts", w, F.relu(logits))
 
     def select(self, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -114,8 +121,9 @@ class LightningIndexer(nn.Module):
         allowed = allowed.expand_as(scores)
         # A stable sort settles ties (ReLU makes exact zeros common) for the earlier key, so a
         # query picks the same keys whatever the row's length (prefill, decode, left padding).
-        idx = scores.masked_fill(~allowed, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
-        idx = idx[..., : self.topk]
+        # The selection takes no gradient: sorting detached scores keeps no indices for backward.
+        idx = scores.detach().masked_fill(~allowed, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
+        idx = idx[..., : self.topk].contiguous()  # a copy: the view would keep every key's index for backward
         return idx, allowed.gather(-1, idx)
 
 
@@ -214,9 +222,14 @@ class DSA(MLA):
     """
 
     def parallelize(self, tp_mesh) -> None:
-        """No tensor-parallel plan yet: the indexer's top-k runs over every head's scores (MLA's plan
-        alone would shard them)."""
-        raise no_plan(self)
+        """MLA's plan for the attention (its heads sharded, the latents whole on every process); the
+        indexer stays whole on every process and runs on the gathered sequence, so each process scores
+        every index head and selects the top-k one process selects. Its inputs are detached and its loss
+        is its own, computed whole on every process from the main attention's distribution summed over
+        all heads (this process's heads summed, then all-reduced), so its gradients are whole there too
+        and are not summed again. Attending to the selected keys reads the latents directly: their
+        gradient, from this process's heads alone, is summed over the processes."""
+        super().parallelize(tp_mesh)
 
     @dataclass(frozen=True)
     class Config(MLA.Config):
@@ -305,11 +318,34 @@ class DSA(MLA):
         out["attention FLOPs/token DSA vs dense MLA"] = "; ".join(rows)
         return out
 
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token, training: while every key is selected (``seq_len`` at most ``index_topk``), MLA's;
+        beyond, MLA's latents (whole on every process) and, of this process's heads, the selected path: the
+        projected queries, the queries absorbed into the latent space, the gathered latents and rotary key
+        parts of the ``index_topk`` keys with their indices and mask, the float32 probabilities and their copy, the latent output and
+        the output projection's input, plus the rotated key part. A layer with its own indexer and a loss
+        for it adds, whole on every process (it runs on the gathered sequence): the key's LayerNorm, the
+        keys and queries of the score product, the per-head scores before the ReLU (``index_n_heads``
+        per key of the ``seq_len``), the head weights, and the loss's log-probabilities and terms (one
+        float32 per key, each with its mask)."""
+        c, w = dtype.itemsize, max(dtype.itemsize, 4)  # activations; the float32 (at least) of the indexer
+        k = self.cfg.index_topk
+        if seq_len <= k:
+            out = super().activation_bytes(seq_len, dtype, tp=tp, device=device)
+        else:
+            H, C, R = self.n_heads / tp, self.kv_lora_rank, self.rope
+            out = self._latent_activation_bytes(seq_len, dtype, device=device) + 2 * R * c \
+                + k * ((C + R) * c + 1 + 8) + H * (c * (self.qk_dim + C + R + C + self.v_dim) + k * (w + c))
+        if self.source is None and self.cfg.indexer_loss > 0:
+            HI, D = self.cfg.index_n_heads, self.cfg.index_head_dim
+            out += D * c + 8 + D * w + HI * D * w + HI * w + seq_len * (HI * w + 2 * w + 2)
+        return out
+
     # -- forward -------------------------------------------------------------------------------------
     def forward(self, x, ctx, pos):
         B, T, _ = x.shape
         q_latent = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_proj(q_latent).view(B, T, self.n_heads, self.qk_dim).transpose(1, 2)
+        q = self.q_b_proj(q_latent).view(B, T, -1, self.qk_dim).transpose(1, 2)  # -1: this process's heads
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         c, k_rope = self.latents(x)
         if pos is not None:
@@ -359,7 +395,7 @@ class DSA(MLA):
         if own and self.training and self.cfg.indexer_loss > 0:
             target = self.attention_distribution(q_nope, q_rope, c, k_rope, mask)
             ctx.add_loss("dsa_indexer_kl", indexer_kl(target, scores, mask[:, 0].expand_as(scores)), self.cfg.indexer_loss)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
     def attend_selected(self, q_nope, q_rope, c, k_rope, idx, ok):
         """Absorbed attention over each query's selected latents only: ``idx`` (B, Tq, k) the keys,
@@ -367,10 +403,13 @@ class DSA(MLA):
         gathered (B, Tq, k, kv_lora_rank + rope) latents)."""
         w_uk, w_uv = self.up_weights()
         q = torch.cat([torch.einsum("bhtd,hdc->bhtc", q_nope, w_uk.to(q_nope.dtype)), q_rope], dim=-1)
+        mesh = getattr(self, "_tp_mesh", None)
+        if mesh is not None:  # whole on every process, read here by its own heads only (k_rope's is summed already)
+            c = grad_summed(c, mesh)
         kv = torch.cat([c, k_rope], dim=-1)[:, 0]  # (B, Tk, kv_lora_rank + rope)
         picked = kv[torch.arange(kv.shape[0], device=kv.device)[:, None, None], idx]  # (B, Tq, k, C + rope)
         s = torch.einsum("bhtc,btkc->bhtk", q, picked) * self.scale
-        p = torch.softmax(s.masked_fill(~ok[:, None], float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+        p = torch.softmax(s.masked_fill(~ok[:, None], float("-inf")), dim=-1, dtype=at_least_fp32(q.dtype)).to(q.dtype)
         o_lat = torch.einsum("bhtk,btkc->bhtc", p, picked[..., : self.kv_lora_rank])
         return torch.einsum("bhtc,hvc->bhtv", o_lat, w_uv.to(o_lat.dtype))
 
@@ -380,8 +419,13 @@ class DSA(MLA):
         (B, Tq, Tk), the target the indexer learns (no gradient)."""
         w_uk, _ = self.up_weights()
         q_lat = torch.einsum("bhtd,hdc->bhtc", q_nope, w_uk.to(q_nope.dtype))
-        s = (q_lat @ c.transpose(-1, -2) + q_rope @ k_rope.transpose(-1, -2)).float() * self.scale
+        s = (q_lat @ c.transpose(-1, -2) + q_rope @ k_rope.transpose(-1, -2)).to(at_least_fp32(c.dtype)) * self.scale
         p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1).sum(1)
+        mesh = getattr(self, "_tp_mesh", None)
+        if mesh is not None:  # this process's heads summed: the sum over every head
+            from torch.distributed.tensor import DTensor, Partial
+
+            p = DTensor.from_local(p, mesh, [Partial()], run_check=False).full_tensor()
         return p / p.sum(-1, keepdim=True)
 
 

@@ -146,11 +146,18 @@ class MLA(Mixer):
         values, the concatenated queries and keys attention reads, its output and float32 log-sum-exp."""
         c = dtype.itemsize
         H = self.n_heads / tp
+        return self._latent_activation_bytes(seq_len, dtype, device=device) \
+            + H * (c * (3 * self.qk_dim + self.nope + 2 * self.v_dim) + 4)
+
+    def _latent_activation_bytes(self, seq_len, dtype, *, device="cuda"):
+        """Of :meth:`activation_bytes`, what every process keeps whole: the input the projections read and
+        the latents with their norms'."""
+        c = dtype.itemsize
         out = self.kv_a_proj.in_features * c + self.kv_lora_rank * c \
             + self.kv_a_norm.activation_bytes(seq_len, dtype, device=device)
         if self.cfg.q_lora_rank is not None:
             out += self.cfg.q_lora_rank * c + self.q_a_norm.activation_bytes(seq_len, dtype, device=device)
-        return out + H * (c * (3 * self.qk_dim + self.nope + 2 * self.v_dim) + 4)
+        return out
 
     def parallelize(self, tp_mesh) -> None:
         """Tensor parallelism by heads: the sequence gathered; the per-head projections (``q_proj`` or
@@ -187,8 +194,12 @@ class MLA(Mixer):
         return self.kv_a_norm(c).view(B, 1, T, -1), k_rope.view(B, 1, T, -1)
 
     def up_weights(self):
-        """``W_UK`` (H, nope, kv_lora_rank) and ``W_UV`` (H, v, kv_lora_rank), views of kv_b_proj."""
-        w = dense_weight(self.kv_b_proj).view(-1, self.nope + self.v_dim, self.kv_lora_rank)
+        """``W_UK`` (H, nope, kv_lora_rank) and ``W_UV`` (H, v, kv_lora_rank), views of kv_b_proj (of this
+        process's heads under tensor parallelism)."""
+        w = dense_weight(self.kv_b_proj)
+        if hasattr(w, "to_local"):  # sharded by heads under tensor parallelism: this process's heads
+            w = w.to_local()
+        w = w.view(-1, self.nope + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope], w[:, self.nope :]
 
     def forward(self, x, ctx, pos):

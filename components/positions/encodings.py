@@ -27,8 +27,34 @@ class NoPE(PositionEncoding):
         super().__init__()
 
 
+def sequence_slice(module, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (B, T, ...) for the whole sequence, or under tensor parallelism (``module._tp_mesh``, set by
+    its ``parallelize``) this process's slice of it, the one its embeddings hold (the slice at offset
+    ``rank * T / tp``). A tensor with parameters behind it gets its gradient summed over the processes,
+    each of which uses only its slice."""
+    mesh = getattr(module, "_tp_mesh", None)
+    if mesh is None:
+        return rows
+    from zoo.core.parallel import grad_summed
+
+    if rows.requires_grad:
+        rows = grad_summed(rows, mesh)
+    return rows.chunk(mesh.size(), dim=1)[mesh.get_local_rank()]
+
+
+class Absolute(PositionEncoding):
+    """What the absolute encodings share: their tensor-parallel plan. The vectors they add are made for
+    the whole sequence, and each process adds its slice to the sequence slice of the embeddings it holds
+    (:func:`sequence_slice`)."""
+
+    applies_to = "embedding"
+
+    def parallelize(self, tp_mesh, **kw) -> None:
+        self._tp_mesh = tp_mesh
+
+
 @register("position", "sinusoidal")
-class Sinusoidal(PositionEncoding):
+class Sinusoidal(Absolute):
     """The 2017 encoding: ``PE[p, 2i] = sin(p / base^(2i/d))``, ``PE[p, 2i+1] = cos(...)``, added to embeddings."""
 
     applies_to = "embedding"
@@ -47,11 +73,11 @@ class Sinusoidal(PositionEncoding):
         pe = torch.zeros(*position_ids.shape, self.d, device=position_ids.device)
         pe[..., 0::2] = torch.sin(angles)
         pe[..., 1::2] = torch.cos(angles[..., : self.d // 2])
-        return pe.to(dtype)
+        return sequence_slice(self, pe.to(dtype))
 
 
 @register("position", "learned")
-class Learned(PositionEncoding):
+class Learned(Absolute):
     """A learned vector per absolute position (GPT-2/3), added to embeddings."""
 
     applies_to = "embedding"
@@ -69,7 +95,7 @@ class Learned(PositionEncoding):
         return spec.max_seq_len  # one row per position
 
     def embed(self, position_ids, dtype):
-        return self.table(position_ids).to(dtype)
+        return sequence_slice(self, self.table(position_ids).to(dtype))
 
 
 @register("position", "rope")

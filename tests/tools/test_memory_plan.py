@@ -3,7 +3,7 @@ shard each process is told it holds is the one it holds after ``start_model`` sh
 launch of four CPU processes, gloo), and the activation bytes each block's parts report per token are
 within 10% of what ``torch.autograd.graph.saved_tensors_hooks`` counts on a real forward (fp32 and bf16,
 tiny models of real-ish width: d_model 512, heads of 64; the recurrent mixers' chunked forms on the CPU,
-crossing chunks)."""
+crossing chunks; DSA beyond its top-k)."""
 
 import collections
 import json
@@ -77,7 +77,8 @@ def saved_bytes(model, ids):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["llama3-8b", "gemma2-2b", "deepseek-v3", "qwen3-30b-a3b", "mamba2-2.7b",
-                                  "nemotron-h-8b", "qwen3-next-80b-a3b", "minimax-text-01", "linear-attention"])
+                                  "nemotron-h-8b", "qwen3-next-80b-a3b", "minimax-text-01", "linear-attention",
+                                  "deepseek-v3.2-exp", "glm-5"])
 def test_activation_bytes_per_token_and_layer_match_saved_tensors(name, dtype):
     T = 256  # longer than gemma2's window (4 after shrinking); its eager path keeps scores per key
     model = build_model(wide(name), seed=0).to(dtype).train()

@@ -36,7 +36,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 
 def tiny(name):
     data = one_of_each(name, vocab_size=256).to_dict()
-    if name == "deepseek-v3":  # MLA on dense layers (the MoE's plan: tests/train/test_moe_tensor_parallel.py)
+    if name.startswith("deepseek-v3"):  # MLA (DSA) on dense layers (the MoE's plan: tests/train/test_moe_tensor_parallel.py)
         data.update(mtp=None, layer_pattern=["dense", "dense"])
         data["layers"].pop("moe")
     return ModelSpec.from_dict(data)
@@ -60,7 +60,8 @@ def gemma2_padded_zloss():
 
 SPECS = {"gemma2-padded-zloss": gemma2_padded_zloss, "llama3-8b": lambda: tiny("llama3-8b"),
          "gemma2-2b": lambda: tiny("gemma2-2b"), "qwen3": dense_qwen3,
-         "olmo2-7b": lambda: tiny("olmo2-7b"), "deepseek-v3": lambda: tiny("deepseek-v3")}
+         "olmo2-7b": lambda: tiny("olmo2-7b"), "deepseek-v3": lambda: tiny("deepseek-v3"),
+         "deepseek-v3.2": lambda: tiny("deepseek-v3.2-exp")}
 gen = torch.Generator().manual_seed(0)
 batches = [torch.randint(0, 256, (4, 16), generator=gen) for _ in range(3)]
 
@@ -72,8 +73,8 @@ report = compare_layouts(models, layouts, SPECS)
 report_and_train(report, out, "llama3-8b", {"dp_shard": 2, "tp": 2}, train)
 '''
 
-DENSE = ["llama3-8b", "gemma2-2b", "qwen3", "olmo2-7b", "deepseek-v3"]
-MODELS = {"tp2": DENSE + ["gemma2-padded-zloss"], "tp4": ["llama3-8b", "olmo2-7b", "deepseek-v3"],
+DENSE = ["llama3-8b", "gemma2-2b", "qwen3", "olmo2-7b", "deepseek-v3", "deepseek-v3.2"]
+MODELS = {"tp2": DENSE + ["gemma2-padded-zloss"], "tp4": ["llama3-8b", "olmo2-7b", "deepseek-v3", "deepseek-v3.2"],
           "fsdp_tp": DENSE + ["gemma2-padded-zloss"]}
 LAYOUTS = {"tp2": {"dp_replicate": 2, "tp": 2, "dp_shard": 1, "fsdp": False},  # two independent tp = 2 groups
            "tp4": {"tp": 4, "dp_shard": 1, "fsdp": False},

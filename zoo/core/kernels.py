@@ -312,8 +312,8 @@ def fast(module: Any, x: torch.Tensor) -> Optional[Callable]:
     fn = implementation(module.kernel, name)
     if not _dtensor_classes():  # torch without torch.distributed
         return fn
-    rule = getattr(module, "kernel_on_shards", None)
-    whole = [t for t in getattr(module, "kernel_tensors", tuple)() if isinstance(t, _dtensor_classes())]
+    rule = module.kernel_on_shards  # the hooks every part has (zoo.core.kinds), and the Decoder for its loss
+    whole = [t for t in module.kernel_tensors() if isinstance(t, _dtensor_classes())]
     if rule == "rows":
         if not isinstance(x, _dtensor_classes()) and not any(isinstance(p, _dtensor_classes())
                                                              for p in module.parameters(recurse=False)):

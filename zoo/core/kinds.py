@@ -324,8 +324,9 @@ class PositionEncoding(Part):
     def parallelize(self, tp_mesh: Any, **kw: Any) -> None:
         """Tensor parallelism (:func:`parallelize`): a rotary encoding (or none) has nothing to shard, its
         tables are made per forward for the whole sequence, which the mixers see gathered. Default: an
-        absolute encoding (added to the sequence-sharded embeddings) or a score bias (per global head)
-        has no plan, and refuses."""
+        absolute encoding (added to the sequence-sharded embeddings: it must add this process's slice) or a
+        score bias (per global head: it must bias this process's heads) has no plan, and refuses; the
+        learned, sinusoidal and ALiBi encodings state their own."""
         if self.applies_to not in ("qk", "none"):
             raise no_plan(self)
 
@@ -400,7 +401,7 @@ def parallelize(part: nn.Module, tp_mesh: Any, where: str, **kw: Any) -> None:
       sequence of the residual stream, or the heads of a per-head QK-norm; -1: the normalised features
       themselves, a QK-norm over a whole projection) and leaves split the same way, local;
     - a position encoding: ``parallelize(tp_mesh)``: RoPE has nothing to shard; an absolute or bias
-      encoding refuses;
+      encoding without a plan of its own refuses;
     - a block: ``parallelize(tp_mesh, where=...)``: each of its parts, with :func:`parallelize`.
 
     A module that is no part (a plain torch module), or a part keeping the default, makes ``tp > 1``

@@ -53,6 +53,7 @@ class Decoder(_kinds.Kernels, nn.Module):
 
     # The loss (head + soft-cap + cross-entropy + z-loss) has a fused, chunked fast path.
     kernel = "loss"
+    kernel_on_shards = None  # the fused loss takes no DTensor (zoo.core.kernels.fast)
     backends = ("triton", "torch")
     # Where the weights came from, set by zoo.from_pretrained: the HF model_type, and the config
     # fields a save carries over. None and empty for a model built from a recipe.
@@ -157,9 +158,6 @@ class Decoder(_kinds.Kernels, nn.Module):
 
         from zoo.core.kinds import parallelize
 
-        if self.mtp is not None:
-            raise NotImplementedError("mtp: the multi-token prediction modules have no tensor-parallel plan yet; "
-                                      "set tp = 1, or train without mtp")
         self._tp = tp_mesh.size()
         parallelize_module(self.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
         for key, module in self.positions.items():
@@ -172,6 +170,8 @@ class Decoder(_kinds.Kernels, nn.Module):
             parallelize_module(self.lm_head, tp_mesh, ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))
         elif self.head_bias is not None:  # tied: the embedding's rows are the head's; its bias follows them
             self.head_bias = nn.Parameter(distribute_tensor(self.head_bias, tp_mesh, [Shard(0)]))
+        if self.mtp is not None:  # its modules; the embedding and the head are those above
+            self.mtp.parallelize(tp_mesh)
 
     def parallelize_experts(self, ep_mesh) -> list[nn.Module]:
         """Expert parallelism over ``ep_mesh``, asked of each FFN (``parallelize_experts``, the MTP modules'

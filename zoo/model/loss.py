@@ -35,9 +35,10 @@ def lm_loss(
 ) -> LossOutput:
     """Next-token cross-entropy with optional z-loss (PaLM): ``ce + z_loss * mean(log(Z)^2)``.
 
-    ``labels`` are aligned with ``logits`` (position t predicts labels[t]); shift before calling.
+    ``labels`` are aligned with ``logits`` (position t predicts labels[t]); shift before calling. The
+    logits are taken to float32 at least (a float64 model's loss stays float64).
     """
-    flat = logits.reshape(-1, logits.shape[-1]).float()
+    flat = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
     target = labels.reshape(-1)
     valid = target != ignore_index
     ce = F.cross_entropy(flat, target, ignore_index=ignore_index)
@@ -62,7 +63,7 @@ def vocab_parallel_lm_loss(
     process of ``tp_mesh`` returns the same loss."""
     from torch.distributed.tensor import DTensor, Partial, Shard
 
-    flat = logits.reshape(-1, logits.shape[-1]).float()
+    flat = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
     target = labels.reshape(-1)
     valid = target != ignore_index
     local = torch.logsumexp(flat, dim=-1, keepdim=True)  # (N, 1): this process's share of log Z

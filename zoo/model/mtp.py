@@ -22,9 +22,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from zoo.core.context import ForwardContext
+from zoo.core.parallel import grad_summed
 from zoo.core.state import DecodeState, step_layout
 
 
@@ -64,9 +66,24 @@ class MTPModule(nn.Module):
     def blocks(self) -> list[nn.Module]:
         return list(self.block) if isinstance(self.block, nn.ModuleList) else [self.block]
 
+    def parallelize(self, tp_mesh, where: str) -> None:
+        """Tensor parallelism: the norms and the projection work on this process's slice of the sequence,
+        the block states its own plan. The projection's weight is whole on every process and sees only its
+        slice, so its gradient is summed over the processes (:func:`~zoo.core.parallel.grad_summed`)."""
+        from zoo.core.kinds import parallelize
+
+        for name in ("enorm", "hnorm", "norm"):
+            parallelize(getattr(self, name), tp_mesh, f"{where}.{name}", shard_dim=1)
+        for j, block in enumerate(self.blocks()):
+            at = f"{where}.block" if len(self.blocks()) == 1 else f"{where}.block.{j}"
+            parallelize(block, tp_mesh, at, prefix=at)
+        self._tp_mesh = tp_mesh
+
     def forward(self, h: torch.Tensor, e: torch.Tensor, ctx: ForwardContext, pos) -> torch.Tensor:
         """``pos``: one position state per block."""
-        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))
+        x = torch.cat([self.enorm(e), self.hnorm(h)], dim=-1)
+        mesh = getattr(self, "_tp_mesh", None)
+        x = self.eh_proj(x) if mesh is None else F.linear(x, grad_summed(self.eh_proj.weight, mesh))
         for block, p in zip(self.blocks(), pos):
             x = block(x, ctx, p)
         return x
@@ -82,6 +99,13 @@ class MTP(nn.Module):
         self.layers = nn.ModuleList(MTPModule(spec, d * len(kinds)) for d in range(self.depth))
         # For each block, the last main layer of its kind: its position encoding serves the block.
         self.like = [max(i for i in range(spec.n_layers) if spec.layer_kind(i) == kind) for kind in kinds]
+
+    def parallelize(self, tp_mesh) -> None:
+        """Tensor and sequence parallelism (from ``Decoder.parallelize``): each depth's norms, projection and
+        block (:meth:`MTPModule.parallelize`); the embedding and the head are the main model's, sharded
+        there. Under it :meth:`add_losses` runs every depth on the whole length (see there)."""
+        for d, module in enumerate(self.layers):
+            module.parallelize(tp_mesh, f"mtp.layers.{d}")
 
     def new_state(self, batch: Optional[int], max_len: Optional[int] = None, *, dtype, device) -> DecodeState:
         states = [b.mixer.new_state(batch, max_len, dtype=dtype, device=device) for m in self.layers for b in m.blocks()]
@@ -103,31 +127,48 @@ class MTP(nn.Module):
         ``hidden`` (B, T, d): the main model's final hidden states; ``labels`` (B, T) with -100 where
         no token counts. Depth d (1-based) reads positions i = 0 .. T-1-d (with token i + d) and is
         scored on ``labels[:, i + 1 + d]`` where that exists.
+
+        Under tensor parallelism ``hidden`` is this process's slice of the sequence, and every depth runs on
+        the whole length T, each process on its slice: the tokens after the last are filled (with token 0,
+        not padding) and their positions predict nothing. Attention is causal, so positions 0 .. T-2-d
+        compute what they compute on the shorter sequence.
         """
         from zoo.core import kernels as _kernels
-        from zoo.model.loss import lm_loss
+        from zoo.model.loss import lm_loss, vocab_parallel_lm_loss
 
         B, T = input_ids.shape
+        whole = getattr(model, "_tp", 1) > 1  # each depth on the whole (sequence-sharded) length
         h = hidden
         for d in range(self.depth):
             n = T - 1 - d  # positions whose input token t[i+1+d] exists (the last has no target)
             if n < 2:
                 break
-            h = h[:, :n]
+            ids = input_ids[:, 1 + d: 1 + d + n]
             mask = attention_mask[:, :n] if attention_mask is not None else None
-            slots, key_mask, positions = step_layout(B, n, input_ids.device, mask)
+            if whole:
+                ids = F.pad(ids, (0, T - n))
+                mask = F.pad(mask, (0, T - n), value=1) if mask is not None else None
+            else:
+                h = h[:, :n]
+            slots, key_mask, positions = step_layout(B, ids.shape[1], input_ids.device, mask)
             sub = ForwardContext(position_ids=positions, slots=slots, key_mask=key_mask)
-            h = self.run(model, d, h, input_ids[:, 1 + d: 1 + d + n], sub)
+            h = self.run(model, d, h, ids, sub)
             sub.finish()
             target = labels[:, 1 + d + 1: 1 + d + 1 + n]
             if mask is not None:  # a padding position predicts nothing
                 target = target.masked_fill(~mask[:, : target.shape[1]].bool(), -100)
-            normed = self.layers[d].norm(h)[:, : target.shape[1]]
-            fused = _kernels.fast(model, normed)
+            normed = self.layers[d].norm(h)
+            fused = None
+            if not whole:
+                normed = normed[:, : target.shape[1]]
+                fused = _kernels.fast(model, normed)
             if fused is not None:
                 ce = fused(model, normed, target, z_loss=0.0)[1]
+            elif whole:  # vocabulary-parallel, as the main loss; the filled positions' logits go
+                logits, start, mesh = model._local_logits(normed)
+                ce = vocab_parallel_lm_loss(logits[:, : target.shape[1]], target, start=start, tp_mesh=mesh).ce
             else:
-                ce = lm_loss(model.logits_from_hidden(normed), target).ce
+                ce = lm_loss(model.logits_from_hidden(normed)[:, : target.shape[1]], target).ce
             ctx.add_loss(f"mtp_{d + 1}", ce, self.weight / self.depth)
             for name, value in sub.aux.items():  # a MoE block's balance loss, say
                 ctx.add_loss(f"mtp_{d + 1}_{name}", value, sub.aux_weights[name])

@@ -39,8 +39,15 @@ class ALiBi(PositionEncoding):
         super().__init__()
         self.cfg = cfg
 
+    def parallelize(self, tp_mesh, **kw):
+        """Tensor parallelism: nothing to shard; attention asks for the bias of the heads it holds, the
+        ``rank``-th slice of every head's slopes."""
+        self._tp_mesh = tp_mesh
+
     def score_bias(self, state, q_idx, k_idx, n_heads):
-        slopes = alibi_slopes(n_heads, self.cfg.max_bias).to(q_idx.device)
+        mesh = getattr(self, "_tp_mesh", None)
+        tp, rank = (mesh.size(), mesh.get_local_rank()) if mesh is not None else (1, 0)
+        slopes = alibi_slopes(n_heads * tp, self.cfg.max_bias)[rank * n_heads: (rank + 1) * n_heads].to(q_idx.device)
         distance = (q_idx[:, None] - k_idx[None, :]).float()  # (Tq, Tk), slots: padding keeps distances
         return (-slopes[:, None, None] * distance)[None]  # (1, H, Tq, Tk)
 
