@@ -195,6 +195,17 @@ def assert_loss_within(got: float, r32: float, r64: float, what) -> None:
     assert abs(got - r64) <= 4 * abs(r32 - r64) + 16 * 2 ** -24 * abs(r64), (what, got, r32, r64)
 
 
+def assert_moe_loss_and_gradients_match(entry: dict, what: str) -> None:
+    """A mixture-of-experts entry (``MOE_HELPERS``) against one process: the routers' top-k choices
+    identical first (in float32 and float64), then the loss (:func:`assert_loss_within`) and every
+    gradient, the experts' included, within 4 times the one-process float32 run's own error."""
+    assert entry["same_choices_fp32"] and entry["same_choices_fp64"], "the routers chose other experts"
+    assert_loss_within(*entry["loss"], what)
+    grads = entry["grads"]
+    assert any(".experts.w_" in k for k in grads) and len(grads) > 12, grads  # every parameter, experts included
+    assert_within(grads, 4, f"{what}: gradients")
+
+
 def assert_loss_and_gradients_match(entry: dict, what: str) -> None:
     """A :func:`compare_layouts` entry (``HELPERS``) against one process: the loss (:func:`assert_loss_within`),
     every gradient within 4 times the one-process float32 run's own error."""

@@ -24,8 +24,8 @@ import pytest
 
 import zoo
 
-from parallel_check import (HELPERS, MOE_HELPERS, MOE_SETS as SETS, MOE_TRAIN as TRAIN, assert_loss_within,
-                            assert_within, launch)
+from parallel_check import (HELPERS, MOE_HELPERS, MOE_SETS as SETS, MOE_TRAIN as TRAIN,
+                            assert_moe_loss_and_gradients_match, assert_within, launch)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -171,16 +171,12 @@ RUNS = [(layout, name) for layout in LAYOUTS for name in MODELS]
 @pytest.mark.parametrize("layout,name", RUNS)
 def test_loss_its_terms_and_every_gradient_equal_one_process(report, layout, name):
     entry = report["parts"][layout][name]
-    assert entry["same_choices_fp32"] and entry["same_choices_fp64"], "the routers chose other experts"
-    got, r32, r64 = entry["loss"]
-    assert_loss_within(got, r32, r64, entry["loss"])
+    assert_moe_loss_and_gradients_match(entry, f"{layout} {name}")
+    assert any(".router." in k for k in entry["grads"]), entry["grads"]
     loss_terms = entry["terms"]
     want = {"deepseek-v3": ["moe_sequence"], "qwen3-moe": ["moe_switch", "moe_switch_pooled", "router_z"]}[name]
     assert set(want + ["moe_load_max", "router_entropy"]) <= set(loss_terms), loss_terms
     assert_within(loss_terms, 4, f"{layout} {name}: loss terms")
-    grads = entry["grads"]
-    assert any(".experts.w_" in k for k in grads) and any(".router." in k for k in grads) and len(grads) > 12, grads
-    assert_within(grads, 4, f"{layout} {name}: gradients")
 
 
 @pytest.mark.parametrize("name", MODELS)
