@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from zoo.checkpoints.format import CheckpointError
+from zoo.core.extras import import_extra
 
 ADAPTER = "default"  # the one adapter zoo adds to a model
 CONFIG_FILE = "adapter_config.json"
@@ -40,14 +41,7 @@ REFUSED = {"use_dora": "DoRA", "modules_to_save": "a fully trained module", "ran
 
 
 def require_peft():
-    try:
-        import peft
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] != "peft":
-            raise
-        raise ModuleNotFoundError("LoRA adapters need peft, which the main install leaves out: "
-                                  "pip install 'zoo-lm[train]'", name="peft") from None
-    return peft
+    return import_extra("peft", "LoRA adapters need", "train")
 
 
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:

@@ -238,14 +238,10 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     Keyword ``fields`` set :class:`TrainConfig` fields (``steps=300``). Run under
     ``accelerate launch`` or ``torchrun`` for several processes; every process calls this.
     """
-    try:
-        from accelerate import Accelerator
-        from accelerate.utils import DistributedType
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] != "accelerate":
-            raise
-        raise ModuleNotFoundError("training needs accelerate, which the main install leaves out: "
-                                  "pip install 'zoo-lm[train]'", name="accelerate") from None
+    from zoo.core.extras import import_extra
+
+    Accelerator = import_extra("accelerate", "training needs", "train").Accelerator
+    from accelerate.utils import DistributedType
 
     config = dataclasses.replace(config or TrainConfig(), **fields)
     config = dataclasses.replace(config, parallel=config.parallel.with_accelerate())
