@@ -315,6 +315,10 @@ class Decoder(_kinds.Kernels, nn.Module):
             logits = _tied_logits(x, weight, bias)
         if self.spec.embedding.padded_vocab_size:
             logits = logits[..., : self.spec.vocab_size]
+        return self._head_scaled(logits)
+
+    def _head_scaled(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's multiplier (Grok-1's output multiplier) and soft-cap, on the head's raw logits."""
         if self.spec.head.scale is not None:
             logits = logits * self.spec.head.scale
         if self.spec.head.softcap is not None:
@@ -335,10 +339,7 @@ class Decoder(_kinds.Kernels, nn.Module):
                           None if bias is None else bias.to_local())
         rows = -(-weight.shape[0] // mesh.size())  # DTensor's Shard(0): chunks of ceil(V / tp) rows
         start = mesh.get_local_rank() * rows
-        if self.spec.head.scale is not None:
-            logits = logits * self.spec.head.scale
-        if self.spec.head.softcap is not None:
-            logits = self._softcap(logits, self.spec.head.softcap)
+        logits = self._head_scaled(logits)
         if start + logits.shape[-1] > self.spec.vocab_size:
             padding = torch.arange(start, start + logits.shape[-1], device=logits.device) >= self.spec.vocab_size
             logits = logits.masked_fill(padding, float("-inf"))
