@@ -162,26 +162,13 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in t.placements])
 
 
-class _Summed(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, group):
-        import torch.distributed as dist
-
-        ctx.group = group
-        t = t.clone()
-        dist.all_reduce(t, group=group)
-        return t
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _Summed.apply(grad.contiguous(), ctx.group), None
-
-
 def summed(t: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
     """``t`` summed over the processes of ``tp_mesh``; differentiable (the gradient is summed the same way,
     since each process's result feeds its own share of the loss): a norm's sum of squares over features
     several processes hold."""
-    return _Summed.apply(t, tp_mesh.get_group())
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(t, group=tp_mesh.get_group())
 
 
 def expert_count(n_experts: int, ep_mesh: Any, part: nn.Module) -> int:
