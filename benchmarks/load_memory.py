@@ -9,10 +9,13 @@ reads each tensor into its own buffer, so it should stay near 1x.
     python benchmarks/load_memory.py                 # makes a ~400 MB llama-shaped checkpoint
     python benchmarks/load_memory.py PATH [--dtype bfloat16]
     python benchmarks/load_memory.py --fp8 --dtype bfloat16   # the same, its projections block-scaled fp8
+    python benchmarks/load_memory.py --moe --fp8 --dtype bfloat16   # a qwen3_moe whose routed experts dominate
 
 With ``--fp8`` the made checkpoint is quantised as DeepSeek-V3 ships (float8_e4m3fn projections with
 a float32 scale per 128 x 128 block, everything else bf16), and both loaders dequantise it on load;
-a third row loads it with ``fp8="keep"`` (the projections stay FP8 beside their scales).
+a third row loads it with ``fp8="keep"`` (the projections, routed experts included, stay FP8 beside
+their scales). ``--moe`` makes a ~440 MB qwen3_moe instead (4 layers of 32 experts, 1024 x 512:
+the experts are 94% of its weights), as in DeepSeek-V3, where the routed experts are nearly all of them.
 The extra column gives the peak growth beyond the loaded parameters, beside the largest tensor:
 dequantising tensor by tensor, zoo should need about one model in the target dtype plus one tensor.
 """
@@ -55,22 +58,28 @@ model = load(sys.argv[2])
 # Memory-mapped weights are paged in on first use: touch every one, as a first forward would.
 with torch.no_grad():
     for p in model.parameters():
-        (p.view(torch.uint8) if p.element_size() == 1 else p).sum()  # float8 has no sum
+        (p.view(torch.uint8).max() if p.element_size() == 1 else p.sum())  # float8 has no sum; max makes no wider copy
 n = sum(p.numel() * p.element_size() for p in model.parameters())
 largest = max(p.numel() * p.element_size() for p in model.parameters())
 print(json.dumps({"before": before, "after": peak(), "param_bytes": n, "largest": largest}))
 """
 
 
-def make_checkpoint(directory: Path) -> None:
+LLAMA = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048,
+         "num_hidden_layers": 8, "num_attention_heads": 12, "num_key_value_heads": 4,
+         "max_position_embeddings": 2048, "tie_word_embeddings": False}
+MOE = {"model_type": "qwen3_moe", "vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 2048,
+       "moe_intermediate_size": 512, "num_experts": 32, "num_experts_per_tok": 4, "num_hidden_layers": 4,
+       "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 2048,
+       "tie_word_embeddings": False}
+
+
+def make_checkpoint(directory: Path, config: dict) -> None:
     import zoo
     from zoo.checkpoints import config_to_spec
 
-    config = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048,
-              "num_hidden_layers": 8, "num_attention_heads": 12, "num_key_value_heads": 4,
-              "max_position_embeddings": 2048, "tie_word_embeddings": False}
     model = zoo.build_model(config_to_spec(config), seed=0)
-    zoo.save_pretrained(model, directory, model_type="llama", max_shard_size="150MB")
+    zoo.save_pretrained(model, directory, model_type=config["model_type"], max_shard_size="150MB")
 
 
 def quantize_fp8(src: Path, dst: Path, block: int = 128) -> None:
@@ -112,11 +121,12 @@ def main() -> None:
     ap.add_argument("path", nargs="?", help="checkpoint directory (default: make one)")
     ap.add_argument("--dtype", default="auto", help="dtype to load in (default: as stored)")
     ap.add_argument("--fp8", action="store_true", help="quantise the made checkpoint to block-scaled fp8")
+    ap.add_argument("--moe", action="store_true", help="make a qwen3_moe checkpoint (routed experts) instead of a llama")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.path) if args.path else Path(tmp) / "ckpt"
         if not args.path:
-            make_checkpoint(path)
+            make_checkpoint(path, MOE if args.moe else LLAMA)
         if args.fp8 and not args.path:
             quantize_fp8(path, Path(tmp) / "fp8")
             path = Path(tmp) / "fp8"

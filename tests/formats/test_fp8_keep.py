@@ -1,5 +1,6 @@
 """FP8 checkpoints kept as FP8 (``from_pretrained(..., fp8="keep")``): each linear layer's weight stays
-float8_e4m3fn beside its block scales in an FP8Linear, dequantised for its own product on the CPU.
+float8_e4m3fn beside its block scales in an FP8Linear, and each MoE's routed experts stay float8 stacks
+beside their stacked scales in FP8Experts; on the CPU each weight is dequantised for its own product.
 
 The reference is the dequantising load of the same checkpoint (tests/formats/test_fp8.py checks that
 against transformers and an independent dequantisation): the same numbers through the same
@@ -16,12 +17,26 @@ import torch
 from safetensors.torch import load_file
 
 import zoo
-from zoo.checkpoints.quantized import FP8Linear, quantize_activations, scaled_mm_supported
+from zoo.checkpoints import CheckpointError
+from zoo.checkpoints.quantized import FP8Experts, FP8Linear, quantize_activations, scaled_mm_supported
 from zoo.checkpoints.tiny import make_tiny
 
 from test_fp8 import IDS, logits, quantized_checkpoint, rewrite
 
 pytest.importorskip("transformers")
+
+
+def dequantised(path, **kwargs):
+    """The reference: the dequantising load, its routed experts run expert by expert as the kept ones
+    are (the grouped matmul it would take where widths align sums in another order: equal to
+    rounding, not bit for bit)."""
+    from zoo.components.ffn.moe import GroupedExperts
+
+    model = zoo.from_pretrained(path, **kwargs)
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m.dispatch = "loop"
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +52,7 @@ def deepseek(tmp_path_factory):
 
 
 def test_linear_weights_stay_fp8_and_the_logits_equal_the_dequantised_model(deepseek):
-    kept, ref = zoo.from_pretrained(deepseek, fp8="keep"), zoo.from_pretrained(deepseek)
+    kept, ref = zoo.from_pretrained(deepseek, fp8="keep"), dequantised(deepseek)
     mla, dense, moe = kept.layers[1].mixer, kept.layers[0].ffn, kept.layers[1].ffn
     for m in (mla.q_a_proj, mla.q_b_proj, mla.kv_a_proj, mla.kv_b_proj, mla.o_proj, dense.gate, dense.down,
               moe.shared.up):
@@ -46,19 +61,28 @@ def test_linear_weights_stay_fp8_and_the_logits_equal_the_dequantised_model(deep
     assert torch.equal(mla.kv_b_proj.weight.view(torch.uint8),
                        stored["model.layers.1.self_attn.kv_b_proj.weight"].view(torch.uint8))
     assert torch.equal(mla.kv_b_proj.weight_scale_inv, stored["model.layers.1.self_attn.kv_b_proj.weight_scale_inv"])
-    # The routed experts (one tensor per expert, stacked) are dequantised; the routers were never quantised.
-    assert moe.experts.w_up.dtype == torch.float32 and moe.router.weight.dtype == torch.float32
-    assert torch.equal(moe.experts.w_up, ref.layers[1].ffn.experts.w_up)
+    # The routed experts (one tensor per expert, stacked) stay float8 with their stacked scales; the
+    # routers were never quantised.
+    experts = moe.experts
+    assert isinstance(experts, FP8Experts) and moe.router.weight.dtype == torch.float32
+    for name, hf in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+        w, s = getattr(experts, name), getattr(experts, name + "_scale_inv")
+        assert w.dtype == torch.float8_e4m3fn and not w.requires_grad
+        for e in (0, 5):
+            key = f"model.layers.1.mlp.experts.{e}.{hf}.weight"
+            assert torch.equal(w[e].view(torch.uint8), stored[key].view(torch.uint8))
+            assert torch.equal(s[e], stored[key + "_scale_inv"])
+        assert torch.equal(experts.dense_weight(name), getattr(ref.layers[1].ffn.experts, name))
     assert torch.equal(logits(kept), logits(ref))
     # In bf16: each weight the fp32 dequantisation rounded once, as the dequantising load rounds it.
-    kept16, ref16 = (zoo.from_pretrained(deepseek, fp8=m, dtype=torch.bfloat16) for m in ("keep", "dequantize"))
+    kept16, ref16 = zoo.from_pretrained(deepseek, fp8="keep", dtype=torch.bfloat16), dequantised(deepseek, dtype=torch.bfloat16)
     assert kept16.layers[1].mixer.o_proj.weight.dtype == torch.float8_e4m3fn
     assert torch.equal(logits(kept16), logits(ref16))
 
 
 def test_decoding_reads_the_dequantised_up_projection(deepseek):
     """MLA's absorbed decode folds kv_b_proj's weight into the queries: it asks for the full-precision weight."""
-    kept, ref = zoo.from_pretrained(deepseek, fp8="keep"), zoo.from_pretrained(deepseek)
+    kept, ref = zoo.from_pretrained(deepseek, fp8="keep"), dequantised(deepseek)
     a = zoo.generate(kept, IDS[:, :8], max_new_tokens=6)
     assert torch.equal(a, zoo.generate(ref, IDS[:, :8], max_new_tokens=6))
 
@@ -68,7 +92,7 @@ def test_deepseek_v32_keeps_its_indexer_in_fp8(tmp_path):
     the dtype it computes in, not float8."""
     make_tiny("deepseek_v32", tmp_path / "hf", std=0.1)
     quantized_checkpoint(tmp_path / "hf", tmp_path / "fp8", block=32)
-    kept, ref = zoo.from_pretrained(tmp_path / "fp8", fp8="keep"), zoo.from_pretrained(tmp_path / "fp8")
+    kept, ref = zoo.from_pretrained(tmp_path / "fp8", fp8="keep"), dequantised(tmp_path / "fp8")
     assert isinstance(kept.layers[0].mixer.indexer.weights_proj, FP8Linear)
     assert torch.equal(logits(kept), logits(ref))
     assert torch.equal(zoo.generate(kept, IDS[:, :8], max_new_tokens=4), zoo.generate(ref, IDS[:, :8], max_new_tokens=4))
@@ -79,25 +103,64 @@ def test_to_a_dtype_keeps_the_fp8_numbers(deepseek):
     o = kept.layers[1].mixer.o_proj
     assert o.weight.dtype == torch.float8_e4m3fn and o.weight_scale_inv.dtype == torch.float32
     assert o.compute_dtype == torch.bfloat16
-    assert torch.equal(logits(kept), logits(zoo.from_pretrained(deepseek).to(torch.bfloat16)))
+    assert torch.equal(logits(kept), logits(dequantised(deepseek).to(torch.bfloat16)))
 
 
 def test_save_writes_the_fp8_tensors_and_scales_unchanged(deepseek, tmp_path):
     model = zoo.from_pretrained(deepseek, fp8="keep")
     zoo.save_pretrained(model, tmp_path / "out")
     source, saved = load_file(deepseek / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
-    assert set(saved) == {n for n in source if not (".experts." in n and n.endswith("_scale_inv"))}
-    for name, t in source.items():
-        if t.dtype == torch.float8_e4m3fn and ".experts." not in name:
+    assert set(saved) == set(source)
+    for name, t in source.items():  # every float8 weight (routed experts too) and every scale, byte for byte
+        if t.dtype == torch.float8_e4m3fn:
             assert saved[name].dtype == t.dtype and torch.equal(saved[name].view(torch.uint8), t.view(torch.uint8)), name
             assert torch.equal(saved[name + "_scale_inv"], source[name + "_scale_inv"]), name
-    # Routed experts were dequantised on load: they are written unquantised, each in full precision.
-    expert = "model.layers.1.mlp.experts.7.down_proj.weight"
-    assert saved[expert].dtype == torch.float32 and expert + "_scale_inv" not in saved
+    assert any(".experts.7.down_proj.weight" in n for n in source)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["quantization_config"] == json.loads((deepseek / "config.json").read_text())["quantization_config"]
     again = zoo.from_pretrained(tmp_path / "out", fp8="keep")
     assert torch.equal(logits(again), logits(model))
+
+
+def test_routed_experts_kept_in_fp8_decode_and_move_like_the_dequantised_model(deepseek):
+    """Several tokens fed onto a decode state, and ``.to(bfloat16)``: the experts' numbers stay float8, they
+    compute in the new dtype, and each step equals the dequantised model's."""
+    kept = zoo.from_pretrained(deepseek, fp8="keep").to(torch.bfloat16)
+    ref = dequantised(deepseek).to(torch.bfloat16)
+    experts = kept.layers[1].ffn.experts
+    assert experts.w_down.dtype == torch.float8_e4m3fn and experts.w_down_scale_inv.dtype == torch.float32
+    assert experts.compute_dtype == torch.bfloat16
+    assert torch.equal(logits(kept), logits(ref))
+    a = zoo.generate(kept, IDS[:, :8], max_new_tokens=6)
+    assert torch.equal(a, zoo.generate(ref, IDS[:, :8], max_new_tokens=6))
+
+
+def test_an_expert_with_no_tokens_is_never_dequantised(deepseek, monkeypatch):
+    """The experts run one at a time and only those that have tokens: one token's forward through a
+    top-k MoE dequantises k experts' matrices per layer, each one expert wide, never a layer's stack."""
+    import zoo.checkpoints.quantized as q
+
+    kept = zoo.from_pretrained(deepseek, fp8="keep")
+    experts = kept.layers[1].ffn.experts
+    n_experts, k = experts.w_up.shape[0], kept.spec.layer(1).ffn.config.top_k
+    shapes, real = [], q.dequantize_blocks
+    monkeypatch.setattr(q, "dequantize_blocks", lambda w, *a: shapes.append(tuple(w.shape)) or real(w, *a))
+    with torch.no_grad():
+        kept.layers[1].ffn(torch.randn(1, 1, kept.spec.d_model))
+    per_expert = [s for s in shapes if s in {tuple(experts.w_up.shape[1:]), tuple(experts.w_down.shape[1:])}]
+    assert len(per_expert) == 3 * k < 3 * n_experts, shapes
+    assert all(len(s) == 2 for s in shapes)
+
+
+def test_a_hostile_expert_scale_is_refused_by_name(deepseek, tmp_path):
+    """A NaN in one routed expert's scale: the load stops naming that scale, as for any kept weight."""
+    import shutil
+
+    shutil.copytree(deepseek, tmp_path / "bad")
+    name = "model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"
+    rewrite(tmp_path / "bad", lambda t: t[name].view(-1)[0].fill_(float("nan")))
+    with pytest.raises(CheckpointError, match=rf"{name}.*nan.*corrupt"):
+        zoo.from_pretrained(tmp_path / "bad", fp8="keep")
 
 
 def test_fp8_takes_dequantize_or_keep(deepseek):
@@ -142,14 +205,22 @@ CHILD = textwrap.dedent(r"""
 """)
 
 
+LLAMA = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8,
+         "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 256}
+# 64 routed experts of 256 x 256 (one MoE layer: the tiny config keeps layer 0 dense): 12.6M of the
+# model's 13.2M parameters are experts.
+MOE = {"hidden_size": 256, "moe_intermediate_size": 256, "num_experts": 64, "num_experts_per_tok": 4,
+       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 256}
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmHWM from /proc")
-def test_keeping_fp8_needs_far_less_memory_than_dequantising(tmp_path):
+@pytest.mark.parametrize("model_type, overrides", [("llama", LLAMA), ("qwen3_moe", MOE)], ids=["llama", "moe"])
+def test_keeping_fp8_needs_far_less_memory_than_dequantising(tmp_path, model_type, overrides):
     """A llama of 4 layers, 512 wide (14M parameters in its projections: 54 MB in float32, 14 MB in
+    fp8), and an MoE whose routed experts hold nearly all its weights (48 MiB in float32, 12 MiB in
     fp8): kept, the load and a forward grow the peak by under half of what the dequantised model needs."""
-    make_tiny("llama", tmp_path / "hf", overrides={"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4,
-                                                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
-                                                   "vocab_size": 256}, std=0.02)
+    make_tiny(model_type, tmp_path / "hf", overrides=overrides, std=0.02)
     quantized_checkpoint(tmp_path / "hf", tmp_path / "fp8")
     growth = {}
     for mode in ("dequantize", "keep"):

@@ -23,7 +23,7 @@ from zoo.checkpoints.format import CheckpointError, CheckpointFormat, ConfigErro
 from zoo.core import kinds
 from zoo.checkpoints.hub import resolve
 from zoo.checkpoints.io import WeightFiles, reading, regular_file, replace_checkpoint, stream_shards
-from zoo.checkpoints.maps import bind
+from zoo.checkpoints.maps import IDENTITY, bind
 from zoo.checkpoints.quantized import FIELD as QUANTIZATION, keep_fp8, kept_tensors, read_quantization, with_scales, without_quantization
 from zoo.model.decoder import Decoder, build_model
 from zoo.checkpoints.mtp import missing_depth, without_absent_mtp
@@ -205,8 +205,10 @@ def load_weights(model: Decoder, fmt: CheckpointFormat, files: WeightFiles, *, d
     # The bar appears only for loads that take over a second (a big checkpoint, a dtype conversion).
     for b in tqdm(bound, desc=f"Loading {fmt.model_type} weights", unit="tensor", delay=1.0, leave=False,
                   disable=not progress):
-        # Map (no copy) what is kept as stored; read what will be converted.
-        keep = (device is None or torch.device(device).type == "cpu")
+        # Map (no copy) what is kept as stored; read what will be converted. A transform other than the
+        # identity (the experts' stack, a transpose) makes its own copy: read into a buffer, the
+        # source does not stay resident beside it as mapped pages would.
+        keep = (device is None or torch.device(device).type == "cpu") and b.transform is IDENTITY
         hf_tensors = [files.get(names[h], mapped=keep and (dtype is None or files.dtype(names[h]) == dtype
                                                           or as_stored >= set(b.zoo))) for h in b.hf]
         try:

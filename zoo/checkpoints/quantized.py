@@ -16,11 +16,12 @@ flight. The model is an ordinary full-precision model; saving it writes that dty
 
 ``from_pretrained(..., fp8="keep")`` keeps them as stored instead: each ``nn.Linear`` whose weight
 is one stored tensor with a scale becomes an :class:`FP8Linear` holding the float8 weight and its
-scales (routed experts, stacked from one tensor per expert, are still dequantised). Its forward
-multiplies through block-scaled ``scaled_mm`` on a GPU that has it (compute capability 9.x, 128 x 128
-blocks) and otherwise dequantises its own weight for the one product, so the model's memory stays
-near its FP8 size. Saving writes the float8 weights, their scales and the ``quantization_config``
-back unchanged.
+scales, and each MoE's routed experts (one stored tensor per expert and projection, stacked) become
+:class:`FP8Experts`, the float8 stacks beside their stacked scales. Each product (:func:`fp8_linear`)
+goes through block-scaled ``scaled_mm`` on a GPU that has it (compute capability 9.x, 128 x 128
+blocks) and otherwise dequantises the one weight it needs for that product, so the model's memory
+stays near its FP8 size. Saving writes the float8 weights, their scales and the
+``quantization_config`` back unchanged.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.checkpoints.format import CheckpointError, ConfigError, is_kind
+from zoo.components.ffn.moe import GroupedExperts
 
 SCALE_SUFFIX = "_scale_inv"
 FIELD = "quantization_config"
@@ -250,19 +252,99 @@ def quantize_activations(x: torch.Tensor, group: int = 128) -> tuple[torch.Tenso
     return (g / scale[..., None]).to(torch.float8_e4m3fn).flatten(-2), scale
 
 
-class FP8Linear(nn.Module):
+_checked: dict[torch.device, bool] = {}  # device -> whether scaled_mm passed its first check there
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+               dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ w.T + bias`` for the block-scaled float8 ``weight`` (out x in) and its ``scale`` grid, in ``dtype``.
+
+    Block-scaled ``scaled_mm`` where :func:`scaled_mm_supported` says the device has it and the shapes
+    fit its 128 x 128 blocks: the input is quantised per 1 x 128 group as DeepSeek-V3's own inference
+    does, so the result is close to, not equal to, the dequantised product. The first such product on
+    a device is checked against the dequantised one; if it fails or differs, a message says so once
+    and the dequantised path is used from then on. Everywhere else the weight is dequantised for this
+    one product (in float32, rounded once to ``dtype``, as a dequantising load does), so the result
+    equals the dequantised model's exactly.
+    """
+    if _fits_scaled_mm(x, weight, block):
+        ok = _checked.get(x.device)
+        if ok is None:
+            ok = _checked[x.device] = _check_scaled_mm(x, weight, scale, block, bias)
+        if ok:
+            return _scaled_mm(x, weight, scale, bias)
+    return F.linear(x, dequantize_blocks(weight, scale, block, dtype), bias)
+
+
+def _fits_scaled_mm(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
+    out_features, in_features = weight.shape
+    return (x.is_cuda and x.dtype == torch.bfloat16 and block == (128, 128)
+            and in_features % 128 == 0 and out_features % 128 == 0 and scaled_mm_supported(x.device))
+
+
+def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """cuBLAS's layout: activation scales token-major with the token count a multiple of 4 (x is
+    zero-padded), the weight column-major and its scales' K blocks padded to a multiple of 4."""
+    out_features, in_features = weight.shape
+    rows = x.reshape(-1, in_features)
+    M = rows.shape[0]
+    q, act_scale = quantize_activations(F.pad(rows, (0, 0, 0, -M % 4)))
+    s = scale.float()
+    s = F.pad(s, (0, -s.shape[1] % 4))
+    out = F.scaled_mm(q, weight.t(), act_scale.t().contiguous().t(), F.ScalingType.BlockWise1x128,
+                      s.t(), F.ScalingType.BlockWise128x128, output_dtype=x.dtype)[:M]
+    out = out if bias is None else out + bias
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+def _check_scaled_mm(x, weight, scale, block, bias) -> bool:
+    """The first block-scaled product on a device against the dequantised one: within what
+    quantising the input to e4m3 makes of it (2^-4 per element; 0.1 of the norm is far beyond)."""
+    want = F.linear(x, dequantize_blocks(weight, scale, block, x.dtype), bias).float()
+    try:
+        got = _scaled_mm(x, weight, scale, bias).float()
+    except RuntimeError as exc:
+        _once(f"fp8: block-scaled scaled_mm failed on {x.device} ({exc}); dequantising each weight "
+              "for its product instead")
+        return False
+    err = float((got - want).norm() / want.norm().clamp(min=1e-30))
+    if not err < 0.1:
+        _once(f"fp8: block-scaled scaled_mm on {x.device} is {err:.3g} of the norm from the dequantised "
+              "product; dequantising each weight for its product instead")
+        return False
+    return True
+
+
+class _StaysFP8(nn.Module):
+    """``.to(device)`` moves the float8 weights and their scales; ``.to(dtype)`` changes only the dtype
+    the module computes in (``compute_dtype``) and its other tensors: the stored numbers stay as they are."""
+
+    compute_dtype: torch.dtype
+
+    def _apply(self, fn, recurse=True):
+        weights = {n: p.data for n, p in self._parameters.items() if p is not None and p.dtype in FP8}
+        scales = {n: b for n, b in self._buffers.items() if n.endswith(SCALE_SUFFIX)}
+        super()._apply(fn, recurse)
+        for n, old in weights.items():
+            p = self._parameters[n]
+            if p.dtype != old.dtype:
+                self.compute_dtype = p.dtype
+                p.data = old.to(p.device)
+        for n, old in scales.items():
+            if self._buffers[n].dtype != old.dtype:
+                self._buffers[n] = old.to(self._buffers[n].device)
+        return self
+
+
+class FP8Linear(_StaysFP8):
     """An ``nn.Linear`` whose weight stays float8_e4m3fn with one float scale per ``block`` block
     (``weight_scale_inv``, as stored in the checkpoint); ``dtype`` is the dtype it computes and
-    returns in (the model's). For inference: the weight has no gradient.
-
-    The forward takes block-scaled ``scaled_mm`` where :func:`scaled_mm_supported` says the device
-    has it and the shapes fit its 128 x 128 blocks: the input is quantised per 1 x 128 group as
-    DeepSeek-V3's own inference does, so the result is close to, not equal to, the dequantised
-    product. The first such product on a device is checked against the dequantised one; if it fails
-    or differs, a message says so once and the dequantised path is used from then on. Everywhere
-    else the weight is dequantised for the one product (in float32, rounded once to ``dtype``, as a
-    dequantising load does), so the result equals the dequantised model's exactly.
+    returns in (the model's). For inference: the weight has no gradient. Its product is
+    :func:`fp8_linear`: block-scaled ``scaled_mm`` on a GPU that has it, else the weight dequantised
+    for the one product (equal to the dequantised model's).
     """
+
+    _checked = _checked  # device -> whether scaled_mm passed its first check there (shared with every FP8 product)
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, block: tuple[int, int],
                  dtype: torch.dtype, scale_dtype: torch.dtype = torch.float32, device=None):
@@ -282,99 +364,118 @@ class FP8Linear(nn.Module):
         """The full-precision weight (``dtype``), built for the caller and not kept."""
         return dequantize_blocks(self.weight, self.weight_scale_inv, self.block, self.compute_dtype)
 
-    _checked: dict[torch.device, bool] = {}  # device -> whether scaled_mm passed its first check there
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fits_scaled_mm(x):
-            ok = FP8Linear._checked.get(x.device)
-            if ok is None:
-                ok = FP8Linear._checked[x.device] = self._check_scaled_mm(x)
-            if ok:
-                return self._scaled_mm(x)
-        return F.linear(x, self.dense_weight(), self.bias)
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.compute_dtype, self.bias)
 
-    def _fits_scaled_mm(self, x: torch.Tensor) -> bool:
-        return (x.is_cuda and x.dtype == torch.bfloat16 and self.block == (128, 128)
-                and self.in_features % 128 == 0 and self.out_features % 128 == 0 and scaled_mm_supported(x.device))
 
-    def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """cuBLAS's layout: activation scales token-major with the token count a multiple of 4 (x is
-        zero-padded), the weight column-major and its scales' K blocks padded to a multiple of 4."""
-        rows = x.reshape(-1, self.in_features)
-        M = rows.shape[0]
-        q, scale = quantize_activations(F.pad(rows, (0, 0, 0, -M % 4)))
-        s = self.weight_scale_inv.float()
-        s = F.pad(s, (0, -s.shape[1] % 4))
-        out = F.scaled_mm(q, self.weight.t(), scale.t().contiguous().t(), F.ScalingType.BlockWise1x128,
-                          s.t(), F.ScalingType.BlockWise128x128, output_dtype=x.dtype)[:M]
-        out = out if self.bias is None else out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+class FP8Experts(_StaysFP8, GroupedExperts):
+    """The routed experts of an MoE (:class:`~zoo.components.ffn.moe.GroupedExperts`) kept as stored:
+    ``w_gate``, ``w_up``, ``w_down`` are the float8 stacks (one expert per index of dim 0) beside their
+    stacked block scales ``w_gate_scale_inv``, ... (E x row blocks x column blocks). For inference: the
+    weights have no gradient.
 
-    def _check_scaled_mm(self, x: torch.Tensor) -> bool:
-        """The first block-scaled product on a device against the dequantised one: within what
-        quantising the input to e4m3 makes of it (2^-4 per element; 0.1 of the norm is far beyond)."""
-        want = F.linear(x, self.dense_weight(), self.bias).float()
-        try:
-            got = self._scaled_mm(x).float()
-        except RuntimeError as exc:
-            _once(f"FP8Linear: block-scaled scaled_mm failed on {x.device} ({exc}); dequantising each weight "
-                  "for its product instead")
-            return False
-        err = float((got - want).norm() / want.norm().clamp(min=1e-30))
-        if not err < 0.1:
-            _once(f"FP8Linear: block-scaled scaled_mm on {x.device} is {err:.3g} of the norm from the dequantised "
-                  "product; dequantising each weight for its product instead")
-            return False
-        return True
+    The forward runs expert by expert (``dispatch`` is not consulted: a grouped matmul needs the whole
+    layer's experts in full precision at once, 22 GB in bf16 for a DeepSeek-V3 layer). Each expert that
+    has tokens multiplies through :func:`fp8_linear`, so at most one expert's matrix is dequantised at a
+    time and an expert with no tokens costs nothing; on the CPU the result equals the dequantised
+    model's. The loop reads the token counts on the host once per layer.
+    """
 
-    def _apply(self, fn, recurse=True):
-        """``.to(device)`` moves the float8 weight and its scales; ``.to(dtype)`` changes only the dtype
-        it computes in (and its bias): the stored numbers stay as they are."""
-        weight, scale = self.weight.data, self.weight_scale_inv
-        super()._apply(fn, recurse)
-        if self.weight.dtype != weight.dtype:
-            self.compute_dtype = self.weight.dtype
-            self.weight.data = weight.to(self.weight.device)
-        if self.weight_scale_inv.dtype != scale.dtype:
-            self.weight_scale_inv = scale.to(self.weight_scale_inv.device)
-        return self
+    def __init__(self, like: GroupedExperts, *, block: tuple[int, int], dtype: torch.dtype,
+                 scale_dtype: torch.dtype = torch.float32, device=None):
+        nn.Module.__init__(self)
+        self.gated, self.act, self.dispatch, self.d_model, self.d_ff = like.gated, like.act, like.dispatch, like.d_model, like.d_ff
+        self.block, self.compute_dtype = block, dtype
+        for name in self.projections():
+            shape = getattr(like, name).shape
+            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=torch.float8_e4m3fn, device=device),
+                                             requires_grad=False))
+            self.register_buffer(name + SCALE_SUFFIX, torch.empty(scale_shape(shape, block), dtype=scale_dtype, device=device))
+        if not self.gated:
+            self.w_gate = None
+
+    def projections(self) -> tuple[str, ...]:
+        return ("w_gate", "w_up", "w_down") if self.gated else ("w_up", "w_down")
+
+    def extra_repr(self) -> str:
+        return f"n_experts={self.w_up.shape[0]}, block={self.block}, dtype={self.compute_dtype}"
+
+    def reset_parameters(self, generator=None, std: float = 0.02) -> None:
+        """Nothing to draw: the weights are the checkpoint's."""
+
+    def dense_weight(self, name: str) -> torch.Tensor:
+        """Projection ``name``'s whole stack in full precision (``dtype``), built for the caller and not kept."""
+        return dequantize_blocks(getattr(self, name), getattr(self, name + SCALE_SUFFIX), self.block, self.compute_dtype)
+
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        def linear(x, name, e):
+            return fp8_linear(x, getattr(self, name)[e], getattr(self, name + SCALE_SUFFIX)[e], self.block,
+                              self.compute_dtype)
+
+        outs = []
+        for e, chunk in enumerate(torch.split(xs, counts.tolist())):
+            if chunk.shape[0] == 0:
+                continue
+            h = linear(chunk, "w_up", e)
+            h = self.act(linear(chunk, "w_gate", e)) * h if self.gated else self.act(h)
+            outs.append(linear(h, "w_down", e))
+        return torch.cat(outs) if outs else xs.new_zeros(0, self.d_model, dtype=self.compute_dtype)
 
 
 def keep_fp8(model: nn.Module, bound, names: dict[str, str], files: DequantizedFiles) -> DequantizedFiles:
     """Make each ``nn.Linear`` of ``model`` (on the meta device) whose weight is one stored fp8 tensor
     (through an identity rule of ``bound``; ``names``: the format's spelling -> the stored name) an
-    :class:`FP8Linear`, and give back ``files`` that read those weights and their scales as stored."""
-    from zoo.checkpoints.maps import IDENTITY
+    :class:`FP8Linear`, and each MoE's :class:`GroupedExperts` whose every projection is stacked
+    (:data:`~zoo.checkpoints.maps.STACK`) from stored fp8 tensors an :class:`FP8Experts`; give back
+    ``files`` that read those weights and their scales as stored. Anything else quantised (experts
+    stored fused, as DBRX's are) is dequantised as it is read."""
+    from zoo.checkpoints.maps import IDENTITY, STACK
 
-    kept = []
+    kept, experts = [], {}  # experts: the module's path -> {projection: its stored tensors}
     for b in bound:
-        stored = names.get(b.hf[0]) if len(b.hf) == 1 else None
-        if b.transform is not IDENTITY or len(b.zoo) != 1 or not b.zoo[0].endswith(".weight") \
-                or stored not in files.scale_of:
+        stored = [names.get(h) for h in b.hf]
+        if len(b.zoo) != 1 or not all(n in files.scale_of for n in stored):
             continue
-        path = b.zoo[0].removesuffix(".weight")
+        path, _, attr = b.zoo[0].rpartition(".")
         module = model.get_submodule(path)
-        if type(module) is not nn.Linear:
+        if b.transform is STACK and type(module) is GroupedExperts:
+            experts.setdefault(path, {})[attr] = stored
+        elif b.transform is IDENTITY and len(stored) == 1 and attr == "weight" and type(module) is nn.Linear:
+            parent, _, name = path.rpartition(".")
+            setattr(model.get_submodule(parent), name, FP8Linear(
+                module.in_features, module.out_features, bias=module.bias is not None, block=files.block,
+                dtype=files.target, scale_dtype=files.files.dtype(files.scale_of[stored[0]]), device="meta"))
+            kept += stored
+    for path, projections in experts.items():
+        module = model.get_submodule(path)
+        wanted = {n for n in ("w_gate", "w_up", "w_down") if getattr(module, n) is not None}
+        if set(projections) != wanted:  # a projection stored unquantised: the layer is dequantised whole
             continue
-        parent, _, attr = path.rpartition(".")
-        setattr(model.get_submodule(parent), attr, FP8Linear(
-            module.in_features, module.out_features, bias=module.bias is not None, block=files.block,
-            dtype=files.target, scale_dtype=files.files.dtype(files.scale_of[stored]), device="meta"))
-        kept.append(stored)
+        scale_dtype = files.files.dtype(files.scale_of[projections["w_up"][0]])
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent), name, FP8Experts(module, block=files.block, dtype=files.target,
+                                                              scale_dtype=scale_dtype, device="meta"))
+        kept += [n for stored in projections.values() for n in stored]
     return files.quant.reading(files.files, files.target, keep=kept)
 
 
-def with_scales(bound: list, model: nn.Module) -> list:
-    """``bound`` and, for each weight of an :class:`FP8Linear`, the rule of its scale: the HF name
-    and the zoo name, each with ``_scale_inv``."""
-    from zoo.checkpoints.maps import IDENTITY, Bound
+def _kept(model: nn.Module) -> set[str]:
+    """The zoo names of every float8 weight kept by an :class:`FP8Linear` or :class:`FP8Experts`."""
+    return {f"{n}.{p}" for n, m in model.named_modules() if isinstance(m, _StaysFP8)
+            for p, t in m.named_parameters(recurse=False) if t.dtype in FP8}
 
-    fp8 = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, FP8Linear)}
-    extra = [Bound((b.hf[0] + SCALE_SUFFIX,), (b.zoo[0] + SCALE_SUFFIX,), IDENTITY, None)
+
+def with_scales(bound: list, model: nn.Module) -> list:
+    """``bound`` and, for each kept float8 weight, the rule of its scale: the HF names and the zoo
+    name, each with ``_scale_inv``, through the weight's own transform (identity, or the experts' stack)."""
+    from zoo.checkpoints.maps import Bound
+
+    fp8 = _kept(model)
+    extra = [Bound(tuple(h + SCALE_SUFFIX for h in b.hf), (b.zoo[0] + SCALE_SUFFIX,), b.transform, None)
              for b in bound if len(b.zoo) == 1 and b.zoo[0] in fp8]
     return bound + extra
 
 
 def kept_tensors(model: nn.Module) -> set[str]:
-    """The zoo names of every float8 weight and scale kept by an :class:`FP8Linear`: read and written as stored."""
-    return {f"{n}.{t}" for n, m in model.named_modules() if isinstance(m, FP8Linear) for t in ("weight", "weight" + SCALE_SUFFIX)}
+    """The zoo names of every float8 weight and scale kept as stored (``fp8="keep"``): read and written as stored."""
+    return {n for w in _kept(model) for n in (w, w + SCALE_SUFFIX)}
