@@ -14,7 +14,7 @@ mkdir -p "$out"
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: nothing to check')"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/device.txt" || true
 # The interpreter off (the CPU tests turn it on): the CUDA tests only (kernels, the FP8 product).
-if ! TRITON_INTERPRET=0 python -m pytest -x -q -m cuda tests/kernels/test_kernels_cuda.py tests/formats/test_fp8_keep.py > "$out/pytest.txt" 2>&1; then
+if ! TRITON_INTERPRET=0 python -m pytest -x -q -m cuda tests/kernels/test_kernels_cuda.py tests/kernels/test_kernels_moe.py tests/formats/test_fp8_keep.py > "$out/pytest.txt" 2>&1; then
     cat "$out/pytest.txt"
     echo "a kernel disagrees with its reference on this GPU: fix it before measuring (nothing was timed)" >&2
     exit 1

@@ -150,12 +150,35 @@ class GroupedExperts(nn.Module):
 
     def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w_gate, w_up, w_down = (self._used(w) for w in (self.w_gate, self.w_up, self.w_down))
-        aligned = all(n * xs.element_size() % 16 == 0 for n in (self.d_model, self.d_ff))
-        # Under torch.compile the loop path (the grouped kernel's fake-tensor rule wants bf16).
-        grouped_ok = not torch.compiler.is_compiling() and aligned and _grouped_mm_ok(xs.device, xs.dtype)
-        if self.dispatch == "grouped" or (self.dispatch == "auto" and grouped_ok):
-            return _experts_grouped(xs, counts, w_gate, w_up, w_down, self.act, self.gated)
+        # Under autocast the products run in its dtype (bf16 over float32 weights and activations): the
+        # grouped matmul is chosen, and run, for that dtype, as autocast would run F.linear.
+        device = xs.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else xs.dtype
+        if self.choose_path(xs.device, dtype)[0] == "grouped":
+            cast = [w if w is None else w.to(dtype) for w in (xs, w_gate, w_up, w_down)]
+            return _experts_grouped(cast[0], counts, *cast[1:], self.act, self.gated)
         return _experts_loop(xs, counts, w_gate, w_up, w_down, self.act, self.gated)
+
+    def choose_path(self, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+        """The path the forward takes for tokens on ``device`` computing in ``dtype``, and why:
+        ``"grouped"`` (one ``torch._grouped_mm`` per projection, no host read) or ``"loop"`` (expert by
+        expert; it reads the token counts on the host). ``zoo describe --backends DEVICE`` prints it."""
+        dt = str(dtype).removeprefix("torch.")
+        if self.dispatch != "auto":
+            return self.dispatch, f"dispatch = {self.dispatch!r} in the spec"
+        if torch.compiler.is_compiling():  # the grouped kernel's fake-tensor rule wants bf16
+            return "loop", "under torch.compile"
+        if not hasattr(torch, "_grouped_mm"):
+            return "loop", f"torch {torch.__version__} has no torch._grouped_mm"
+        size = torch.empty((), dtype=dtype).element_size()
+        if any(n * size % 16 for n in (self.d_model, self.d_ff)):
+            return "loop", f"d_model {self.d_model} and d_ff {self.d_ff} in {dt} are not all multiples of 16 bytes"
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            return "unprobed", f"no CUDA device here to probe torch._grouped_mm for {dt}"
+        if not _grouped_mm_ok(device, dtype):
+            return "loop", f"torch._grouped_mm does not run on {device} for {dt}"
+        return "grouped", f"torch._grouped_mm on {device}, {dt}"
 
     def _used(self, w: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """``w`` as the forward uses it: this process's experts, their gradient summed over ``tp_mesh``."""

@@ -275,3 +275,37 @@ def test_zoo_generate_keeps_fp8(tmp_path, capsys):
                  "--fp8", "keep"]) == 0
     new = zoo.generate(zoo.from_pretrained(tmp_path / "fp8"), torch.tensor([list(b"ab")]), 5)[0, 2:]
     assert capsys.readouterr().out == "ab" + bytes(new.tolist()).decode("utf-8", "replace").rstrip("\ufffd") + "\n"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or not scaled_mm_supported(torch.device("cuda")),
+                    reason="needs a GPU with block-scaled scaled_mm (compute capability 9.x)")
+def test_fp8_experts_take_block_scaled_scaled_mm_on_the_gpu():
+    """On an H100/H200: 4 routed experts of 256 x 384 kept in FP8, each expert with tokens through
+    scaled_mm, within what quantising the input to e4m3 makes of the float64 product (two products
+    in a row, so 2 x 2^-4), and an expert without tokens skipped."""
+    import torch.nn.functional as F
+
+    from zoo.components.ffn.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    like = GroupedExperts(4, 384, 256, gated=True, act=torch.nn.SiLU(), dispatch="loop")
+    m = FP8Experts(like, block=(128, 128), dtype=torch.bfloat16, device="cuda")
+    for name in m.projections():
+        w = torch.randn(getattr(m, name).shape, device="cuda") * 0.05
+        E, rows, cols = w.shape
+        blocks = w.reshape(E, rows // 128, 128, cols // 128, 128)
+        scale = blocks.abs().amax(dim=(2, 4)) / 448.0
+        getattr(m, name).data = (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).reshape(E, rows, cols)
+        getattr(m, name + "_scale_inv").copy_(scale)
+    counts = torch.tensor([5, 0, 3, 8], device="cuda")
+    xs = torch.randn(16, 384, device="cuda", dtype=torch.bfloat16)
+    got = m(xs, counts).double()
+    dense = {n: m.dense_weight(n).double() for n in m.projections()}
+    want = []
+    for e, chunk in enumerate(xs.double().split(counts.tolist())):
+        h = F.silu(chunk @ dense["w_gate"][e].T) * (chunk @ dense["w_up"][e].T)
+        want.append(h @ dense["w_down"][e].T)
+    want = torch.cat(want)
+    assert FP8Linear._checked[xs.device] is True
+    assert (got - want).norm() / want.norm() < 2 * 2**-4

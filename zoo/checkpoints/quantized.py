@@ -407,6 +407,9 @@ class FP8Experts(_StaysFP8, GroupedExperts):
         """Projection ``name``'s whole stack in full precision (``dtype``), built for the caller and not kept."""
         return dequantize_blocks(getattr(self, name), getattr(self, name + SCALE_SUFFIX), self.block, self.compute_dtype)
 
+    def choose_path(self, device, dtype) -> tuple[str, str]:
+        return "loop", "float8 experts kept as stored: expert by expert, one expert's matrix dequantised at a time"
+
     def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         def linear(x, name, e):
             return fp8_linear(x, getattr(self, name)[e], getattr(self, name + SCALE_SUFFIX)[e], self.block,

@@ -132,10 +132,25 @@ def backend_rows(model, args):
     except RuntimeError:
         raise ValueError(f"--backends {device!r} is not a device; use cuda or cpu") from None
     dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(args.dtype, torch.bfloat16)
-    rows = backend_table(model, device=device, dtype=dtype)
+    rows = backend_table(model, device=device, dtype=dtype) + expert_rows(model, torch.device(device), dtype)
     for r in rows:
         r.update(device=device, dtype=str(dtype).removeprefix("torch."))
     return rows
+
+
+def expert_rows(model, device, dtype):
+    """One row per path the MoE layers' routed experts take on ``device``/``dtype`` (GroupedExperts.choose_path)."""
+    from zoo.components.ffn.moe import GroupedExperts
+
+    rows: dict[tuple, dict] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            path, why = module.choose_path(device, dtype)
+            row = rows.setdefault((type(module).__name__, path, why), {
+                "component": "experts", "class": type(module).__name__, "modules": [], "backend": path,
+                "fast": path == "grouped", "reason": why})
+            row["modules"].append(name)
+    return list(rows.values())
 
 
 def run_memory(model, args):

@@ -441,7 +441,9 @@ def backend_table(model: torch.nn.Module, *, device: Any = None, dtype: Optional
 def format_table(rows: list[dict]) -> str:
     """``backend_table`` as aligned text."""
     w = max([10] + [len(r["component"]) for r in rows])  # scalar_decay, gated_delta are wider than 10
-    lines = [f"{'component':<{w}} {'class':<13} {'modules':>7}  {'backend':<8} why"]
+    c = max([13] + [len(r["class"]) for r in rows])
+    b = max([8] + [len(r["backend"]) for r in rows])
+    lines = [f"{'component':<{w}} {'class':<{c}} {'modules':>7}  {'backend':<{b}} why"]
     for r in rows:
-        lines.append(f"{r['component']:<{w}} {r['class']:<13} {len(r['modules']):>7}  {r['backend']:<8} {r['reason']}")
+        lines.append(f"{r['component']:<{w}} {r['class']:<{c}} {len(r['modules']):>7}  {r['backend']:<{b}} {r['reason']}")
     return "\n".join(lines)
