@@ -135,6 +135,32 @@ def test_routed_experts_kept_in_fp8_decode_and_move_like_the_dequantised_model(d
     assert torch.equal(a, zoo.generate(ref, IDS[:, :8], max_new_tokens=6))
 
 
+def test_to_a_dtype_never_converts_the_fp8_numbers(deepseek):
+    """``.to(bfloat16)`` and back: no float8 tensor is ever converted, not even as a temporary (for a
+    DeepSeek-V3 layer's experts that would be 22 GB in bf16), and the weights keep their storage."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Casts(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            t = args[0] if args else None
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn and t.numel() \
+                    and isinstance(out, torch.Tensor) and out.dtype != t.dtype:
+                self.seen.append(str(func))
+            return out
+
+    kept = zoo.from_pretrained(deepseek, fp8="keep")
+    experts, o = kept.layers[1].ffn.experts, kept.layers[1].mixer.o_proj
+    before = experts.w_up.data_ptr(), o.weight.data_ptr()
+    with Casts() as casts:
+        kept.to(torch.bfloat16).to(torch.float32)
+    assert casts.seen == []
+    assert (experts.w_up.data_ptr(), o.weight.data_ptr()) == before
+    assert experts.compute_dtype == o.compute_dtype == torch.float32
+
+
 def test_an_expert_with_no_tokens_is_never_dequantised(deepseek, monkeypatch):
     """The experts run one at a time and only those that have tokens: one token's forward through a
     top-k MoE dequantises k experts' matrices per layer, each one expert wide, never a layer's stack."""

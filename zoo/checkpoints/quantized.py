@@ -317,22 +317,31 @@ def _check_scaled_mm(x, weight, scale, block, bias) -> bool:
 
 class _StaysFP8(nn.Module):
     """``.to(device)`` moves the float8 weights and their scales; ``.to(dtype)`` changes only the dtype
-    the module computes in (``compute_dtype``) and its other tensors: the stored numbers stay as they are."""
+    the module computes in (``compute_dtype``) and its other tensors: the stored numbers stay as they
+    are, and are never converted on the way (a layer's experts in bf16 would be a 22 GB temporary)."""
 
     compute_dtype: torch.dtype
 
     def _apply(self, fn, recurse=True):
-        weights = {n: p.data for n, p in self._parameters.items() if p is not None and p.dtype in FP8}
+        kept = {n: p for n, p in self._parameters.items() if p is not None and p.dtype in FP8}
         scales = {n: b for n, b in self._buffers.items() if n.endswith(SCALE_SUFFIX)}
-        super()._apply(fn, recurse)
-        for n, old in weights.items():
-            p = self._parameters[n]
-            if p.dtype != old.dtype:
-                self.compute_dtype = p.dtype
-                p.data = old.to(p.device)
-        for n, old in scales.items():
-            if self._buffers[n].dtype != old.dtype:
-                self._buffers[n] = old.to(self._buffers[n].device)
+        for n in kept:
+            self._parameters[n] = None
+        for n in scales:
+            self._buffers[n] = None
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._parameters.update(kept)
+            self._buffers.update(scales)
+        # What fn asks for, seen on an empty tensor of each kind: the device to move to, the dtype to compute in.
+        for n, p in kept.items():
+            probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+            if probe.dtype != p.dtype:
+                self.compute_dtype = probe.dtype
+            p.data = p.data.to(probe.device)
+        for n, b in scales.items():
+            self._buffers[n] = b.to(fn(torch.empty(0, dtype=b.dtype, device=b.device)).device)
         return self
 
 
