@@ -220,8 +220,10 @@ def test_fused_loss_applies_the_head_logit_scale():
 
 
 def tiny(name, **over):
+    """A two-layer model of preset ``name``; an override given as None drops one of the base ones."""
     base = {"layers.*.mixer.head_dim": 16, "layers.*.ffn.d_ff": 72}
-    return zoo.build(name, n_layers=2, d_model=32, vocab_size=150, seed=0, overrides={**base, **over})
+    overrides = {k: v for k, v in {**base, **over}.items() if v is not None}
+    return zoo.build(name, n_layers=2, d_model=32, vocab_size=150, seed=0, overrides=overrides)
 
 
 def spy_on_fast_paths(monkeypatch):
@@ -241,6 +243,9 @@ def spy_on_fast_paths(monkeypatch):
     ("gemma2-2b", {"layers.local.mixer.window": 4}),
     # Llama 3: GQA, SwiGLU, untied head, llama3 RoPE scaling; z-loss on
     ("llama3-8b", {"layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 2, "z_loss": 1e-3}),
+    # DeepSeek-V3: MLA, and a multi-token-prediction module whose loss (z-loss 0) takes the fused
+    # kernel too: its gradient must reach the MTP module as it does on the reference path
+    ("deepseek-v3", {"layers.*.mixer.head_dim": None}),
 ])
 def test_model_loss_and_gradients_with_every_fast_path(monkeypatch, name, over):
     model = tiny(name, **over)

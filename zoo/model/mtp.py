@@ -163,7 +163,7 @@ class MTP(nn.Module):
                 normed = normed[:, : target.shape[1]]
                 fused = _kernels.fast(model, normed)
             if fused is not None:
-                ce = fused(model, normed, target, z_loss=0.0)[1]
+                ce = fused(model, normed, target, z_loss=0.0)[0]  # the loss (= ce without z): ce carries no gradient
             elif whole:  # vocabulary-parallel, as the main loss; the filled positions' logits go
                 logits, start, mesh = model._local_logits(normed)
                 ce = vocab_parallel_lm_loss(logits[:, : target.shape[1]], target, start=start, tp_mesh=mesh).ce
