@@ -23,7 +23,7 @@ BACKENDS = (
     Backend("layernorm", "triton", "zoo.components.kernels.norms:layer_norm_module"),
     Backend("rope", "triton", "zoo.components.kernels.rope:rope_module"),
     Backend("glu", "triton", "zoo.components.kernels.glu:glu_module"),
-    Backend("loss", "triton", "zoo.components.kernels.cross_entropy:decoder_loss"),
+    Backend("loss", "triton", "zoo.components.kernels.cross_entropy:decoder_loss", traced=True),
     Backend("attention", "flex", "zoo.components.kernels.attention:flex_attend", needs="flex", traced=True),
     Backend("scalar_decay", "triton", "zoo.components.kernels.recurrent:chunked"),
     Backend("gated_delta", "triton", "zoo.components.kernels.gated_deltanet:chunk_gated_delta_rule"),

@@ -20,9 +20,13 @@ held is one block's, not the head's (4.2 GB for llama3-70b). With several blocks
 gradient is summed across them in the same dtype. Ignored labels (``ignore_index``) count neither
 in the mean nor in z; any other label outside [0, V) is refused. Nothing waits for the device: the
 mean's 1/n stays a tensor.
+
+Forward and backward are custom operators (``zoo::fused_linear_ce`` and its backward), so
+``torch.compile`` calls them as they are, one node each, and the compiled loss never holds the logits.
 """
 
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -112,21 +116,28 @@ def _logits(h, weight, bias, dtype):
     return out.contiguous()
 
 
-class _FusedLinearCE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h, weight, bias, labels, softcap, z_loss, ignore_index, want_grad, acc_dtype, dtype):
-        n, d = h.shape
-        v = weight.shape[0]
-        valid = labels != ignore_index
-        # The kernel reads each label's logit: one outside [0, V) would read out of bounds. Checked
-        # on the device, without a sync (on CUDA a failure is a device-side assert).
-        torch._assert_async(((labels >= 0) & (labels < v) | ~valid).all(),
-                            f"labels must lie in [0, {v}) (the vocabulary) or equal ignore_index {ignore_index}")
-        scale = 1.0 / valid.sum().clamp(min=1).float()  # a tensor: no host sync for the mean's 1/n
-        loss_rows = torch.empty(n, dtype=torch.float32, device=h.device)
-        lse_rows = torch.empty(n, dtype=torch.float32, device=h.device)
-        w = weight.to(dtype)  # autocast's cast of the head, for the forward only
-        rows = _chunk_rows(n, d, v)
+# The loss is two custom operators, so that ``torch.compile`` calls them as they are (one opaque node
+# each, forward and backward) instead of tracing into the Triton launches and the Python loops.
+
+def _forward(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
+             softcap: Optional[float], z_loss: float, ignore_index: int, dtype: torch.dtype,
+             acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, ce, z, lse, scale)``: the loss and its parts, the log-partition of each token and the
+    mean's 1/n, both kept for the backward (one float per token, nothing gradient-sized).
+    ``acc_dtype`` is the backward's (setup_context reads it from here)."""
+    n, d = h.shape
+    v = weight.shape[0]
+    valid = labels != ignore_index
+    # The kernel reads each label's logit: one outside [0, V) would read out of bounds. Checked
+    # on the device, without a sync (on CUDA a failure is a device-side assert).
+    torch._assert_async(((labels >= 0) & (labels < v) | ~valid).all(),
+                        f"labels must lie in [0, {v}) (the vocabulary) or equal ignore_index {ignore_index}")
+    scale = 1.0 / valid.sum().clamp(min=1).float()  # a tensor: no host sync for the mean's 1/n
+    loss_rows = torch.empty(n, dtype=torch.float32, device=h.device)
+    lse_rows = torch.empty(n, dtype=torch.float32, device=h.device)
+    w = weight.to(dtype)  # autocast's cast of the head, for the forward only
+    rows = _chunk_rows(n, d, v)
+    with on_device(h):
         for start in range(0, n, rows):
             hc = h[start:start + rows].to(dtype)
             logits = _logits(hc, w, bias, dtype)
@@ -135,39 +146,42 @@ class _FusedLinearCE(torch.autograd.Function):
                 float(softcap or 1.0), ignore_index,
                 HAS_CAP=softcap is not None, BLOCK_V=min(BLOCK_V, triton.next_power_of_2(v)),
             )
-        del w, logits
-        ce = loss_rows.sum() * scale
-        z = lse_rows.pow(2).sum() * scale
-        loss = ce + z_loss * z  # a tensor of its own: ce and z are marked non-differentiable
-        # Kept for the backward: the inputs themselves and one float per token (no gradient-sized tensor).
-        if want_grad:
-            ctx.save_for_backward(h, weight, bias, labels, lse_rows, scale)
-        ctx.settings = (softcap, z_loss, ignore_index, acc_dtype, dtype)
-        ctx.mark_non_differentiable(ce, z)
-        return loss, ce, z
+    ce = loss_rows.sum() * scale
+    z = lse_rows.pow(2).sum() * scale
+    return ce + z_loss * z, ce, z, lse_rows, scale
 
-    @staticmethod
-    def backward(ctx, grad_loss, _ce, _z):
-        """Block by block of the vocabulary, the logits are computed again and overwritten with their
-        gradient rows: the block's weight gradient is summed over the token chunks in ``acc_dtype`` and
-        rounded once into the gradient returned, and the hidden-state gradient is summed over the
-        blocks (in ``acc_dtype`` when there are several). Beyond the gradients returned, the backward
-        holds one block's float32 sums and one chunk's logits."""
-        h, weight, bias, labels, lse, scale = ctx.saved_tensors
-        softcap, z_loss, ignore_index, acc_dtype, dtype = ctx.settings
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        n, d = h.shape
-        v = weight.shape[0]
-        factor = grad_loss.float() * scale  # the mean's 1/n and the incoming gradient
-        cols = _vocab_cols(v, d)
-        rows = _chunk_rows(n, d, cols)
-        single = cols >= v  # one block: the hidden-state gradient needs no sum across blocks
-        grad_h = None
-        if need_h:  # in one block, written once in the matmuls' dtype; over several, summed in acc_dtype
-            grad_h = torch.empty(n, d, dtype=dtype, device=h.device) if single else \
-                torch.zeros(n, d, dtype=acc_dtype, device=h.device)
-        grad_w = torch.empty_like(weight) if need_w else None
-        grad_b = torch.empty_like(bias) if need_b else None
+
+_forward_op = torch.library.custom_op("zoo::fused_linear_ce", _forward, mutates_args=())
+
+
+@_forward_op.register_fake
+def _(h, weight, bias, labels, softcap, z_loss, ignore_index, dtype, acc_dtype):
+    loss, ce, z, scale = (h.new_empty((), dtype=torch.float32) for _ in range(4))
+    return loss, ce, z, h.new_empty(h.shape[0], dtype=torch.float32), scale
+
+
+def _backward(grad_loss: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+              labels: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, softcap: Optional[float], z_loss: float,
+              ignore_index: int, dtype: torch.dtype, acc_dtype: torch.dtype, need_h: bool, need_w: bool,
+              need_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block by block of the vocabulary, the logits are computed again and overwritten with their
+    gradient rows: the block's weight gradient is summed over the token chunks in ``acc_dtype`` and
+    rounded once into the gradient returned, and the hidden-state gradient is summed over the
+    blocks (in ``acc_dtype`` when there are several). Beyond the gradients returned, the backward
+    holds one block's float32 sums and one chunk's logits. A gradient not asked for is returned empty."""
+    n, d = h.shape
+    v = weight.shape[0]
+    factor = grad_loss.float() * scale  # the mean's 1/n and the incoming gradient
+    cols = _vocab_cols(v, d)
+    rows = _chunk_rows(n, d, cols)
+    single = cols >= v  # one block: the hidden-state gradient needs no sum across blocks
+    grad_h = h.new_empty(0)
+    if need_h:  # in one block, written once in the matmuls' dtype; over several, summed in acc_dtype
+        grad_h = torch.empty(n, d, dtype=dtype, device=h.device) if single else \
+            torch.zeros(n, d, dtype=acc_dtype, device=h.device)
+    grad_w = torch.empty_like(weight) if need_w else h.new_empty(0)
+    grad_b = torch.empty_like(bias) if need_b else h.new_empty(0)
+    with on_device(h):
         for c0 in range(0, v, cols):
             wc = weight[c0:c0 + cols].to(dtype)
             bc = bias[c0:c0 + cols] if bias is not None else None
@@ -196,9 +210,38 @@ class _FusedLinearCE(torch.autograd.Function):
             if need_b:
                 grad_b[c0:c0 + cols] = acc_b.mul_(factor)
             del wc, w_acc, acc_w, acc_b
-        if need_h:
-            grad_h = grad_h.mul_(factor.to(grad_h.dtype)).to(h.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
+    if need_h:
+        grad_h = grad_h.mul_(factor.to(grad_h.dtype)).to(h.dtype)
+    return grad_h, grad_w, grad_b
+
+
+_backward_op = torch.library.custom_op("zoo::fused_linear_ce_backward", _backward, mutates_args=())
+
+
+@_backward_op.register_fake
+def _(grad_loss, h, weight, bias, labels, lse, scale, softcap, z_loss, ignore_index, dtype, acc_dtype,
+      need_h, need_w, need_b):
+    return (torch.empty_like(h) if need_h else h.new_empty(0), torch.empty_like(weight) if need_w else h.new_empty(0),
+            torch.empty_like(bias) if need_b else h.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    h, weight, bias, labels, softcap, z_loss, ignore_index, dtype, acc_dtype = inputs
+    _, ce, z, lse, scale = output
+    # Kept for the backward: the inputs themselves and one float per token (no gradient-sized tensor).
+    ctx.save_for_backward(h, weight, bias, labels, lse, scale)
+    ctx.settings = (softcap, z_loss, ignore_index, dtype, acc_dtype)
+    ctx.mark_non_differentiable(ce, z, lse, scale)
+
+
+def _grads(ctx, grad_loss, _ce, _z, _lse, _scale):
+    h, weight, bias, labels, lse, scale = ctx.saved_tensors
+    need = ctx.needs_input_grad[:3]
+    grads = _backward_op(grad_loss, h, weight, bias, labels, lse, scale, *ctx.settings, *need)
+    return (*(g if wanted else None for g, wanted in zip(grads, need)), *[None] * 6)
+
+
+_forward_op.register_autograd(_grads, setup_context=_setup_context)
 
 
 def fused_linear_cross_entropy(h, weight, labels, *, bias=None, softcap=None, z_loss=0.0, ignore_index=-100,
@@ -214,17 +257,15 @@ def fused_linear_cross_entropy(h, weight, labels, *, bias=None, softcap=None, z_
     h2, labels2 = h.reshape(-1, d), labels.reshape(-1)
     if h2.shape[0] != labels2.shape[0]:
         raise ValueError(f"hidden states {tuple(h.shape)} and labels {tuple(labels.shape)} do not match")
-    want_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (h2, weight, bias))
     device = h.device.type
     # Under autocast the head's matmuls take autocast's dtype, as they would in the reference; the
     # casts happen inside, block by block, so that no cast copy of the head is kept for the backward.
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     if accumulate_dtype is None:
         accumulate_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-    with torch.autocast(device, enabled=False), on_device(h2):
-        return _FusedLinearCE.apply(h2.contiguous(), weight, bias, labels2.contiguous(), softcap, float(z_loss),
-                                    ignore_index, want_grad, accumulate_dtype, dtype)
+    with torch.autocast(device, enabled=False):
+        return _forward_op(h2.contiguous(), weight, bias, labels2.contiguous(), None if softcap is None else float(softcap),
+                        float(z_loss), ignore_index, dtype, accumulate_dtype)[:3]
 
 
 def decoder_loss(model, hidden, labels, *, z_loss, ignore_index=-100):

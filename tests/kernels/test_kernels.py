@@ -202,6 +202,37 @@ def test_fused_loss_scales_with_the_incoming_gradient_and_skips_work_without_gra
     close(loss, F.cross_entropy(h.detach() @ w.detach().T, labels))
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fused_loss_compiles_in_one_graph_and_equals_eager(backend):
+    """The loss is a pair of custom operators: torch.compile calls them as they are, with no graph
+    break (Dynamo would otherwise trace into the Triton launches), and the compiled loss and every
+    gradient are the eager kernel's, bit for bit (the same code runs)."""
+    from zoo.components.kernels.cross_entropy import fused_linear_cross_entropy
+
+    torch.manual_seed(0)
+    params = [torch.randn(13, 16, requires_grad=True), torch.randn(70, 16, requires_grad=True),
+              torch.randn(70, requires_grad=True)]
+    labels = torch.randint(0, 70, (13,))
+    labels[3] = -100
+
+    def loss(h, w, b, labels):
+        return fused_linear_cross_entropy(h, w, labels, bias=b, softcap=5.0, z_loss=1e-2)[0]
+
+    torch._dynamo.reset()
+    try:
+        explained = torch._dynamo.explain(loss)(*params, labels)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+        want = loss(*params, labels)
+        want_grads = torch.autograd.grad(want, params)
+        got = torch.compile(loss, backend=backend, fullgraph=True)(*params, labels)
+        got_grads = torch.autograd.grad(got, params)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def test_fused_loss_applies_the_head_logit_scale():
     """Grok-1's output multiplier scales the logits before the loss: the fused loss (which never
     forms them) takes it too, in the loss and in every gradient."""

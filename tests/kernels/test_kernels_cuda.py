@@ -1,5 +1,6 @@
 """The recurrent Triton kernels compiled and run on a CUDA GPU at the presets' shapes (and head dim
-256), fp32 and bf16, forward and backward, against the PyTorch references on the same GPU. Skipped
+256), fp32 and bf16, forward and backward, against the PyTorch references on the same GPU; the fused
+loss under torch.compile (Inductor) against the same loss run eagerly. Skipped
 without a GPU; ``benchmarks/gpu_check.sh`` runs this file (``-m cuda``, with ``TRITON_INTERPRET=0``)
 before the GPU benchmark. Nothing here has run yet: no GPU has been at hand."""
 
@@ -84,3 +85,34 @@ def test_kernel_matches_the_reference_on_cuda(problem, dtype):
     for i, (x, c, w) in enumerate(zip(got, ref, want)):
         bound = bf16_error_bound(c, w, x.dtype) if dtype == torch.bfloat16 else max(2 * rel(c, w), 1e-4)
         assert rel(x, w) <= bound, (problem.label, i, rel(x, w), bound)
+
+
+def test_fused_loss_under_inductor_equals_the_eager_kernel_on_cuda():
+    """A Llama-3-sized vocabulary block in bf16: the loss compiled by Inductor (its two custom
+    operators called as they are, in one graph) gives the eager kernel's loss and gradients exactly,
+    and the eager kernel's loss is the reference's within the bf16 logits' rounding."""
+    from zoo.components.kernels.cross_entropy import fused_linear_cross_entropy
+    from zoo.model.loss import lm_loss
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    h = torch.randn(1024, 512, device=dev, generator=g, dtype=torch.bfloat16).requires_grad_()
+    w = (0.05 * torch.randn(32768, 512, device=dev, generator=g, dtype=torch.bfloat16)).requires_grad_()
+    labels = torch.randint(0, 32768, (1024,), device=dev, generator=g)
+
+    def loss(h, w, labels):
+        return fused_linear_cross_entropy(h, w, labels, softcap=30.0, z_loss=1e-4)[0]
+
+    torch._dynamo.reset()
+    try:
+        want = loss(h, w, labels)
+        want_grads = torch.autograd.grad(want, (h, w))
+        got = torch.compile(loss, fullgraph=True)(h, w, labels)
+        got_grads = torch.autograd.grad(got, (h, w))
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    ref = lm_loss(30.0 * torch.tanh((h @ w.t()).float() / 30.0), labels, z_loss=1e-4).loss
+    torch.testing.assert_close(want, ref, rtol=1e-3, atol=0)

@@ -61,3 +61,33 @@ def test_flex_attention_stays_on_and_traces_inside_torch_compile(monkeypatch, on
         assert breaks(lambda ids: model(ids, labels=ids).loss, ids) == []
     assert ran and all(ran)  # both layers, while tracing
     kernels.refresh()
+
+
+def test_the_fused_loss_stays_on_inside_torch_compile(monkeypatch, one_thread):
+    """Under torch.compile the fused loss runs as two custom operators (it never materialises the
+    logits, compiled or not): a training step traces in one graph with it, and the compiled loss
+    and every gradient equal the eager fused loss's."""
+    from zoo.components.kernels import cross_entropy
+
+    model = zoo.build("llama3-8b", n_layers=2, d_model=32, vocab_size=150, seed=0,
+                      overrides={"layers.*.mixer.head_dim": 16, "layers.*.ffn.d_ff": 48, "z_loss": 1e-3})
+    ids = torch.randint(0, 150, (2, 9))
+    ran = []
+    real = cross_entropy.decoder_loss
+    monkeypatch.setattr(cross_entropy, "decoder_loss",
+                        lambda *a, **k: ran.append(torch.compiler.is_compiling()) or real(*a, **k))
+    kernels.refresh()  # a cold process: the loss's module is imported when the kernel registry is read
+    params = list(model.parameters())
+    with kernels.using("loss:triton"):
+        assert breaks(lambda ids: model(ids, labels=ids).loss, ids) == []
+        assert ran and all(ran)
+        want = model(ids, labels=ids).loss
+        want_grads = torch.autograd.grad(want, params)
+        torch._dynamo.reset()
+        got = torch.compile(lambda ids: model(ids, labels=ids).loss, backend="aot_eager", fullgraph=True)(ids)
+        got_grads = torch.autograd.grad(got, params)
+    kernels.refresh()
+    assert ran[-1] is True  # the compiled step called the fused loss
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for (name, _), g, w in zip(model.named_parameters(), got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")

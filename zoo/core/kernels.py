@@ -48,7 +48,10 @@ class Backend:
     needs: str = "triton"
     devices: tuple[str, ...] = ("cuda",)
     dtypes: tuple[str, ...] = FLOAT_DTYPES
-    traced: bool = False  # runs inside torch.compile (traced and fused with the model); others step aside there
+    # Runs inside torch.compile: traced with the model (FlexAttention), or called as it is, a custom
+    # operator the compiler does not look into (the fused loss). Others step aside there for the
+    # reference, which the compiler fuses itself.
+    traced: bool = False
 
     def load(self) -> Callable:
         module, _, attr = self.target.partition(":")
@@ -164,8 +167,8 @@ def components() -> dict[str, dict[str, Backend]]:
         for name in reg.names() if reg is not None else []:
             b = reg.get(name)
             out.setdefault(b.component, {})[b.name] = b
-            if b.traced:  # imported now (no Triton in them), so torch.compile never traces an import
-                _cache[("impl", b.component, b.name)] = b.load()
+            if b.traced and (b.needs != "triton" or _importable("triton")):  # imported now, so that
+                _cache[("impl", b.component, b.name)] = b.load()                # a compile never traces an import
         _cache["components"] = out
     return _cache["components"]
 
