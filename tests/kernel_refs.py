@@ -28,3 +28,28 @@ def bf16_error_bound(core32, want, dtype):
     interpreter stores it; fp32 results (the states, the log-decays' gradient) are held to the fp32
     kernel tests' 1e-5 of the largest element."""
     return 2 * rel(bf16_truncated(core32), want) if dtype == torch.bfloat16 else max(2 * rel(core32, want), 1e-5)
+
+
+def assert_compiles_as_eager(fn, *inputs, backend="aot_eager"):
+    """``fn`` (a kernel whose forward and backward are custom operators) traces in one graph with no
+    break, and compiled with ``backend`` it gives the eager kernel's outputs and input gradients bit
+    for bit: the compiler calls the operators as they are, so the same code runs. ``fn`` returns a
+    tensor or a tuple of them; the gradients are of their sum with fixed random weights."""
+    def run(f):
+        outs = f(*inputs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        g = torch.Generator().manual_seed(1)
+        loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in outs)
+        return [*outs, *torch.autograd.grad(loss, [t for t in inputs if torch.is_tensor(t) and t.requires_grad])]
+
+    torch._dynamo.reset()
+    try:
+        explained = torch._dynamo.explain(fn)(*inputs)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+        want = run(fn)
+        got = run(torch.compile(fn, backend=backend, fullgraph=True))
+    finally:
+        torch._dynamo.reset()
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

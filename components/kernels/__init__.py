@@ -25,8 +25,10 @@ BACKENDS = (
     Backend("glu", "triton", "zoo.components.kernels.glu:glu_module"),
     Backend("loss", "triton", "zoo.components.kernels.cross_entropy:decoder_loss", traced=True),
     Backend("attention", "flex", "zoo.components.kernels.attention:flex_attend", needs="flex", traced=True),
-    Backend("scalar_decay", "triton", "zoo.components.kernels.recurrent:chunked"),
-    Backend("gated_delta", "triton", "zoo.components.kernels.gated_deltanet:chunk_gated_delta_rule"),
+    Backend("scalar_decay", "triton", "zoo.components.kernels.recurrent:chunked",
+            traced=True),
+    Backend("gated_delta", "triton", "zoo.components.kernels.gated_deltanet:chunk_gated_delta_rule",
+            traced=True),
 )
 
 for _b in BACKENDS:

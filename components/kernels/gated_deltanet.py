@@ -14,12 +14,12 @@ What runs where:
 - PyTorch: padding to a whole number of chunks, the cumulative sums ``G`` of the log decays within
   each chunk (autograd gives their backward), and the sums of the kernels' per-value-head gradient
   shares over blocks of value columns and over the value heads a key head serves.
-- Triton, the UT transform (:func:`_ut_fwd`, :func:`_ut_bwd`, the two :class:`_UTTransform`
-  runs): one program per (chunk, batch and value head), all chunks in parallel. It builds ``A``,
+- Triton, the UT transform (:func:`_ut_fwd`, :func:`_ut_bwd`, :func:`_ut_transform` and its
+  backward): one program per (chunk, batch and value head), all chunks in parallel. It builds ``A``,
   inverts ``I + A`` by forward substitution (row ``r`` of the inverse ``T`` is ``e_r - sum_{j<r}
   A_rj T_j``: exact, as a triangular solve is) and multiplies out ``u`` and ``w``; its backward
   rebuilds ``T`` and gives ``dk``, ``dv``, ``dG`` and ``dbeta`` through ``T``, ``A`` and the right-hand side.
-- Triton, the inter-chunk pass (:func:`_fwd`, :class:`_InterChunk`): one program per (batch, value
+- Triton, the inter-chunk pass (:func:`_fwd`, :func:`_inter_chunk`): one program per (batch, value
   head, block of value columns) walks the chunks in order with its columns of ``S`` (Dk x BV,
   fp32) on chip and computes ``v'``, the masked ``(q k^T) * D``, the decayed ``q`` and ``k``, the
   outputs and the next state. Its backward (:func:`_bwd`) is a reverse sweep carrying ``dS`` back
@@ -40,9 +40,12 @@ kernel's tile helpers, imported from it, mask them right); otherwise one block h
 Products run in fp32: IEEE for fp32 inputs, TF32 tensor cores for 16-bit ones (which carry no more
 precision). Every grid has B x H (for the UT transform, B x H x chunks) on its first axis, which may
 hold 2^31 - 1 programs (the others 65,535). The launch configurations are the scalar-decay
-kernel's (:func:`zoo.components.kernels.recurrent._configs`), autotuned among on a GPU.
+kernel's (:func:`zoo.components.kernels.recurrent._configs`), autotuned among on a GPU. Each pass
+and its backward are custom operators (``zoo::gated_delta_ut``, ``zoo::gated_delta_chunks``), which
+``torch.compile`` calls as they are.
 """
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -233,90 +236,142 @@ def _segment(N):
     return N if N <= 64 else math.isqrt(N - 1) + 1
 
 
-class _InterChunk(torch.autograd.Function):
+def _inter_chunk(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, u: torch.Tensor, w: torch.Tensor,
+                 s0: Optional[torch.Tensor], C: int, BV: int, prec: str,
+                 segment: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The sequential pass over chunks: (q, k per key head; G, u, w per value head; S0) -> (outputs,
-    final state). All inputs fp32 and contiguous, the length a whole number of chunks."""
-
-    @staticmethod
-    def forward(ctx, q, k, G, u, w, s0, C, BV, prec, segment):
-        B, H, Tp, Dv = u.shape
-        Hk, Dk = q.shape[1], q.shape[-1]
-        o = torch.empty_like(u)
-        st = u.new_empty(B, H, Dk, Dv)
-        BK = _width(Dk)
-        with on_device(u):
-            launch(_fwd, (B * H, triton.cdiv(Dv, BV)), _configs(BK, BV), q, k, G, u, w, s0 if s0 is not None else st,
-                   o, st, st, o, Tp, H, Hk, Dk, Dv, 0, Tp // C, 1, 1, HAS_S0=s0 is not None, STORE=False, PREC=prec,
-                   C=C, BK=BK, BV=BV)
-        ctx.save_for_backward(q, k, G, u, w, s0)
-        ctx.C, ctx.BV, ctx.prec, ctx.segment = C, BV, prec, segment
-        return o, st
-
-    @staticmethod
-    def backward(ctx, do, dst):
-        """Segment by segment from the last: the states before each segment are kept from one
-        forward rerun, and each segment's states before its chunks are rebuilt from them just
-        before its reverse sweep."""
-        q, k, G, u, w, s0 = ctx.saved_tensors
-        C, BV, prec = ctx.C, ctx.BV, ctx.prec
-        B, H, Tp, Dv = u.shape
-        Hk, Dk = q.shape[1], q.shape[-1]
-        N, NV, BK = Tp // C, triton.cdiv(Dv, BV), _width(Dk)
-        M = min(ctx.segment or _segment(N), N)
-        grid, configs, common = (B * H, NV), _configs(BK, BV), dict(PREC=prec, C=C, BK=BK, BV=BV)
-        NS = triton.cdiv(N, M)
-        starts, states, vn = u.new_empty(B, H, NS, Dk, Dv), u.new_empty(B, H, M, Dk, Dv), torch.empty_like(u)
-        do = torch.zeros_like(u) if do is None else do.float().contiguous()
-        dst = dst.float().contiguous() if dst is not None else None
-        dq, dk, dw = (u.new_empty(NV, B, H, Tp, Dk) for _ in range(3))
-        dG, du = u.new_empty(NV, B, H, Tp), torch.empty_like(u)
-        carried = [u.new_empty(B, H, Dk, Dv) for _ in range(2 if NS > 1 else 1)]  # dS between segments
-        s0_ = s0 if s0 is not None else u
-        with on_device(u):
-            first = starts if NS > 1 else states  # the states before each segment, or before each chunk
-            launch(_fwd, grid, configs, q, k, G, u, w, s0_, vn, s0_, first, vn, Tp, H, Hk, Dk, Dv, 0, N, M if NS > 1 else 1,
-                   first.shape[2], HAS_S0=s0 is not None, STORE=True, **common)
-            for i in reversed(range(NS)):
-                n0, n1 = i * M, min(N, (i + 1) * M)
-                if NS > 1:
-                    launch(_fwd, grid, configs, q, k, G, u, w, starts[:, :, i].contiguous(), vn, s0_, states, vn,
-                           Tp, H, Hk, Dk, Dv, n0, n1, 1, M, HAS_S0=True, STORE=True, **common)
-                ds_in = dst if i == NS - 1 else carried[(i + 1) % 2]
-                launch(_bwd, grid, configs, q, k, G, w, states, vn, do, ds_in if ds_in is not None else u, dq, dk, dG,
-                       du, dw, carried[i % 2], Tp, H, Hk, Dk, Dv, n0, n1, M, HAS_DST=ds_in is not None, **common)
-        group = lambda t: t.sum(0).view(B, Hk, H // Hk, Tp, Dk).sum(2)  # noqa: E731  blocks, then heads
-        return (group(dq), group(dk), dG.sum(0), du, dw.sum(0), carried[0] if s0 is not None else None,
-                None, None, None, None)
+    final state). All inputs fp32 and contiguous, the length a whole number of chunks. ``segment``
+    is the backward's (chunks per segment; None chooses)."""
+    B, H, Tp, Dv = u.shape
+    Hk, Dk = q.shape[1], q.shape[-1]
+    o = torch.empty_like(u)
+    st = u.new_empty(B, H, Dk, Dv)
+    BK = _width(Dk)
+    with on_device(u):
+        launch(_fwd, (B * H, triton.cdiv(Dv, BV)), _configs(BK, BV), q, k, G, u, w, s0 if s0 is not None else st,
+               o, st, st, o, Tp, H, Hk, Dk, Dv, 0, Tp // C, 1, 1, HAS_S0=s0 is not None, STORE=False, PREC=prec,
+               C=C, BK=BK, BV=BV)
+    return o, st
 
 
-class _UTTransform(torch.autograd.Function):
+def _inter_chunk_backward(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, u: torch.Tensor, w: torch.Tensor,
+                          s0: Optional[torch.Tensor], do: Optional[torch.Tensor], dst: Optional[torch.Tensor],
+                          C: int, BV: int, prec: str, segment: Optional[int]
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dG, du, dw, ds0; ``ds0`` empty without an initial state), segment by segment from the
+    last: the states before each segment are kept from one forward rerun, and each segment's states
+    before its chunks are rebuilt from them just before its reverse sweep."""
+    B, H, Tp, Dv = u.shape
+    Hk, Dk = q.shape[1], q.shape[-1]
+    N, NV, BK = Tp // C, triton.cdiv(Dv, BV), _width(Dk)
+    M = min(segment or _segment(N), N)
+    grid, configs, common = (B * H, NV), _configs(BK, BV), dict(PREC=prec, C=C, BK=BK, BV=BV)
+    NS = triton.cdiv(N, M)
+    starts, states, vn = u.new_empty(B, H, NS, Dk, Dv), u.new_empty(B, H, M, Dk, Dv), torch.empty_like(u)
+    do = torch.zeros_like(u) if do is None else do.float().contiguous()
+    dst = dst.float().contiguous() if dst is not None else None
+    dq, dk, dw = (u.new_empty(NV, B, H, Tp, Dk) for _ in range(3))
+    dG, du = u.new_empty(NV, B, H, Tp), torch.empty_like(u)
+    carried = [u.new_empty(B, H, Dk, Dv) for _ in range(2 if NS > 1 else 1)]  # dS between segments
+    s0_ = s0 if s0 is not None else u
+    with on_device(u):
+        first = starts if NS > 1 else states  # the states before each segment, or before each chunk
+        launch(_fwd, grid, configs, q, k, G, u, w, s0_, vn, s0_, first, vn, Tp, H, Hk, Dk, Dv, 0, N, M if NS > 1 else 1,
+               first.shape[2], HAS_S0=s0 is not None, STORE=True, **common)
+        for i in reversed(range(NS)):
+            n0, n1 = i * M, min(N, (i + 1) * M)
+            if NS > 1:
+                launch(_fwd, grid, configs, q, k, G, u, w, starts[:, :, i].contiguous(), vn, s0_, states, vn,
+                       Tp, H, Hk, Dk, Dv, n0, n1, 1, M, HAS_S0=True, STORE=True, **common)
+            ds_in = dst if i == NS - 1 else carried[(i + 1) % 2]
+            launch(_bwd, grid, configs, q, k, G, w, states, vn, do, ds_in if ds_in is not None else u, dq, dk, dG,
+                   du, dw, carried[i % 2], Tp, H, Hk, Dk, Dv, n0, n1, M, HAS_DST=ds_in is not None, **common)
+    group = lambda t: t.sum(0).view(B, Hk, H // Hk, Tp, Dk).sum(2)  # noqa: E731  blocks, then heads
+    return (group(dq), group(dk), dG.sum(0), du, dw.sum(0), carried[0] if s0 is not None else u.new_empty(0))
+
+
+def _ut_transform(k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, beta: torch.Tensor, C: int,
+        prec: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(k per key head; v, G, beta per value head) -> (u, w), each chunk on its own. All inputs fp32
     and contiguous, the length a whole number of chunks."""
+    B, H, Tp, Dv = v.shape
+    Hk, Dk = k.shape[1], k.shape[-1]
+    u, w = torch.empty_like(v), v.new_empty(B, H, Tp, Dk)
+    with on_device(v):
+        launch(_ut_fwd, (Tp // C * B * H,), ((4, 2),), k, v, G, beta, u, w, Tp, H, Hk, Dk, Dv, PREC=prec, C=C,
+               BK=_width(Dk), BVF=_width(Dv))
+    return u, w
 
-    @staticmethod
-    def forward(ctx, k, v, G, beta, C, prec):
-        B, H, Tp, Dv = v.shape
-        Hk, Dk = k.shape[1], k.shape[-1]
-        u, w = torch.empty_like(v), v.new_empty(B, H, Tp, Dk)
-        with on_device(v):
-            launch(_ut_fwd, (Tp // C * B * H,), ((4, 2),), k, v, G, beta, u, w, Tp, H, Hk, Dk, Dv, PREC=prec, C=C,
-                   BK=_width(Dk), BVF=_width(Dv))
-        ctx.save_for_backward(k, v, G, beta)
-        ctx.C, ctx.prec = C, prec
-        return u, w
 
-    @staticmethod
-    def backward(ctx, du, dw):
-        k, v, G, beta = ctx.saved_tensors
-        B, H, Tp, Dv = v.shape
-        Hk, Dk = k.shape[1], k.shape[-1]
-        du = torch.zeros_like(v) if du is None else du.contiguous()
-        dw = v.new_zeros(B, H, Tp, Dk) if dw is None else dw.contiguous()
-        dk, dv, dG, db = v.new_empty(B, H, Tp, Dk), torch.empty_like(v), torch.empty_like(G), torch.empty_like(beta)
-        with on_device(v):
-            launch(_ut_bwd, (Tp // ctx.C * B * H,), ((4, 2),), k, v, G, beta, du, dw, dk, dv, dG, db, Tp, H, Hk, Dk, Dv,
-                   PREC=ctx.prec, C=ctx.C, BK=_width(Dk), BVF=_width(Dv))
-        return dk.view(B, Hk, H // Hk, Tp, Dk).sum(2), dv, dG, db, None, None
+def _ut_transform_backward(k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, beta: torch.Tensor,
+                           du: Optional[torch.Tensor], dw: Optional[torch.Tensor], C: int, prec: str
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, H, Tp, Dv = v.shape
+    Hk, Dk = k.shape[1], k.shape[-1]
+    du = torch.zeros_like(v) if du is None else du.contiguous()
+    dw = v.new_zeros(B, H, Tp, Dk) if dw is None else dw.contiguous()
+    dk, dv, dG, db = v.new_empty(B, H, Tp, Dk), torch.empty_like(v), torch.empty_like(G), torch.empty_like(beta)
+    with on_device(v):
+        launch(_ut_bwd, (Tp // C * B * H,), ((4, 2),), k, v, G, beta, du, dw, dk, dv, dG, db, Tp, H, Hk, Dk, Dv,
+               PREC=prec, C=C, BK=_width(Dk), BVF=_width(Dv))
+    return dk.view(B, Hk, H // Hk, Tp, Dk).sum(2), dv, dG, db
+
+
+# Each pass is a pair of custom operators, so that torch.compile calls them as they are instead of
+# tracing into the Triton launches.
+_inter_chunk_op = torch.library.custom_op("zoo::gated_delta_chunks", _inter_chunk, mutates_args=())
+_inter_chunk_backward_op = torch.library.custom_op("zoo::gated_delta_chunks_backward", _inter_chunk_backward,
+                                                   mutates_args=())
+_ut_op = torch.library.custom_op("zoo::gated_delta_ut", _ut_transform, mutates_args=())
+_ut_backward_op = torch.library.custom_op("zoo::gated_delta_ut_backward", _ut_transform_backward,
+                                          mutates_args=())
+
+
+@_inter_chunk_op.register_fake
+def _(q, k, G, u, w, s0, C, BV, prec, segment):
+    return torch.empty_like(u), u.new_empty(*u.shape[:2], q.shape[-1], u.shape[-1])
+
+
+@_inter_chunk_backward_op.register_fake
+def _(q, k, G, u, w, s0, do, dst, C, BV, prec, segment):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(G), torch.empty_like(u), torch.empty_like(w),
+            torch.empty_like(s0) if s0 is not None else u.new_empty(0))
+
+
+@_ut_op.register_fake
+def _(k, v, G, beta, C, prec):
+    return torch.empty_like(v), v.new_empty(*v.shape[:3], k.shape[-1])
+
+
+@_ut_backward_op.register_fake
+def _(k, v, G, beta, du, dw, C, prec):
+    return torch.empty_like(k), torch.empty_like(v), torch.empty_like(G), torch.empty_like(beta)
+
+
+def _inter_chunk_setup(ctx, inputs, output):
+    *tensors, ctx.C, ctx.BV, ctx.prec, ctx.segment = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.set_materialize_grads(False)  # a gradient not given (None) takes the kernels' cheaper path
+
+
+def _inter_chunk_grads(ctx, do, dst):
+    q, k, G, u, w, s0 = ctx.saved_tensors
+    grads = _inter_chunk_backward_op(q, k, G, u, w, s0, do, dst, ctx.C, ctx.BV, ctx.prec, ctx.segment)
+    return (*grads[:5], grads[5] if s0 is not None else None, None, None, None, None)
+
+
+def _ut_setup(ctx, inputs, output):
+    *tensors, ctx.C, ctx.prec = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.set_materialize_grads(False)
+
+
+def _ut_grads(ctx, du, dw):
+    return (*_ut_backward_op(*ctx.saved_tensors, du, dw, ctx.C, ctx.prec), None, None)
+
+
+_inter_chunk_op.register_autograd(_inter_chunk_grads, setup_context=_inter_chunk_setup)
+_ut_op.register_autograd(_ut_grads, setup_context=_ut_setup)
 
 
 def _blocks(T, chunk_size, Dk, Dv, block_v):
@@ -349,7 +404,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk_size=64, *, block
     N, Tp = (T + pad) // C, T + pad
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     G = g.view(B, H, N, C).cumsum(-1).view(B, H, Tp)
-    u, w = _UTTransform.apply(k, v, G, beta, C, prec)
+    u, w = _ut_op(k, v, G, beta, C, prec)
     s0 = state.float().contiguous() if state is not None else None
-    out, S = _InterChunk.apply(q, k, G, u, w, s0, C, BV, prec, segment)
+    out, S = _inter_chunk_op(q, k, G, u, w, s0, C, BV, prec, segment)
     return out[:, :, :T].to(out_dtype), S

@@ -21,8 +21,11 @@ a GPU (:mod:`zoo.components.kernels.tuning`); ``tests/kernels/test_kernels_fit.p
 
 Products run in fp32 (IEEE for fp32 inputs, TF32 tensor cores otherwise: the inputs were 16-bit).
 The grid is (batch x heads, value blocks): the first axis may hold 2^31 - 1 programs, the second
-65,535.
+65,535. Forward and backward are custom operators (``zoo::scalar_decay`` and its backward), which
+``torch.compile`` calls as they are.
 """
+
+from typing import Optional
 
 import torch
 import triton
@@ -180,54 +183,83 @@ def _configs(BK, BV):
     return ((8, 2), (4, 2)) if max(BK, BV) > 64 else ((4, 2),)
 
 
-class _ChunkedScalarDecay(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, a, s0):
-        a_dtype, s0_dtype = a.dtype, s0.dtype if s0 is not None else None
-        B, H, T, Dk = q.shape
-        Dv = v.shape[-1]
-        q, k, v, a = (t.contiguous() for t in (q, k, v, a.float()))
-        s0 = s0.float().contiguous() if s0 is not None else None
-        y = torch.empty_like(v)
-        st = torch.empty(B, H, Dk, Dv, device=q.device, dtype=torch.float32)
-        BT, BK, BV = _blocks(Dk, Dv)
-        prec = "ieee" if q.dtype == torch.float32 else "tf32"
-        with on_device(q):
-            launch(_fwd, (B * H, triton.cdiv(Dv, BV)), _configs(BK, BV), q, k, v, a, s0 if s0 is not None else st,
-                   y, st, T, Dk, Dv, HAS_S0=s0 is not None, PREC=prec, BT=BT, BK=BK, BV=BV)
-        ctx.save_for_backward(q, k, v, a, s0, st)
-        ctx.prec, ctx.dtypes = prec, (a_dtype, s0_dtype)
-        return y, st
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+             s0: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(outputs, final fp32 state) from contiguous q, k, v, fp32 log-decays ``a`` and fp32 ``s0``."""
+    B, H, T, Dk = q.shape
+    Dv = v.shape[-1]
+    y = torch.empty_like(v)
+    st = torch.empty(B, H, Dk, Dv, device=q.device, dtype=torch.float32)
+    BT, BK, BV = _blocks(Dk, Dv)
+    with on_device(q):
+        launch(_fwd, (B * H, triton.cdiv(Dv, BV)), _configs(BK, BV), q, k, v, a, s0 if s0 is not None else st,
+               y, st, T, Dk, Dv, HAS_S0=s0 is not None, PREC=_precision(q), BT=BT, BK=BK, BV=BV)
+    return y, st
 
-    @staticmethod
-    def backward(ctx, dy, dst):
-        q, k, v, a, s0, st = ctx.saved_tensors
-        B, H, T, Dk = q.shape
-        Dv = v.shape[-1]
-        BT, BK, BV = _blocks(Dk, Dv)
-        NV = triton.cdiv(Dv, BV)
-        dy = torch.zeros_like(v) if dy is None else dy.contiguous()
-        # dq and dk in fp32, one share per block of value columns: summed, and the log-decays'
-        # gradient taken from them, before they are rounded to the inputs' dtype
-        dq, dk = (torch.empty(NV, B, H, T, Dk, device=q.device, dtype=torch.float32) for _ in range(2))
-        dv = torch.empty_like(v)
-        ds0 = torch.empty(B, H, Dk, Dv, device=q.device, dtype=torch.float32)
-        dst_ = dst.float().contiguous() if dst is not None else None
-        grid, configs = (B * H, NV), _configs(BK, BV)
-        with on_device(q):
-            launch(_bwd_dq, grid, configs, q, k, v, a, s0 if s0 is not None else st, dy, dq, T, Dk, Dv,
-                   HAS_S0=s0 is not None, PREC=ctx.prec, BT=BT, BK=BK, BV=BV)
-            launch(_bwd_dkv, grid, configs, q, k, v, a, dy, dst_ if dst_ is not None else ds0, dk, dv, ds0, T, Dk, Dv,
-                   HAS_DST=dst_ is not None, PREC=ctx.prec, BT=BT, BK=BK, BV=BV)
-        dq, dk = dq.sum(0), dk.sum(0)
-        # d a_m = sum_{t >= m} (q_t . dq_t - k_t . dk_t) + <dS_T, S_T>
-        per_step = (q.float() * dq).sum(-1) - (k.float() * dk).sum(-1)
-        da = per_step.flip(-1).cumsum(-1).flip(-1)
-        if dst_ is not None:
-            da = da + (dst_ * st).sum((-1, -2))[..., None]
-        a_dtype, s0_dtype = ctx.dtypes
-        return (dq.to(q.dtype), dk.to(k.dtype), dv, da.to(a_dtype),
-                (ds0.to(s0_dtype) if s0 is not None else None))
+
+def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, s0: Optional[torch.Tensor],
+              st: torch.Tensor, dy: Optional[torch.Tensor], dst: Optional[torch.Tensor]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, da, ds0): ``ds0`` is empty without an initial state."""
+    B, H, T, Dk = q.shape
+    Dv = v.shape[-1]
+    BT, BK, BV = _blocks(Dk, Dv)
+    NV = triton.cdiv(Dv, BV)
+    dy = torch.zeros_like(v) if dy is None else dy.contiguous()
+    # dq and dk in fp32, one share per block of value columns: summed, and the log-decays'
+    # gradient taken from them, before they are rounded to the inputs' dtype
+    dq, dk = (torch.empty(NV, B, H, T, Dk, device=q.device, dtype=torch.float32) for _ in range(2))
+    dv = torch.empty_like(v)
+    ds0 = torch.empty(B, H, Dk, Dv, device=q.device, dtype=torch.float32)
+    dst_ = dst.float().contiguous() if dst is not None else None
+    grid, configs, prec = (B * H, NV), _configs(BK, BV), _precision(q)
+    with on_device(q):
+        launch(_bwd_dq, grid, configs, q, k, v, a, s0 if s0 is not None else st, dy, dq, T, Dk, Dv,
+               HAS_S0=s0 is not None, PREC=prec, BT=BT, BK=BK, BV=BV)
+        launch(_bwd_dkv, grid, configs, q, k, v, a, dy, dst_ if dst_ is not None else ds0, dk, dv, ds0, T, Dk, Dv,
+               HAS_DST=dst_ is not None, PREC=prec, BT=BT, BK=BK, BV=BV)
+    dq, dk = dq.sum(0), dk.sum(0)
+    # d a_m = sum_{t >= m} (q_t . dq_t - k_t . dk_t) + <dS_T, S_T>
+    per_step = (q.float() * dq).sum(-1) - (k.float() * dk).sum(-1)
+    da = per_step.flip(-1).cumsum(-1).flip(-1)
+    if dst_ is not None:
+        da = da + (dst_ * st).sum((-1, -2))[..., None]
+    return dq.to(q.dtype), dk.to(k.dtype), dv, da, ds0 if s0 is not None else ds0.new_empty(0)
+
+
+def _precision(q):
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+# Forward and backward are custom operators, so that torch.compile calls them as they are instead of
+# tracing into the Triton launches.
+_forward_op = torch.library.custom_op("zoo::scalar_decay", _forward, mutates_args=())
+_backward_op = torch.library.custom_op("zoo::scalar_decay_backward", _backward, mutates_args=())
+
+
+@_forward_op.register_fake
+def _(q, k, v, a, s0):
+    return torch.empty_like(v), q.new_empty(*q.shape[:2], q.shape[-1], v.shape[-1], dtype=torch.float32)
+
+
+@_backward_op.register_fake
+def _(q, k, v, a, s0, st, dy, dst):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(a),
+            torch.empty_like(st) if s0 is not None else st.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, output[1])
+    ctx.set_materialize_grads(False)  # a gradient not given (None) takes the kernels' cheaper path
+
+
+def _grads(ctx, dy, dst):
+    q, k, v, a, s0, st = ctx.saved_tensors
+    dq, dk, dv, da, ds0 = _backward_op(q, k, v, a, s0, st, dy, dst)
+    return dq, dk, dv, da, ds0 if s0 is not None else None
+
+
+_forward_op.register_autograd(_grads, setup_context=_setup_context)
 
 
 def chunked(q, k, v, log_decay=None, state=None, chunk=64):
@@ -235,4 +267,5 @@ def chunked(q, k, v, log_decay=None, state=None, chunk=64):
     picks its own from the head widths, which changes only the order of fp32 sums)."""
     if log_decay is None:
         log_decay = q.new_zeros(q.shape[:-1], dtype=torch.float32)
-    return _ChunkedScalarDecay.apply(q, k, v, log_decay, state)
+    q, k, v, a = (t.contiguous() for t in (q, k, v, log_decay.float()))  # autograd rounds da and ds0 back
+    return _forward_op(q, k, v, a, state.float().contiguous() if state is not None else None)

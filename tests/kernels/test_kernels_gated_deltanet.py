@@ -17,7 +17,7 @@ import zoo.testing as zt  # noqa: E402
 from zoo.core import kernels  # noqa: E402
 from zoo.components.mixers import gated_deltanet as gdn  # noqa: E402
 from zoo.components.kernels import gated_deltanet as fast  # noqa: E402
-from kernel_refs import bf16_error_bound, rel  # noqa: E402
+from kernel_refs import assert_compiles_as_eager, bf16_error_bound, rel  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -79,8 +79,8 @@ def test_the_mixer_chooses_the_kernel_only_when_forced_and_computes_the_same(mon
     x = torch.randn(2, 9, 8)
     assert kernels.decide(mixer, "cpu", torch.float32).backend is None  # never chosen on the CPU by itself
     calls = []
-    apply = fast._InterChunk.apply
-    monkeypatch.setattr(fast._InterChunk, "apply", lambda *a: calls.append(1) or apply(*a))
+    real = fast._inter_chunk_op
+    monkeypatch.setattr(fast, "_inter_chunk_op", lambda *a: calls.append(1) or real(*a))
     ids = torch.randint(0, model.spec.vocab_size, (2, 11))
     with kernels.using("gated_delta:triton"):
         assert kernels.decide(mixer, "cpu", torch.float32, x).backend == "triton"
@@ -178,3 +178,11 @@ def test_bf16_inputs_are_as_accurate_as_the_reference_in_bf16():
     assert got[0].dtype == got[2].dtype == torch.bfloat16
     for name, x, c, w in zip(["y", "state", "dq", "dk", "dv", "dg", "dbeta", "dstate"], got, core, want):
         assert rel(x, w) <= bf16_error_bound(c, w, x.dtype), (name, rel(x, w), bf16_error_bound(c, w, x.dtype))
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+def test_the_kernel_compiles_in_one_graph_and_equals_eager(with_state):
+    """Each pass (the UT transform, the sweep over chunks) is a pair of custom operators:
+    torch.compile calls them as they are."""
+    made = inputs(1, 2, 4, 37, 5, 7, with_state, 2.0)
+    assert_compiles_as_eager(lambda *t: fast.chunk_gated_delta_rule(*t, chunk_size=16), *made)

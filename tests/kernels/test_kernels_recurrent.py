@@ -16,7 +16,7 @@ import zoo.testing as zt  # noqa: E402
 from zoo.core import kernels  # noqa: E402
 from zoo.components.mixers import _recurrent as recurrent  # noqa: E402
 from zoo.components.kernels import recurrent as fast  # noqa: E402
-from kernel_refs import bf16_error_bound, reference64, rel  # noqa: E402
+from kernel_refs import assert_compiles_as_eager, bf16_error_bound, reference64, rel  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -114,3 +114,9 @@ def test_bf16_inputs_are_as_accurate_as_the_reference_in_bf16():
     assert [t.dtype for t in got] == [torch.bfloat16, torch.float32] + [torch.bfloat16] * 3 + [torch.float32] * 2
     for name, x, c, w in zip(["y", "state", "dq", "dk", "dv", "da", "dstate"], got, core, want):
         assert rel(x, w) <= bf16_error_bound(c, w, x.dtype), (name, rel(x, w), bf16_error_bound(c, w, x.dtype))
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+def test_the_kernel_compiles_in_one_graph_and_equals_eager(with_state):
+    """Forward and backward are custom operators: torch.compile calls them as they are."""
+    assert_compiles_as_eager(fast.chunked, *inputs(1, 2, 19, 8, 96, with_state))  # three blocks of value columns

@@ -9,6 +9,7 @@ import torch
 import zoo
 from zoo.core import kernels
 from zoo.core import registry
+import zoo.testing as zt
 from zoo.testing import shrink
 
 pytestmark = pytest.mark.slow  # torch.compile traces
@@ -63,22 +64,35 @@ def test_flex_attention_stays_on_and_traces_inside_torch_compile(monkeypatch, on
     kernels.refresh()
 
 
-def test_the_fused_loss_stays_on_inside_torch_compile(monkeypatch, one_thread):
-    """Under torch.compile the fused loss runs as two custom operators (it never materialises the
-    logits, compiled or not): a training step traces in one graph with it, and the compiled loss
-    and every gradient equal the eager fused loss's."""
-    from zoo.components.kernels import cross_entropy
+def _loss_model():
+    return zoo.build("llama3-8b", n_layers=2, d_model=32, vocab_size=150, seed=0,
+                     overrides={"layers.*.mixer.head_dim": 16, "layers.*.ffn.d_ff": 48, "z_loss": 1e-3})
 
-    model = zoo.build("llama3-8b", n_layers=2, d_model=32, vocab_size=150, seed=0,
-                      overrides={"layers.*.mixer.head_dim": 16, "layers.*.ffn.d_ff": 48, "z_loss": 1e-3})
-    ids = torch.randint(0, 150, (2, 9))
+
+@pytest.mark.parametrize("setting,module,attr,make", [
+    ("loss:triton", "cross_entropy", "decoder_loss", _loss_model),
+    ("scalar_decay:triton", "recurrent", "chunked",
+     lambda: zt.tiny_model(zt.hybrid_spec("lightning_attention", {"n_heads": 2, "head_dim": 8, "chunk": 4})).train()),
+    ("gated_delta:triton", "gated_deltanet", "chunk_gated_delta_rule",
+     lambda: zt.tiny_model(zt.hybrid_spec("gated_deltanet", {"n_heads": 4, "n_key_heads": 2, "key_dim": 8,
+                                                             "value_dim": 6, "chunk_size": 4})).train()),
+], ids=["loss", "scalar_decay", "gated_delta"])
+def test_triton_kernels_made_of_custom_operators_stay_on_inside_torch_compile(monkeypatch, one_thread, setting,
+                                                                                module, attr, make):
+    """The fused loss and the recurrent kernels are custom operators (forward and backward): under
+    torch.compile they run as they are, a training step traces in one graph with them, and the
+    compiled loss and every gradient equal the eager kernels' bit for bit (the same code runs)."""
+    import importlib
+
+    model = make()
+    ids = torch.randint(0, model.spec.vocab_size, (2, 9))
     ran = []
-    real = cross_entropy.decoder_loss
-    monkeypatch.setattr(cross_entropy, "decoder_loss",
-                        lambda *a, **k: ran.append(torch.compiler.is_compiling()) or real(*a, **k))
-    kernels.refresh()  # a cold process: the loss's module is imported when the kernel registry is read
+    kernel = importlib.import_module(f"zoo.components.kernels.{module}")
+    real = getattr(kernel, attr)
+    monkeypatch.setattr(kernel, attr, lambda *a, **k: ran.append(torch.compiler.is_compiling()) or real(*a, **k))
+    kernels.refresh()  # a cold process: the kernel's module is imported when the kernel registry is read
     params = list(model.parameters())
-    with kernels.using("loss:triton"):
+    with kernels.using(setting):
         assert breaks(lambda ids: model(ids, labels=ids).loss, ids) == []
         assert ran and all(ran)
         want = model(ids, labels=ids).loss
@@ -87,7 +101,7 @@ def test_the_fused_loss_stays_on_inside_torch_compile(monkeypatch, one_thread):
         got = torch.compile(lambda ids: model(ids, labels=ids).loss, backend="aot_eager", fullgraph=True)(ids)
         got_grads = torch.autograd.grad(got, params)
     kernels.refresh()
-    assert ran[-1] is True  # the compiled step called the fused loss
+    assert ran[-1] is True  # the compiled step called the kernel
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for (name, _), g, w in zip(model.named_parameters(), got_grads, want_grads):
         torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
