@@ -30,17 +30,20 @@ def bf16_error_bound(core32, want, dtype):
     return 2 * rel(bf16_truncated(core32), want) if dtype == torch.bfloat16 else max(2 * rel(core32, want), 1e-5)
 
 
-def assert_compiles_as_eager(fn, *inputs, backend="aot_eager"):
-    """``fn`` (a kernel whose forward and backward are custom operators) traces in one graph with no
-    break, and compiled with ``backend`` it gives the eager kernel's outputs and input gradients bit
-    for bit: the compiler calls the operators as they are, so the same code runs. ``fn`` returns a
-    tensor or a tuple of them; the gradients are of their sum with fixed random weights."""
+def assert_compiles_as_eager(fn, *inputs, backend="aot_eager", wrt=None):
+    """``fn`` (a kernel whose forward and backward are custom operators, or a model's loss with such
+    kernels forced) traces in one graph with no break, and compiled with ``backend`` it gives the
+    eager outputs and gradients bit for bit: the compiler calls the operators as they are, so the
+    same code runs. ``fn`` returns a tensor or a tuple of them; the gradients, with respect to
+    ``wrt`` (default: the inputs that require them), are of their sum with fixed random weights."""
+    wrt = list(wrt) if wrt is not None else [t for t in inputs if torch.is_tensor(t) and t.requires_grad]
+
     def run(f):
         outs = f(*inputs)
         outs = outs if isinstance(outs, tuple) else (outs,)
         g = torch.Generator().manual_seed(1)
         loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in outs)
-        return [*outs, *torch.autograd.grad(loss, [t for t in inputs if torch.is_tensor(t) and t.requires_grad])]
+        return [*outs, *torch.autograd.grad(loss, wrt)]
 
     torch._dynamo.reset()
     try:

@@ -10,6 +10,7 @@ import zoo
 from zoo.core import kernels
 from zoo.core import registry
 import zoo.testing as zt
+from kernel_refs import assert_compiles_as_eager
 from zoo.testing import shrink
 
 pytestmark = pytest.mark.slow  # torch.compile traces
@@ -91,17 +92,7 @@ def test_triton_kernels_made_of_custom_operators_stay_on_inside_torch_compile(mo
     real = getattr(kernel, attr)
     monkeypatch.setattr(kernel, attr, lambda *a, **k: ran.append(torch.compiler.is_compiling()) or real(*a, **k))
     kernels.refresh()  # a cold process: the kernel's module is imported when the kernel registry is read
-    params = list(model.parameters())
     with kernels.using(setting):
-        assert breaks(lambda ids: model(ids, labels=ids).loss, ids) == []
-        assert ran and all(ran)
-        want = model(ids, labels=ids).loss
-        want_grads = torch.autograd.grad(want, params)
-        torch._dynamo.reset()
-        got = torch.compile(lambda ids: model(ids, labels=ids).loss, backend="aot_eager", fullgraph=True)(ids)
-        got_grads = torch.autograd.grad(got, params)
+        assert_compiles_as_eager(lambda ids: model(ids, labels=ids).loss, ids, wrt=model.parameters())
     kernels.refresh()
-    assert ran[-1] is True  # the compiled step called the kernel
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    for (name, _), g, w in zip(model.named_parameters(), got_grads, want_grads):
-        torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+    assert set(ran) == {True, False}  # the kernel was traced into the compiled graphs, and ran eagerly
