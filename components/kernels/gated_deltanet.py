@@ -55,7 +55,7 @@ import triton.language as tl
 from zoo.components.kernels import on_device
 from zoo.components.kernels.recurrent import _advance, _decay_matrix, _state_ptrs, _store_tile, _tile
 from zoo.components.kernels.recurrent import _blocks as scalar_decay_blocks
-from zoo.components.kernels.recurrent import _configs
+from zoo.components.kernels.recurrent import _configs, _precision
 from zoo.components.kernels.tuning import launch
 
 
@@ -291,7 +291,7 @@ def _inter_chunk_backward(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, u: 
 
 
 def _ut_transform(k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, beta: torch.Tensor, C: int,
-        prec: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  prec: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(k per key head; v, G, beta per value head) -> (u, w), each chunk on its own. All inputs fp32
     and contiguous, the length a whole number of chunks."""
     B, H, Tp, Dv = v.shape
@@ -396,7 +396,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk_size=64, *, block
         raise ValueError(f"gated delta kernel: q {tuple(q.shape)} and k {tuple(k.shape)} must be (B, key heads, T, Dk), "
                          f"v {tuple(v.shape)} (B, H, T, Dv) with H a multiple of the key heads, g {tuple(g.shape)} "
                          f"and beta {tuple(beta.shape)} (B, H, T)")
-    prec, out_dtype = ("ieee" if q.dtype == torch.float32 else "tf32"), v.dtype
+    prec, out_dtype = _precision(q), v.dtype
     C, BV = _blocks(T, chunk_size, Dk, Dv, block_v)
     pad = -T % C
     q, k, v = (F.pad(x.float(), (0, 0, 0, pad)) for x in (q, k, v))  # padded steps neither write nor decay
