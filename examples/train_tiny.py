@@ -10,7 +10,7 @@ Any preset trains the same way: shrink it with overrides, or give a recipe file.
 import argparse
 
 import zoo
-from zoo.train.data import load_tokens, unigram_entropy
+from zoo.training.data import load_tokens, unigram_entropy
 
 TINY = {
     "n_layers": 2, "d_model": 64, "vocab_size": 256, "max_seq_len": 128,

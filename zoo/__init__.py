@@ -28,10 +28,12 @@ from zoo.core.registry import (
     register,
 )
 from zoo.core.spec import ModelSpec, Part, SpecError
-# zoo.train, zoo.generate and zoo.verify are functions; their modules are zoo.train.loop,
+# zoo.train, zoo.generate and zoo.verify are functions; their modules are zoo.training.loop,
 # zoo.inference.generate and zoo.tools.verification (import those by their full path).
-from zoo.train.config import TrainConfig, TrainResult
-from zoo.train.loop import train
+from zoo.training.config import TrainConfig, TrainResult
+from zoo.training.loop import train
+
+_deprecations.install_train_package()  # zoo 0.2's zoo.train.loop, zoo.train.config, ...: shims that warn
 from zoo.tools.verification import verify
 from zoo.inference.generate import generate
 from zoo.tools.upcycling import upcycle

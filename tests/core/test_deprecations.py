@@ -34,7 +34,6 @@ OLD_IMPORTS = {
     "zoo.generation": ["generate", "length_limit"],
     "zoo.compiled": ["CompiledDecoder"],
     "zoo.tokenizer": ["Tokenizer"],
-    "zoo.training": ["train", "TrainConfig", "TrainResult", "Checkpointer", "checkpoints", "read_checkpoint_state"],
     "zoo.resume": ["step_of", "resume_point"],
     "zoo.data": ["TokenData", "get_tokenizer"],
     "zoo.ablate": [],
@@ -54,7 +53,18 @@ OLD_IMPORTS = {
     "zoo.components.moe": ["MoE", "Router", "SoftmaxTopK"],
     "zoo.components.positions": ["RoPE", "NoPE", "Learned"],
     "zoo.components.rope_scaling": ["YaRN", "Llama3", "default_inv_freq"],
+    # zoo 0.2's training package, now zoo.training (zoo.train is the function)
+    "zoo.train": ["TrainConfig", "Checkpointer"],
+    "zoo.train.loop": ["train", "start_model"],
+    "zoo.train.config": ["TrainConfig", "TrainResult"],
+    "zoo.train.checkpointer": ["Checkpointer", "checkpoints", "read_checkpoint_state"],
+    "zoo.train.data": ["TokenData", "get_tokenizer"],
+    "zoo.train.resume": ["step_of", "resume_point"],
 }
+
+# zoo 0.1's zoo.training was a shim of zoo 0.2; it is the training package again, and hands over the
+# same names without a warning.
+TRAINING_0_1 = ["train", "TrainConfig", "TrainResult", "Checkpointer", "checkpoints", "read_checkpoint_state"]
 
 
 def test_every_old_import_path_is_in_the_table():
@@ -75,9 +85,28 @@ def test_an_old_import_path_hands_over_each_name_and_warns_naming_its_new_home(o
 
 
 def test_an_unknown_name_of_an_old_module_says_where_it_moved():
-    shim = importlib.import_module("zoo.training")
-    with pytest.raises(AttributeError, match="zoo.train.loop"):
+    shim = importlib.import_module("zoo.resume")
+    with pytest.raises(AttributeError, match="zoo.training.resume"):
         shim.no_such_name  # noqa: B018
+
+
+def test_zoo_training_is_the_package_again_and_keeps_zoo_0_1_names(recwarn):
+    import zoo.training as training
+    from zoo.training import checkpointer, config, loop
+
+    homes = (loop, config, checkpointer)
+    for name in TRAINING_0_1:
+        assert getattr(training, name) is next(getattr(m, name) for m in homes if hasattr(m, name))
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
+
+
+def test_zoo_train_stays_the_function_after_its_old_submodules_are_imported():
+    import zoo.train.loop  # noqa: F401  (zoo 0.2's path: a shim)
+
+    assert callable(zoo.train) and zoo.train is importlib.import_module("zoo.training.loop").train
+    with pytest.warns(DeprecationWarning, match=r"zoo\.train\.loop\.train is deprecated .* use zoo\.training\.loop\.train$"):
+        from zoo.train.loop import train
+    assert train is zoo.train
 
 
 def test_old_module_paths_stay_reachable_as_attributes_of_zoo():

@@ -111,8 +111,8 @@ import torch
 import zoo
 from accelerate import Accelerator
 from zoo.testing import one_of_each
-from zoo.train.checkpointer import full_state_dict
-from zoo.train.loop import start_model
+from zoo.training.checkpointer import full_state_dict
+from zoo.training.loop import start_model
 
 acc = Accelerator(cpu=True)
 out, names = sys.argv[1], json.loads(sys.argv[2])

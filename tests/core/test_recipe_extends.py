@@ -18,7 +18,7 @@ EXPANDED = sorted((Path(__file__).parents[1] / "data" / "families_expanded").glo
 
 @pytest.mark.parametrize("path", EXPANDED, ids=lambda p: p.stem)
 def test_a_family_with_extends_is_its_fully_expanded_recipe(path):
-    written = ROOT / "families" / path.name
+    written = ROOT / "zoo" / "families" / path.name
     assert "extends" in written.read_text() and "extends" not in path.read_text()
     short, full = Family.from_toml(written), Family.from_toml(path)
     assert short.presets == full.presets

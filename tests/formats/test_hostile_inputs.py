@@ -22,7 +22,7 @@ from zoo.checkpoints.tiny import tiny_config
 from zoo.core.spec import SpecError
 from zoo.testing import part
 from zoo.tools import ablate
-from zoo.train.config import TrainConfig
+from zoo.training.config import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -313,8 +313,8 @@ def test_mamba2_and_nemotron_h_errors_name_the_config_field(model_type, key, val
 def test_resume_auto_skips_a_fifo_among_the_checkpoint_files(tmp_path):
     """A FIFO named like a checkpoint's weights would block the open forever; it is refused unopened.
     (Should the check be missing, a writer opens the FIFO after 20 s, so that the test fails, not hangs.)"""
-    from zoo.train.checkpointer import checkpoints
-    from zoo.train.resume import resume_point
+    from zoo.training.checkpointer import checkpoints
+    from zoo.training.resume import resume_point
 
     step = tmp_path / "checkpoints" / "step-0000001"
     step.mkdir(parents=True)

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from kernel_refs import bf16_error_bound, reference64, rel  # noqa: E402
 from zoo.components import gated_deltanet as gdn  # noqa: E402
 from zoo.components import recurrent  # noqa: E402
-from zoo.components.kernels import fit  # noqa: E402
+from zoo.tools import kernel_fit as fit  # noqa: E402
 
 pytestmark = [
     pytest.mark.cuda,

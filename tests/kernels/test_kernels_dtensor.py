@@ -27,8 +27,8 @@ from zoo.core import kernels
 from zoo.components.kernels import glu, norms
 from zoo.core.spec import ModelSpec
 from zoo.testing import one_of_each
-from zoo.train.config import ParallelConfig
-from zoo.train.loop import start_model
+from zoo.training.config import ParallelConfig
+from zoo.training.loop import start_model
 
 acc = Accelerator(cpu=True)
 out, names = sys.argv[1], json.loads(sys.argv[2])

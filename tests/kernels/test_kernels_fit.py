@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from zoo.components.kernels import fit  # noqa: E402
+from zoo.tools import kernel_fit as fit  # noqa: E402
 
 needs_ptxas = pytest.mark.skipif(fit.cuobjdump() is None, reason="Triton's ptxas/cuobjdump are missing: nothing can be compiled for sm_90")
 
@@ -23,7 +23,7 @@ needs_ptxas = pytest.mark.skipif(fit.cuobjdump() is None, reason="Triton's ptxas
 def survey(tmp_path, *args):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "fit.json"
-    done = subprocess.run([sys.executable, "-m", "zoo.components.kernels.fit", "--json", str(out), *args],
+    done = subprocess.run([sys.executable, "-m", "zoo.tools.kernel_fit", "--json", str(out), *args],
                           env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
     print(done.stdout)

@@ -1,4 +1,4 @@
-"""Grok-1 (``families/grok.toml``): no transformers implementation exists, so the recipe is checked
+"""Grok-1 (``zoo/families/grok.toml``): no transformers implementation exists, so the recipe is checked
 against the released JAX code (github.com/xai-org/grok-1, run.py and model.py): its sizes and
 parameter count, and a tiny model's forward against an independent reference of the same
 equations written here in plain torch (no zoo part is called)."""

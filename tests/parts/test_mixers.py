@@ -166,7 +166,7 @@ def test_conformance_passes_the_toy_parts_and_fails_their_broken_variants(toy):
 
 
 def test_training_logs_every_term_and_runs_the_post_step_hook(toy, tmp_path):
-    from zoo.train.checkpointer import CheckpointWeights
+    from zoo.training.checkpointer import CheckpointWeights
 
     result = zoo.train(toy.SPEC, overrides={"vocab_size": 256}, steps=3, seq_len=16, global_batch=4, micro_batch=4, lr=3e-3, out_dir=str(tmp_path),
                        progress=False, plot=False, export=False, cpu=True)

@@ -1,4 +1,4 @@
-"""Multi-head Latent Attention (components/mixers/mla.py): the decode state holds only the latent and the
+"""Multi-head Latent Attention (zoo/components/mixers/mla.py): the decode state holds only the latent and the
 rotated key part, absorbed decoding equals the plain path, decoding equals the full forward, and
 inconsistent dimensions are refused by name. Parity with transformers is tests/formats/test_deepseek.py."""
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import zoo
 import zoo.testing as zt
 from zoo.checkpoints import CheckpointError, _architecture, config_to_spec
-from zoo.train.data import TokenData, load_tokens
+from zoo.training.data import TokenData, load_tokens
 from zoo.core.context import ForwardContext
 from zoo.core.spec import SpecError
 
@@ -187,7 +187,7 @@ def test_aux_free_bias_moves_towards_balance_by_the_global_load(rule):
 
 
 def test_aux_free_bias_is_trained_through_zoo_train_hook():
-    from zoo.train.loop import after_optimizer_step
+    from zoo.training.loop import after_optimizer_step
 
     spec = zt.tiny_spec({"layers.default.ffn": {"name": "moe", "n_experts": E, "top_k": 2, "d_ff": 16,
                                                 "router": {"name": "sigmoid_group", "n_groups": 4, "topk_group": 2},

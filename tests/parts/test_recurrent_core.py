@@ -1,4 +1,4 @@
-"""The shared core of scalar-decay recurrences (components/mixers/_recurrent.py): the chunked form equals the
+"""The shared core of scalar-decay recurrences (zoo/components/mixers/_recurrent.py): the chunked form equals the
 one-step recurrence on random inputs of odd lengths, with and without a carried state."""
 
 import pytest

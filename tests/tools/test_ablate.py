@@ -16,7 +16,7 @@ from zoo.tools.accounting import account
 from zoo.tools import ablate
 from zoo.cli import main as cli
 
-T = importlib.import_module("zoo.train.loop")
+T = importlib.import_module("zoo.training.loop")
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples" / "ablations").glob("*.toml"))
 
 TINY_FILE = """

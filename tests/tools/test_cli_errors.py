@@ -60,7 +60,7 @@ def test_train_with_an_unreadable_tokenizer(tmp_path, capsys):
 
 
 def test_train_with_fsdp_in_a_single_process(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(importlib.import_module("zoo.train.loop"), "build_model",
+    monkeypatch.setattr(importlib.import_module("zoo.training.loop"), "build_model",
                         lambda *a, **k: pytest.fail("built a model before the FSDP check"))
     one_line_error(capsys, TRAIN + ["--fsdp", "--out-dir", str(tmp_path)], "fsdp: FSDP2 needs a process group")
 

@@ -19,7 +19,7 @@ from zoo.core.spec import ModelSpec
 from zoo.model.decoder import build_model
 from zoo.testing import one_of_each
 from zoo.tools.memory import chunk_rows, coordinates, parse_layout, plan
-from zoo.train.config import ParallelConfig
+from zoo.training.config import ParallelConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -167,8 +167,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from zoo.core.spec import ModelSpec
 from zoo.testing import one_of_each
-from zoo.train.config import ParallelConfig
-from zoo.train.loop import start_model
+from zoo.training.config import ParallelConfig
+from zoo.training.loop import start_model
 
 acc = Accelerator(cpu=True)
 out, cases = sys.argv[1], json.loads(sys.argv[2])

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 import zoo
-from zoo.train import checkpointer
+from zoo.training import checkpointer
 
 out, phase, kw = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 WHOLE = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -17,7 +17,7 @@ the tensor's norm where that run is exact)."""
 import pytest
 
 import zoo
-from zoo.train.config import ParallelConfig, TrainConfig
+from zoo.training.config import ParallelConfig, TrainConfig
 
 from parallel_check import (HELPERS, MOE_HELPERS, MOE_SETS as SETS, MOE_TRAIN as TRAIN,
                             assert_moe_loss_and_gradients_match, assert_within, launch)
@@ -32,9 +32,9 @@ import zoo.core.parallel as zp
 from accelerate import Accelerator
 from torch.distributed.tensor import DTensor
 from zoo.testing import one_of_each
-from zoo.train.checkpointer import full_state_dict
-from zoo.train.config import ParallelConfig
-from zoo.train.loop import clip_grad_norm, start_model
+from zoo.training.checkpointer import full_state_dict
+from zoo.training.config import ParallelConfig
+from zoo.training.loop import clip_grad_norm, start_model
 
 acc = Accelerator(cpu=True)
 out, models, layouts, train = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
@@ -195,7 +195,7 @@ def test_ep_is_checked_against_the_processes_and_the_model():
 def test_expert_parallelism_refuses_to_run_without_fsdp():
     from types import SimpleNamespace
 
-    from zoo.train.loop import start_model
+    from zoo.training.loop import start_model
 
     spec = zoo.get_spec("qwen3-30b-a3b", SETS)
     with pytest.raises(ValueError, match="ep = 2 trains with FSDP2.*turn fsdp on"):

@@ -133,7 +133,7 @@ def test_only_the_adapter_trains_and_the_loss_falls(base, run, tmp_path):
     out = run
     losses = [json.loads(line)["ce"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 12 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
-    from zoo.train.checkpointer import CheckpointWeights, _stored, checkpoints
+    from zoo.training.checkpointer import CheckpointWeights, _stored, checkpoints
 
     last = checkpoints(out)[-1]
     weights = CheckpointWeights(last)
@@ -232,14 +232,14 @@ def test_bad_lora_settings_are_refused_by_name(base, tmp_path, lora, message):
     ("merge=maybe", r"--lora: merge='maybe' is not true or false"),
 ])
 def test_bad_lora_options_are_refused_by_name(text, message):
-    from zoo.train.config import LoraSettings
+    from zoo.training.config import LoraSettings
 
     with pytest.raises(ValueError, match=message):
         LoraSettings.parse(text)
 
 
 def test_lora_options_and_toml_table_read_as_settings(tmp_path):
-    from zoo.train.config import LoraSettings, TrainConfig
+    from zoo.training.config import LoraSettings, TrainConfig
 
     assert LoraSettings.parse("r=8,alpha=16,dropout=0.1,targets=q_proj,v_proj,rslora=true") == {
         "r": 8, "alpha": 16.0, "dropout": 0.1, "targets": ("q_proj", "v_proj"), "rslora": True}
@@ -365,7 +365,7 @@ def test_zoo_export_of_a_lora_checkpoint_writes_the_merged_model_of_that_step(ba
     that step's adapter gives, tensor for tensor, each weight merged as it is read from the checkpoint."""
     hf, d = base
     out = run
-    from zoo.train.checkpointer import CheckpointWeights
+    from zoo.training.checkpointer import CheckpointWeights
 
     step6 = out / "checkpoints" / "step-0000006"
     assert cli(["export", str(step6), str(tmp_path / "x")]) == 0
@@ -388,7 +388,7 @@ def test_the_command_line_settings_apply_over_the_toml_table(tmp_path):
     import argparse
 
     from zoo.commands.train import add_parser, config_of
-    from zoo.train.config import LoraSettings
+    from zoo.training.config import LoraSettings
 
     parser = argparse.ArgumentParser().add_subparsers()
     p = add_parser(parser)

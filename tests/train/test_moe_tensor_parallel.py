@@ -37,9 +37,9 @@ from accelerate import Accelerator
 from torch.distributed.tensor import DTensor
 from zoo.core.spec import ModelSpec
 from zoo.testing import one_of_each
-from zoo.train.checkpointer import full_state_dict
-from zoo.train.config import ParallelConfig
-from zoo.train.loop import clip_grad_norm, start_model
+from zoo.training.checkpointer import full_state_dict
+from zoo.training.config import ParallelConfig
+from zoo.training.loop import clip_grad_norm, start_model
 
 acc = Accelerator(cpu=True)
 out, models, layouts, train = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])

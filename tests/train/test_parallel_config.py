@@ -13,8 +13,8 @@ import zoo
 from zoo.cli import build_parser
 from zoo.commands.train import config_of
 from zoo.testing import one_of_each, shrink
-from zoo.train.config import ParallelConfig, TrainConfig
-from zoo.train.loop import checkpoint_blocks
+from zoo.training.config import ParallelConfig, TrainConfig
+from zoo.training.loop import checkpoint_blocks
 
 
 def test_sizes_multiply_to_the_processes_or_the_error_names_what_to_change():
@@ -143,7 +143,7 @@ SETS = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "lay
 SCRIPT = """
 import json, sys
 import zoo
-from zoo.train.config import ParallelConfig
+from zoo.training.config import ParallelConfig
 out, run = sys.argv[1], json.loads(sys.argv[2])
 kw = dict(overrides=json.loads(sys.argv[3]), cpu=True, progress=False, plot=False, export=False, micro_batch=4, **run)
 zoo.train("llama3-8b", out_dir=out + "/fsdp", fsdp=True, **kw)
@@ -211,7 +211,7 @@ def test_an_accelerate_parallelism_config_sets_the_sizes_or_the_error_names_both
 def test_zoo_train_takes_the_accelerate_parallelism_config_and_builds_its_own_mesh(tmp_path, monkeypatch):
     """On one process the accelerate sizes (all 1) go through, and Accelerate is not left to build its
     own parallelism config, which refuses CPU processes."""
-    from zoo.train.loop import train
+    from zoo.training.loop import train
 
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     for k in ("DP_REPLICATE", "DP_SHARD", "TP", "CP", "SP"):

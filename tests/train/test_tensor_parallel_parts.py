@@ -26,9 +26,9 @@ from torch.distributed.tensor import DTensor
 from zoo.components.mixers.dsa import LightningIndexer
 from zoo.core.spec import ModelSpec
 from zoo.testing import one_of_each
-from zoo.train.checkpointer import full_state_dict
-from zoo.train.config import ParallelConfig
-from zoo.train.loop import start_model
+from zoo.training.checkpointer import full_state_dict
+from zoo.training.config import ParallelConfig
+from zoo.training.loop import start_model
 
 acc = Accelerator(cpu=True)
 out, models = sys.argv[1], json.loads(sys.argv[2])

@@ -10,10 +10,10 @@ import torch
 
 import zoo
 from zoo.cli import main as cli
-from zoo.train.checkpointer import CheckpointWeights
-from zoo.train.data import ByteTokenizer, TokenData, load_tokens, unigram_entropy
+from zoo.training.checkpointer import CheckpointWeights
+from zoo.training.data import ByteTokenizer, TokenData, load_tokens, unigram_entropy
 
-T = importlib.import_module("zoo.train.loop")  # the module; `zoo.train` is the function
+T = importlib.import_module("zoo.training.loop")  # the module; `zoo.train` is the function
 
 TINY = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.mixer.n_heads": 4,
         "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.d_ff": 64}
@@ -92,7 +92,7 @@ def test_loss_falls_well_below_unigram_entropy_and_z_loss_holds_log_partition_ne
 def test_interrupted_and_resumed_run_follows_the_uninterrupted_trajectory(tmp_path, monkeypatch):
     """Stopped after 2 steps, resumed, killed while writing the step-6 checkpoint, resumed again
     (from step 3): the 8 losses are those of a run never interrupted."""
-    from zoo.train import checkpointer
+    from zoo.training import checkpointer
 
     kw = dict(overrides=TINY, steps=8, seq_len=32, global_batch=8, micro_batch=4, lr=3e-3, warmup_steps=3,
               weight_decay=0.1, **QUIET)

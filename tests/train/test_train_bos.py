@@ -10,9 +10,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, processors
 
 from zoo.inference.tokenizer import Tokenizer
-from zoo.train.data import ByteTokenizer, TokenData, bos_id
+from zoo.training.data import ByteTokenizer, TokenData, bos_id
 
-T = importlib.import_module("zoo.train.loop")
+T = importlib.import_module("zoo.training.loop")
 TINY = {"n_layers": 1, "d_model": 32, "vocab_size": 300, "max_seq_len": 64, "layers.*.mixer.n_heads": 4,
         "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.d_ff": 64}
 BOS = 257

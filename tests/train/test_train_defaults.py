@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from zoo.train.config import TrainConfig
+from zoo.training.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -87,7 +87,7 @@ def test_fsdp2_on_two_processes_trains_and_resumes_from_sharded_checkpoints(tmp_
     # Each process wrote its half of every weight: FSDP2's dim-0 shards, with their offsets.
     from safetensors.torch import load_file
 
-    from zoo.train.checkpointer import CheckpointWeights
+    from zoo.training.checkpointer import CheckpointWeights
 
     step6 = tmp_path / "a" / "checkpoints" / "step-0000006" / "model"
     halves = [load_file(str(step6 / f"shard-0000{r}-model-00001-of-00001.safetensors")) for r in (1, 2)]
@@ -147,7 +147,7 @@ def test_post_step_hooks_see_every_process_and_update_identically_under_ddp_and_
 
     one = zoo.train(toy_plugin.SPEC, overrides={"vocab_size": 256}, steps=3, seq_len=16, global_batch=8, micro_batch=4,
                     lr=3e-3, cpu=True, progress=False, plot=False, export=False, seed=1, out_dir=str(tmp_path / "one"))
-    from zoo.train.checkpointer import CheckpointWeights
+    from zoo.training.checkpointer import CheckpointWeights
 
     ref = CheckpointWeights(one.checkpoint)
     ddp = CheckpointWeights(tmp_path / "ddp" / "checkpoints" / "step-0000003")

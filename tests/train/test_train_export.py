@@ -16,7 +16,7 @@ from zoo.checkpoints.io import write_shards
 from zoo.cli import main as cli
 from zoo.model.recipes import get_spec
 from zoo.testing import one_of_each
-from zoo.train.checkpointer import CheckpointWeights
+from zoo.training.checkpointer import CheckpointWeights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -109,8 +109,8 @@ import torch
 import zoo
 from zoo.checkpoints import get_format
 from zoo.model.recipes import get_spec
-from zoo.train.checkpointer import CheckpointWeights
-from zoo.train.loop import export
+from zoo.training.checkpointer import CheckpointWeights
+from zoo.training.loop import export
 
 ckpt, out, how = sys.argv[1:4]
 spec = get_spec("llama3-8b", json.loads(sys.argv[4]))

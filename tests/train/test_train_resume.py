@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-T = importlib.import_module("zoo.train.loop")
+T = importlib.import_module("zoo.training.loop")
 
 TINY = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "max_seq_len": 64, "layers.*.mixer.n_heads": 4,
         "layers.*.mixer.n_kv_heads": 2, "layers.*.ffn.d_ff": 64}
@@ -199,7 +199,7 @@ def test_a_model_whose_tensors_differ_from_the_checkpoint_is_refused_naming_the_
     from accelerate import Accelerator
 
     from zoo.model.recipes import get_spec
-    from zoo.train.checkpointer import Checkpointer
+    from zoo.training.checkpointer import Checkpointer
 
     ckpt = stopped_run / "checkpoints" / "step-0000004"
     state = json.loads((ckpt / "state.json").read_text())

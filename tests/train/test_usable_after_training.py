@@ -13,9 +13,9 @@ from tokenizers import decoders, models, pre_tokenizers
 import zoo
 from zoo.cli import main
 from zoo.inference.tokenizer import Tokenizer
-from zoo.train.data import ByteTokenizer
+from zoo.training.data import ByteTokenizer
 
-T = importlib.import_module("zoo.train.loop")
+T = importlib.import_module("zoo.training.loop")
 tiny = pytest.importorskip("zoo.checkpoints.tiny")
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -47,7 +47,7 @@ def test_a_model_no_format_describes_is_exported_in_zoos_layout_and_loads(gpt3_r
     r = gpt3_run
     assert r.export == r.out_dir / "final"
     assert {p.name for p in r.export.iterdir()} >= {"spec.toml", "model.safetensors", "tokenizer.json"}
-    from zoo.train.checkpointer import CheckpointWeights
+    from zoo.training.checkpointer import CheckpointWeights
 
     trained = zoo.build_model(zoo.get_spec(r.export / "spec.toml"), device="meta")
     trained.load_state_dict(dict(CheckpointWeights(r.checkpoint)), assign=True)

@@ -396,7 +396,7 @@ def save_pretrained(model: Decoder, directory: str | Path, *, model_type: Option
     beyond the weights. ``state`` gives the weights by zoo name when they are not ``model``'s own
     (which may then be on the meta device): a mapping that reads each tensor when it is asked for,
     and gives its dtype and shape without reading it through ``meta(name)``, as
-    :class:`zoo.train.checkpointer.CheckpointWeights` does for a training checkpoint.
+    :class:`zoo.training.checkpointer.CheckpointWeights` does for a training checkpoint.
 
     The tokenizer goes with it, so that ``zoo generate`` and transformers run the result:
     ``tokenizer`` (a :class:`zoo.inference.tokenizer.Tokenizer`, a tokenizer.json or a directory

@@ -128,7 +128,7 @@ class MergedWeights(Mapping):
     ``X.lora_A.default.weight``, ``X.lora_B.default.weight``), read as the merged model's, by zoo's
     names: each adapted weight is merged when it is asked for, by peft's own ``merge`` on that one
     module, so an export streams a LoRA training checkpoint one tensor at a time as it does any other.
-    ``weights`` is any such mapping (:class:`zoo.train.checkpointer.CheckpointWeights`); ``lora`` the
+    ``weights`` is any such mapping (:class:`zoo.training.checkpointer.CheckpointWeights`); ``lora`` the
     run's settings (``r``, ``alpha``, ``rslora``); ``dtype`` casts floating tensors after the merge."""
 
     def __init__(self, weights: Mapping, lora: dict[str, Any], dtype: Optional[torch.dtype] = None):

@@ -53,7 +53,7 @@ def save_native(model, directory: str | Path, *, state: Optional[Mapping[str, to
     The tensors are written one at a time (:func:`zoo.checkpoints.io.stream_shards`), so a save holds
     about one tensor beyond the weights. ``state`` gives the weights by name when they are not
     ``model``'s own (``model`` may then be on the meta device), as for :func:`zoo.save_pretrained`: a
-    training checkpoint's :class:`zoo.train.checkpointer.CheckpointWeights` is read tensor by tensor,
+    training checkpoint's :class:`zoo.training.checkpointer.CheckpointWeights` is read tensor by tensor,
     never gathered whole. Tied parameters are stored once, under the name safetensors' ``save_model``
     keeps (the first in sorted order), so that ``load_model`` reads the file either way."""
     from zoo.checkpoints.io import replace_checkpoint, stream_shards

@@ -31,7 +31,7 @@ def _training_checkpoint(args) -> int:
 
     import torch
 
-    from zoo.train.loop import export
+    from zoo.training.loop import export
 
     if args.gguf:
         raise ValueError(f"{args.source} is a training checkpoint: export it as an HF directory first "

@@ -64,7 +64,7 @@ def run(args):
                                     "--tokenizer bytes for a model trained on bytes (zoo train's default corpus)")
         tokenizer = Tokenizer(directory)
     else:
-        from zoo.train.data import get_tokenizer
+        from zoo.training.data import get_tokenizer
 
         tokenizer = get_tokenizer(args.tokenizer)
     model = from_pretrained(directory, dtype=args.dtype, adapter=args.adapter, fp8=args.fp8)

@@ -2,9 +2,9 @@
 
 One process: ``zoo train llama3-8b --set n_layers=2 --set d_model=64 --set vocab_size=256 ...``.
 Several: ``accelerate launch [--config_file examples/accelerate/fsdp2-8gpu.yaml] -m zoo.cli train ...``
-or ``torchrun --nproc_per_node N -m zoo.cli train ...``. Every :class:`~zoo.train.config.TrainConfig`
+or ``torchrun --nproc_per_node N -m zoo.cli train ...``. Every :class:`~zoo.training.config.TrainConfig`
 field is an option (``--global-batch 64``, ``--fsdp``, ``--data a.txt b.txt``), and so is every
-:class:`~zoo.train.config.ParallelConfig` field (``--dp-replicate 2 --dp-shard 4 --ac block``);
+:class:`~zoo.training.config.ParallelConfig` field (``--dp-replicate 2 --dp-shard 4 --ac block``);
 ``--config train.toml`` reads the fields (and ``[parallel]`` and ``[lora]`` tables) from a file.
 LoRA: ``zoo train --init-from DIR --lora r=16,alpha=32,targets=q_proj,v_proj``.
 """
@@ -44,7 +44,7 @@ def _add_fields(p, cls, prefix=""):
 
 
 def add_parser(sub):
-    from zoo.train.config import ParallelConfig, TrainConfig
+    from zoo.training.config import ParallelConfig, TrainConfig
 
     p = sub.add_parser("train", help="train a preset or recipe with Accelerate (one process, DDP or FSDP2)",
                        description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
@@ -65,7 +65,7 @@ def add_parser(sub):
 
 def config_of(args):
     """The TrainConfig the parsed options describe: the defaults, then ``--config``'s file, then each option given."""
-    from zoo.train.config import LoraSettings, TrainConfig
+    from zoo.training.config import LoraSettings, TrainConfig
 
     given = {k: v for k, v in vars(args).items() if k not in ("model", "set", "config", "command", "_run")}
     base = TrainConfig.from_toml(args.config) if args.config else TrainConfig()
@@ -81,7 +81,7 @@ def config_of(args):
 
 
 def run(args):
-    from zoo.train.loop import train
+    from zoo.training.loop import train
 
     result = train(args.model, config_of(args), overrides=parse_sets(args.set))
     if result.losses and result.main_process:

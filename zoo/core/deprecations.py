@@ -8,7 +8,7 @@ deprecated in zoo 0.2 and will be removed in zoo 0.4.
   by :func:`warn` where the old spelling is read.
 - :data:`MOVED_MODULES`: import paths that moved when zoo was grouped into wings (``zoo.core``,
   ``zoo.model``, ``zoo.inference``, ``zoo.checkpoints``, ``zoo.train``, ``zoo.tools``) and
-  ``components/`` into folders by kind. No file is left at an old path: :func:`install` puts a finder
+  ``zoo/components/`` into folders by kind. No file is left at an old path: :func:`install` puts a finder
   on ``sys.meta_path`` that makes the old module on import, as a shim (:func:`moved_module`) that
   warns when a name is taken from it and hands over the name from its new home.
 """
@@ -64,9 +64,8 @@ MOVED_MODULES: dict[str, tuple[str, ...]] = {
     "zoo.generation": ("zoo.inference.generate",),
     "zoo.compiled": ("zoo.inference.compiled",),
     "zoo.tokenizer": ("zoo.inference.tokenizer",),
-    "zoo.training": ("zoo.train.loop", "zoo.train.config", "zoo.train.checkpointer"),
-    "zoo.resume": ("zoo.train.resume",),
-    "zoo.data": ("zoo.train.data",),
+    "zoo.resume": ("zoo.training.resume",),
+    "zoo.data": ("zoo.training.data",),
     "zoo.ablate": ("zoo.tools.ablate",),
     "zoo.accounting": ("zoo.tools.accounting",),
     "zoo.verification": ("zoo.tools.verification",),
@@ -84,6 +83,13 @@ MOVED_MODULES: dict[str, tuple[str, ...]] = {
     "zoo.components.moe": ("zoo.components.ffn.moe", "zoo.components.ffn.routers"),
     "zoo.components.positions": ("zoo.components.positions.encodings",),
     "zoo.components.rope_scaling": ("zoo.components.positions.rope_scaling",),
+    # zoo 0.2's training modules (``zoo.train`` is the function; the package is ``zoo.training``)
+    "zoo.train": ("zoo.training.loop", "zoo.training.config", "zoo.training.checkpointer"),
+    "zoo.train.loop": ("zoo.training.loop",),
+    "zoo.train.config": ("zoo.training.config",),
+    "zoo.train.checkpointer": ("zoo.training.checkpointer",),
+    "zoo.train.data": ("zoo.training.data",),
+    "zoo.train.resume": ("zoo.training.resume",),
 }
 
 
@@ -155,7 +161,7 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         vars(module).update(_OWN.get(old, {}))
 
 
-# Old modules whose path is now a package (components/ffn/, components/positions/): the package's
+# Old modules whose path is now a package (zoo/components/ffn/, zoo/components/positions/): the package's
 # own ``__init__`` is their shim.
 _PACKAGES = ("zoo.components.ffn", "zoo.components.positions")
 
@@ -164,3 +170,15 @@ def install() -> None:
     """Let the old module paths import (once per process; ``import zoo`` calls this)."""
     if not any(isinstance(f, _OldPaths) for f in sys.meta_path):
         sys.meta_path.append(_OldPaths())
+
+
+def install_train_package() -> None:
+    """``zoo.train`` is the function, and was also zoo 0.2's training package: its shim goes into
+    ``sys.modules`` by hand (``import zoo`` calls this after binding the function), so that
+    ``import zoo.train.loop`` finds a package there without rebinding ``zoo.train`` to a module."""
+    if "zoo.train" not in sys.modules:
+        shim = types.ModuleType("zoo.train")
+        shim.__path__ = []  # a package: its old submodules are shims of their own
+        shim.__spec__ = importlib.util.spec_from_loader("zoo.train", _OldPaths(), is_package=True)
+        _OldPaths().exec_module(shim)
+        sys.modules["zoo.train"] = shim

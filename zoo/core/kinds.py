@@ -162,7 +162,7 @@ class Part(Kernels, nn.Module):
 
     def parallelize(self, tp_mesh: Any, **kw: Any) -> None:
         """Called by :func:`parallelize` (from ``Decoder.parallelize``, itself called by
-        ``zoo.train.loop.start_model`` on the meta device, before activation checkpointing and FSDP2):
+        ``zoo.training.loop.start_model`` on the meta device, before activation checkpointing and FSDP2):
         shard this part over ``tp_mesh`` (tensor and sequence parallelism). For a mixer or an FFN,
         ``x`` arrives as this process's slice of the sequence, a local (B, T / tp, d_model) tensor,
         and the output leaves the same way; in between the part does what its plan says
@@ -198,7 +198,7 @@ class FFN(Part):
     CONTEXT, FORWARD = ("d_model",), ("x",)
 
     def parallelize_experts(self, ep_mesh: Any) -> list[nn.Module]:
-        """Called by ``Decoder.parallelize_experts`` (from ``zoo.train.loop.start_model`` on the meta device,
+        """Called by ``Decoder.parallelize_experts`` (from ``zoo.training.loop.start_model`` on the meta device,
         after tensor parallelism, before activation checkpointing and FSDP2) when ``parallel.ep`` > 1:
         shard the routed experts over ``ep_mesh`` (:class:`zoo.core.parallel.ExpertParallel`) and return
         the modules whose parameters are now sharded by expert (FSDP2 shards them over the remaining
@@ -576,8 +576,8 @@ KINDS = (
     "stability",
     "family",
     "checkpoint_format",
-    "router",  # a mixture of experts' router (components/ffn/routers.py)
-    "kernel",  # a fast implementation behind a part (zoo.core.kernels dispatches; components/kernels/)
+    "router",  # a mixture of experts' router (zoo/components/ffn/routers.py)
+    "kernel",  # a fast implementation behind a part (zoo.core.kernels dispatches; zoo/components/kernels/)
 )
 
 #: The base of each module-like kind: its hooks, their defaults, and its constructor context and

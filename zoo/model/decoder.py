@@ -96,7 +96,7 @@ class Decoder(_kinds.Kernels, nn.Module):
         # Multi-token prediction modules (zoo/model/mtp.py), when the spec asks for them.
         self.mtp = MTP(spec) if spec.mtp is not None else None
         self.drop = nn.Dropout(spec.dropout)
-        self._softcap = _registry.get("stability", "softcap")  # the one soft-cap (components/stability.py)
+        self._softcap = _registry.get("stability", "softcap")  # the one soft-cap (zoo/components/stability.py)
 
     # -- initialisation --------------------------------------------------------------------------
     @torch.no_grad()

@@ -2,7 +2,7 @@
 
 A family is data: a ``base`` spec table and ``presets``, each a set of dotted-path overrides of
 the base plus facts about the preset (its Hugging Face repo ids, its published parameter count).
-Families are usually TOML files (see ``families/``); plugins register them like any part.
+Families are usually TOML files (see ``zoo/families/``); plugins register them like any part.
 """
 
 from __future__ import annotations

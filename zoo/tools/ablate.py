@@ -182,7 +182,7 @@ def from_dict(data: dict[str, Any], *, path: Optional[Path] = None) -> Ablation:
 
 
 def _train_table(table: Any, where: str, path: Optional[Path]) -> dict[str, Any]:
-    from zoo.train.config import TrainConfig
+    from zoo.training.config import TrainConfig
 
     if not isinstance(table, dict):
         raise AblationError(f"{where}: must be a table of zoo.TrainConfig fields, got {table!r}")
@@ -207,7 +207,7 @@ def check(ablation: Ablation) -> dict[str, ModelSpec]:
     from zoo.model.recipes import build, get_spec
     from zoo.core.registry import RegistryError
     from zoo.core.spec import SpecError
-    from zoo.train.config import TrainConfig
+    from zoo.training.config import TrainConfig
 
     where = _where(ablation.path)
     specs = {}
@@ -369,7 +369,7 @@ def train_one(ablation: Ablation, spec: ModelSpec, variant: str, lr: float, seed
               facts: dict[str, Any], log_with: Sequence[str] = (), logging_dir: Optional[Path] = None
               ) -> dict[str, Any]:
     """One run through zoo.train; returns (and, on the main process, writes) its result."""
-    from zoo.train.loop import train
+    from zoo.training.loop import train
 
     settings = run_settings(ablation, variant, spec, lr, seed)
     history: list[dict[str, Any]] = []
@@ -485,7 +485,7 @@ def summarise(ablation: Ablation, results: list[dict[str, Any]]) -> dict[str, An
     variant: best learning rate, and LR sensitivity as Wortsman et al. (2023) define it: the mean over
     the grid of ``min(loss(lr), loss at init) - min over the grid``, a diverged run counting as the
     loss at initialisation."""
-    from zoo.train.config import TrainConfig
+    from zoo.training.config import TrainConfig
 
     variants = {}
     for variant in ablation.variants:

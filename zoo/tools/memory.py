@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from zoo.core.kinds import is_part
-from zoo.train.config import MESH_DIMS, ParallelConfig
+from zoo.training.config import MESH_DIMS, ParallelConfig
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
                   "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
@@ -105,7 +105,7 @@ def _local_shape(p: torch.Tensor) -> torch.Size:
 
 
 def _units(model: nn.Module, experts_apart: bool = False) -> list[tuple[str, list[tuple[nn.Module, str, torch.Tensor]]]]:
-    """FSDP2's units as zoo's trainer wraps them (``zoo.train.loop``): under expert parallelism
+    """FSDP2's units as zoo's trainer wraps them (``zoo.training.loop``): under expert parallelism
     (``experts_apart``) first each module holding a part's stacked experts (an MoE's ``experts``, the
     multi-token prediction modules' included), then the root holding what no block holds, then one per
     block (less its experts); each a (name, list of (owning part, parameter name, parameter)), every

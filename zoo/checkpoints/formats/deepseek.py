@@ -3,7 +3,7 @@
 Every layer attends with MLA; its RoPE rotates only the decoupled ``qk_rope_head_dim`` part (V2
 rotates interleaved pairs in place, V3 with ``rope_interleave`` rotates the pairs and writes them
 half-split, as transformers does), and DeepSeek's YaRN multiplies the softmax scale by
-``mscale(factor, mscale_all_dim)^2`` (components/positions/rope_scaling.py). The first
+``mscale(factor, mscale_all_dim)^2`` (zoo/components/positions/rope_scaling.py). The first
 ``first_k_dense_replace`` layers have a dense SwiGLU FFN, the rest an ``moe`` with
 ``n_shared_experts`` always-active experts (one shared FFN of ``n_shared_experts x
 moe_intermediate_size``, ungated):

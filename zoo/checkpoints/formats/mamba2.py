@@ -218,7 +218,7 @@ def ssm_layout_to_config(config: dict[str, Any]) -> dict[str, Any]:
     f.expect("d_intermediate", (0,), "a Mamba-2 layer of this layout has no MLP")
     if f.get("attn_layer_idx", [], kind=list):
         raise f.error("attn_layer_idx", "attention layers in a mamba_ssm model are not read by zoo; "
-                                        "write the hybrid as a recipe (see families/nemotron_h_style.toml)")
+                                        "write the hybrid as a recipe (see zoo/families/nemotron_h_style.toml)")
     f.get("attn_cfg", {}, kind=dict)  # configures the attention layers, of which there are none
     f.expect("rms_norm", (True,), "Mamba-2 models use RMSNorm")
     f.get("fused_add_norm")  # a kernel choice: the same function

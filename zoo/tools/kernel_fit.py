@@ -11,8 +11,8 @@ built on the meta device at full width and run one step with their fast path for
 arguments their kernel would get are kept (no tensor is allocated). Each launch is compiled with
 every launch configuration its call site may choose (:mod:`zoo.components.kernels.tuning`).
 
-    python -m zoo.components.kernels.fit                # every preset's kernels, a markdown table
-    python -m zoo.components.kernels.fit --json fit.json --presets qwen3-next-80b-a3b
+    python -m zoo.tools.kernel_fit                # every preset's kernels, a markdown table
+    python -m zoo.tools.kernel_fit --json fit.json --presets qwen3-next-80b-a3b
 
 Run it with ``TRITON_INTERPRET`` unset: under the interpreter kernels are not compiled at all.
 """
@@ -187,7 +187,7 @@ def preset_problems(names=None) -> list[Problem]:
     forced until the kernel would be called."""
     import zoo
     import zoo.core.kernels as zk
-    from zoo.core.kinds import PositionState
+    from zoo.core.kinds import Kernels, PositionState
     from zoo.model.decoder import Decoder
 
     found: dict[tuple, list[str]] = {}
@@ -210,7 +210,7 @@ def preset_problems(names=None) -> list[Problem]:
             with torch.device("meta"):
                 model = Decoder(spec)
             layers = [(i, layer) for i, layer in enumerate(model.layers)
-                      if any(getattr(m, "kernel", None) in RECURRENT for m in layer.modules())]
+                      if any(isinstance(m, Kernels) and m.kernel in RECURRENT for m in layer.modules())]
             if not layers:
                 continue
             ids = torch.zeros(1, 8, dtype=torch.long, device="meta")

@@ -1,7 +1,7 @@
 """Attention on FlexAttention (``torch.nn.attention.flex_attention``) for what SDPA cannot do
 fused: tanh soft-capping of the scores (Gemma 2) as a ``score_mod`` and the causal sliding
 window as a block-sparse ``mask_mod``, with GQA (no repeated K/V). Same semantics as the eager
-reference in ``components/mixers/attention.py``; on CUDA the kernel is compiled once and reused.
+reference in ``zoo/components/mixers/attention.py``; on CUDA the kernel is compiled once and reused.
 
 Block masks are built from the slots' per-block bounds, never from a (Tq, Tk) mask: memory is
 O(Tq Tk / 128^2), about 1 MiB of indices at 128k tokens where a dense mask is over 100 GiB.

@@ -27,8 +27,8 @@ from torch import nn
 from zoo.checkpoints.io import DTYPES
 from zoo.checkpoints.maps import current_name, moved_expert_name
 from zoo.core.spec import ModelSpec, differences
-from zoo.train.config import TrainConfig
-from zoo.train.resume import fsync_dir, fsync_tree, step_of
+from zoo.training.config import TrainConfig
+from zoo.training.resume import fsync_dir, fsync_tree, step_of
 
 #: The layout ``state.json`` records as ``format``: 2 is torch.distributed.checkpoint's; without the key, the earlier one.
 FORMAT = 2

@@ -38,13 +38,13 @@ import torch
 from torch import nn
 
 from zoo.checkpoints.gguf import is_gguf
-from zoo.train.checkpointer import Checkpointer, checkpoints, load_full_state_dict, read_checkpoint_state
-from zoo.train.config import MESH_DIMS, ParallelConfig, TrainConfig, TrainResult
-from zoo.train.data import TokenData, bos_id, builtin_corpus, get_tokenizer, read_texts, tokenize
+from zoo.training.checkpointer import Checkpointer, checkpoints, load_full_state_dict, read_checkpoint_state
+from zoo.training.config import MESH_DIMS, ParallelConfig, TrainConfig, TrainResult
+from zoo.training.data import TokenData, bos_id, builtin_corpus, get_tokenizer, read_texts, tokenize
 from zoo.core import kinds as _kinds
 from zoo.model.decoder import build_model
 from zoo.model.recipes import get_spec
-from zoo.train.resume import check_resumed_config, metrics_up_to, resume_point
+from zoo.training.resume import check_resumed_config, metrics_up_to, resume_point
 from zoo.core.spec import ModelSpec
 
 
@@ -524,7 +524,7 @@ def export(checkpoint: Path, path: Path, *, model_type: Optional[str] = None, to
     from zoo.checkpoints.format import CheckpointError
     from zoo.checkpoints.native import save_native
     from zoo.core.registry import list_components
-    from zoo.train.checkpointer import CheckpointWeights
+    from zoo.training.checkpointer import CheckpointWeights
 
     state = json.loads((Path(checkpoint) / "state.json").read_text())
     spec = ModelSpec.from_dict(state["spec"])

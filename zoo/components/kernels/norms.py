@@ -1,7 +1,7 @@
 """RMSNorm and LayerNorm in Triton, forward and backward, one row per program.
 
 Statistics and the scale are computed in fp32 whatever the input dtype. The flags reproduce the
-reference paths of ``components/norms.py`` exactly:
+reference paths of ``zoo/components/norms.py`` exactly:
 
 - ``center``/``bias``: LayerNorm (subtract the mean, add a bias) versus RMSNorm;
 - ``unit_offset``: scale by ``1 + w`` (Gemma);

@@ -161,7 +161,7 @@ def chunked_bytes(heads: float, key_heads: float, dk: int, dv: int, chunk: int, 
 class GatedDeltaNet(Mixer):
     """Gated DeltaNet with its short convolution, L2-normalised q/k and gated RMSNorm (see the module)."""
 
-    # The chunked form runs Triton kernels on CUDA (components/kernels/gated_deltanet.py).
+    # The chunked form runs Triton kernels on CUDA (zoo/components/kernels/gated_deltanet.py).
     kernel: ClassVar[str] = "gated_delta"
     backends: ClassVar[tuple] = ("triton", "torch")
 
