@@ -226,7 +226,9 @@ def _block_attention():
 
 
 def _head_dim_for():
-    _add_attention()
+    manager = zoo.manager()
+    with manager.providing("old_plugin"):
+        manager.add_mixer("old_mixer", OldMixer, override=True)
     spec = zoo.get_spec({**zt.TINY, "layers": {"default": {"mixer": {"name": "old_mixer", "n_heads": 2}}}})
     assert zoo.build(spec, seed=0).positions["0"].dim == spec.d_model // 2  # RoPE sized by head_dim_for
 
@@ -252,11 +254,14 @@ def _decoder_generate():
 
 
 def _old_parameter_names():
-    from zoo.checkpoints.maps import rule
+    from zoo.checkpoints.maps import bind, rule
 
-    r = rule("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.attention.q_proj.weight")
-    assert r.zoo == ("layers.{i}.mixer.q_proj.weight",)
-    assert rule("mtp.0", "mtp.layers.0.block.attention.o_proj.weight").zoo == ("mtp.layers.0.block.mixer.o_proj.weight",)
+    model = _model()
+    bound = list(bind([rule("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.attention.q_proj.weight")], model))
+    assert [b.zoo for b in bound] == [(f"layers.{i}.mixer.q_proj.weight",) for i in range(len(model.layers))]
+    mtp = zoo.build(zt.TINY, overrides={"mtp": {"depth": 1}}, seed=0)
+    bound = list(bind([rule("mtp.0.o_proj.weight", "mtp.layers.0.block.attention.o_proj.weight")], mtp))
+    assert [b.zoo for b in bound] == [("mtp.layers.0.block.mixer.o_proj.weight",)]
 
 
 def _moe_expert_attributes():

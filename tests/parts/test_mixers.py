@@ -13,6 +13,7 @@ import zoo
 import zoo.testing as zt
 from zoo.tools.accounting import account
 from zoo.cli import main
+from hf_pairs import assert_same_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -147,13 +148,7 @@ def test_save_and_load_through_a_plugin_format_keeps_buffers(toy, tmp_path):
         layer.ffn.expert_bias.normal_()
     zoo.save_pretrained(model, tmp_path / "ckpt", model_type="toy-hybrid")
     loaded = zoo.from_pretrained(tmp_path / "ckpt")
-    a, b = model.state_dict(), loaded.state_dict()
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-    ids = torch.randint(0, 64, (2, 9))
-    assert torch.equal(model(ids), loaded(ids))
-    assert torch.equal(zoo.generate(model, ids, 4), zoo.generate(loaded, ids, 4))
+    assert_same_model(model, loaded, 64)
 
 
 def test_conformance_passes_the_toy_parts_and_fails_their_broken_variants(toy):

@@ -203,7 +203,7 @@ class Decoder(_kinds.Kernels, nn.Module):
         dtype, device = dtype or p.dtype, device or p.device
         layers = []
         for i, layer in enumerate(self.layers):
-            mixer = layer.mixer
+            mixer = _kinds.mixer_of(layer)
             state = _kinds.adapt_state(mixer.new_state(batch, max_len, dtype=dtype, device=device))
             if state is None:
                 raise ValueError(
