@@ -13,7 +13,7 @@ from torch import nn
 
 import zoo
 import zoo.testing as zt
-from zoo.core.deprecations import ALIASES, MOVED_MODULES, REMOVED_IN
+from zoo.core.deprecations import ALIASES, MOVED_MODULES, SINCE, removed_in, since
 
 # zoo 0.1's module paths, each with names code written against it imports from there. Written out
 # by hand, not read from the table.
@@ -60,6 +60,7 @@ OLD_IMPORTS = {
     "zoo.train.checkpointer": ["Checkpointer", "checkpoints", "read_checkpoint_state"],
     "zoo.train.data": ["TokenData", "get_tokenizer"],
     "zoo.train.resume": ["step_of", "resume_point"],
+    "zoo.components.kernels.fit": ["recording", "compile_launch", "preset_problems"],
 }
 
 # zoo 0.1's zoo.training was a shim of zoo 0.2; it is the training package again, and hands over the
@@ -78,8 +79,8 @@ def test_an_old_import_path_hands_over_each_name_and_warns_naming_its_new_home(o
     assert names, f"{old} hands over no names"
     for name in names:
         home = next(h for h in MOVED_MODULES[old] if hasattr(importlib.import_module(h), name))
-        with pytest.warns(DeprecationWarning, match=rf"{re.escape(old)}\.{name} is deprecated .* removed in "
-                                                    rf"{REMOVED_IN}: use {re.escape(home)}\.{name}$"):
+        with pytest.warns(DeprecationWarning, match=rf"{re.escape(old)}\.{name} is deprecated since zoo {since(old)} and "
+                                                    rf"will be removed in {removed_in(since(old))}: use {re.escape(home)}\.{name}$"):
             got = getattr(shim, name)
         assert got is getattr(importlib.import_module(home), name)
 
@@ -325,8 +326,8 @@ def test_every_alias_of_the_table_is_exercised_here():
 
 @pytest.mark.parametrize("old", sorted(ALIASES))
 def test_an_old_spelling_still_works_and_warns_naming_the_new_one(old):
-    with pytest.warns(DeprecationWarning, match=rf"^{re.escape(old)} is deprecated since zoo 0\.2 and will be removed "
-                                                rf"in {REMOVED_IN}: use {re.escape(ALIASES[old])}$"):
+    with pytest.warns(DeprecationWarning, match=rf"^{re.escape(old)} is deprecated since zoo {since(old)} and will be "
+                                                rf"removed in {removed_in(since(old))}: use {re.escape(ALIASES[old])}$"):
         EXERCISES[old]()
 
 
@@ -341,3 +342,9 @@ def test_the_new_spellings_do_not_warn(recwarn):
         model(ids[:, :4], state=state)
     zoo.generate(model, ids, 2)
     assert spec.layer(0).mixer.n_heads == 2 and "layers.0.mixer.q_proj.weight" in model.state_dict()
+
+
+def test_a_name_deprecated_in_release_n_may_go_in_n_plus_2():
+    assert (removed_in("0.2"), removed_in("0.3"), removed_in("1.9")) == ("0.4", "0.5", "1.11")
+    assert since("zoo.train.loop") == "0.3" and since("zoo.spec") == since("spec key 'attention'") == "0.2"
+    assert set(SINCE) <= set(ALIASES) | set(MOVED_MODULES)
