@@ -348,3 +348,21 @@ def test_a_name_deprecated_in_release_n_may_go_in_n_plus_2():
     assert (removed_in("0.2"), removed_in("0.3"), removed_in("1.9")) == ("0.4", "0.5", "1.11")
     assert since("zoo.train.loop") == "0.3" and since("zoo.spec") == since("spec key 'attention'") == "0.2"
     assert set(SINCE) <= set(ALIASES) | set(MOVED_MODULES)
+
+
+def _warn_from(module: str) -> None:
+    exec("import warnings\nwarnings.warn('an old name', DeprecationWarning, stacklevel=1)", {"__name__": module})
+
+
+def test_the_suite_fails_on_our_deprecations_and_leaves_third_party_ones_to_them():
+    """pyproject.toml's filterwarnings: a DeprecationWarning from zoo's code (or a test's) is an error;
+    one raised within torch or transformers is shown, not failed."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # the suite's filters, kept
+        for ours in ("zoo.core.spec", "test_deprecations", "torchvisionish"):
+            with pytest.raises(DeprecationWarning, match="an old name"):
+                _warn_from(ours)
+        _warn_from("transformers.modeling_utils")
+        _warn_from("torch")
+    assert len(caught) == 2

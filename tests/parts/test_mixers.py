@@ -42,7 +42,8 @@ def test_the_plugin_registers_mixers_ffns_and_a_format(toy):
     assert ("mixer", "toy_recurrent") in info.registered and ("ffn", "toy_moe") in info.registered
     assert ("checkpoint_format", "toy-hybrid") in info.registered
     assert zoo.manager().provider_of("mixer", "toy_recurrent") == "toy_plugin"
-    assert "toy_recurrent" in zoo.list_components("attention")  # the old kind name reaches the mixers
+    with pytest.deprecated_call():  # the old kind name reaches the mixers
+        assert "toy_recurrent" in zoo.list_components("attention")
 
 
 def test_a_mixer_that_takes_no_rotation_leaves_attention_its_whole_head(toy):
@@ -209,20 +210,21 @@ class OldStyleAttention(nn.Module):
 
 
 def test_an_attention_plugin_written_before_mixers_still_builds_and_trains(tmp_path):
-    manager = zoo.manager()
-    with manager.providing("old_plugin"):
-        manager.add_attention("old_style", OldStyleAttention, override=True)
-    spec = zoo.get_spec({**zt.TINY, "layers": {"default": {"attention": {"name": "old_style"}}}},
-                        {"layers.*.attention.n_heads": 2})
-    assert spec.layer(0).mixer.name == "old_style" and spec.layer(0).attention.n_heads == 2
-    model = zoo.build(spec, seed=0)
-    assert model.positions["0"].dim == 16  # RoPE sized by the old head_dim_for
-    model.loss(torch.randint(0, 64, (2, 8))).loss.backward()
-    # It keeps no decode state: generation refuses it by name instead of decoding wrongly.
-    with pytest.raises(ValueError, match="OldStyleAttention.*'old_style'.*cannot decode incrementally"):
-        zoo.generate(model, torch.randint(0, 64, (1, 4)), 2)
-    with pytest.raises(AssertionError, match="cannot decode incrementally"):
-        zt.check("attention", "old_style")
+    with pytest.deprecated_call():  # every old spelling of a mixer, on purpose
+        manager = zoo.manager()
+        with manager.providing("old_plugin"):
+            manager.add_attention("old_style", OldStyleAttention, override=True)
+        spec = zoo.get_spec({**zt.TINY, "layers": {"default": {"attention": {"name": "old_style"}}}},
+                            {"layers.*.attention.n_heads": 2})
+        assert spec.layer(0).mixer.name == "old_style" and spec.layer(0).attention.n_heads == 2
+        model = zoo.build(spec, seed=0)
+        assert model.positions["0"].dim == 16  # RoPE sized by the old head_dim_for
+        model.loss(torch.randint(0, 64, (2, 8))).loss.backward()
+        # It keeps no decode state: generation refuses it by name instead of decoding wrongly.
+        with pytest.raises(ValueError, match="OldStyleAttention.*'old_style'.*cannot decode incrementally"):
+            zoo.generate(model, torch.randint(0, 64, (1, 4)), 2)
+        with pytest.raises(AssertionError, match="cannot decode incrementally"):
+            zt.check("attention", "old_style")
 
 
 def test_the_plugin_guides_mixer_example_passes_the_contract():

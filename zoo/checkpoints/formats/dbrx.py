@@ -146,9 +146,9 @@ class Dbrx(TableFormat):
             rule(f"{a}attn.Wqkv.weight", [f"{ZOO_MIXER}{p}_proj.weight" for p in "qkv"], FUSED_QKV),
             rule(f"{a}attn.out_proj.weight", f"{ZOO_MIXER}o_proj.weight"),
             rule(f"{m}router.layer.weight", f"{ZOO_LAYER}ffn.router.weight"),
-            rule(f"{m}experts.mlp.w1", f"{ZOO_LAYER}ffn.w_gate", fused_experts(n)),
-            rule(f"{m}experts.mlp.v1", f"{ZOO_LAYER}ffn.w_up", fused_experts(n)),
-            rule(f"{m}experts.mlp.w2", f"{ZOO_LAYER}ffn.w_down", fused_experts(n, transposed=True)),
+            rule(f"{m}experts.mlp.w1", f"{ZOO_LAYER}ffn.experts.w_gate", fused_experts(n)),
+            rule(f"{m}experts.mlp.v1", f"{ZOO_LAYER}ffn.experts.w_up", fused_experts(n)),
+            rule(f"{m}experts.mlp.w2", f"{ZOO_LAYER}ffn.experts.w_down", fused_experts(n, transposed=True)),
         ]
 
     def config_to_spec(self, config, *, strict=False):
