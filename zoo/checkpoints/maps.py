@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from zoo.core.deprecations import warn
+from zoo.core.deprecations import OLD_EXPERT_NAMES, warn
 from zoo.core.kinds import mixer_of
 
 Tensors = list[torch.Tensor]
@@ -154,21 +154,20 @@ FUSED_QKV_GROUPED = _qkv("fused_qkv_grouped", _grouped_split, _grouped_fuse)
 #: zoo's side of the weight names of layer ``{i}``, and of its mixer: every format names them from these.
 ZOO_LAYER = "layers.{i}."
 ZOO_MIXER = ZOO_LAYER + "mixer."
-# zoo 0.1 stored the mixer as ``attention``: a (plugin) format may still name it so. Renamed only where
+# zoo 0.1 and 0.2 stored the mixer as ``attention``: a (plugin) format may still name it so. Renamed only where
 # the model has the new name (a plugin's own block may still own an ``attention``).
 _OLD_MIXER = re.compile(r"^((?:mtp\.)?layers\.(?:\{i\}|\d+)\.(?:block\.)?)attention\.")
 OLD_MIXER_NAMES = "zoo-side parameter names layers.{i}.attention.*"
 
 
 def current_name(name: str) -> str:
-    """``name`` with zoo 0.1's ``layers.{i}.attention.`` spelt ``layers.{i}.mixer.``."""
+    """``name`` with zoo 0.2's ``layers.{i}.attention.`` spelt ``layers.{i}.mixer.``."""
     return _OLD_MIXER.sub(r"\1mixer.", name)
 
 
 # zoo 0.2 stored an moe FFN's stacked experts on the FFN (``layers.{i}.ffn.w_up``); they are now its
 # ``experts`` module's. Renamed only where the model has the new name (a plugin FFN may own a ``w_up``).
 _OLD_EXPERTS = re.compile(r"^((?:mtp\.)?layers\.(?:\{i\}|\d+)\.(?:block\.)?ffn\.)(w_gate|w_up|w_down)$")
-OLD_EXPERT_NAMES = "zoo-side parameter names layers.{i}.ffn.w_gate, w_up, w_down (an moe FFN's experts)"
 
 
 def moved_expert_name(name: str) -> str:
@@ -182,7 +181,7 @@ _NEW_EXPERTS = re.compile(r"^((?:mtp\.)?layers\.\d+\.(?:block\.)?ffn\.)experts\.
 
 
 def earlier_names(name: str) -> list[str]:
-    """The names earlier zoo releases stored the parameter ``name`` under (zoo 0.1's
+    """The names earlier zoo releases stored the parameter ``name`` under (zoo 0.2's
     ``layers.{i}.attention.*``, zoo 0.2's ``layers.{i}.ffn.w_up``), if it had others."""
     out = [_NEW_MIXER.sub(r"\1attention.", name), _NEW_EXPERTS.sub(r"\1\2", name)]
     return [n for n in dict.fromkeys(out) if n != name]
@@ -245,7 +244,7 @@ def bind(rules: Sequence[Rule], model) -> Iterator[Bound]:
 
 
 def _as_model_names(zoo_names: tuple[str, ...], present: list[bool], names: set[str]):
-    """A rule's zoo names, spelt as the model has them: a (plugin) format written against zoo 0.1's
+    """A rule's zoo names, spelt as the model has them: a (plugin) format written against zoo 0.2's
     ``layers.{i}.attention.*`` or zoo 0.2's MoE ``layers.{i}.ffn.w_up`` loads and saves, and warns, where
     the model has the new names instead; a model that has the old names (a plugin's own block or FFN
     that owns them) keeps them."""

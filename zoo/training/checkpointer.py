@@ -218,7 +218,7 @@ class Checkpointer:
         from torch.distributed.tensor import DTensor
 
         sharded = state["sharded"]
-        # A checkpoint of zoo 0.1 names the mixer ``layers.{i}.attention.*``, one of zoo 0.2 an moe FFN's
+        # A checkpoint of zoo 0.1 or 0.2 names the mixer ``layers.{i}.attention.*``, one of zoo 0.2 an moe FFN's
         # experts ``layers.{i}.ffn.w_up``: read under today's names where the model has them (a plugin's
         # own block keeps its ``attention``, found under its own name).
         weights = load_file(str(path / self._files(sharded, "model")))
