@@ -66,7 +66,7 @@ MOVED_MODULES: dict[str, tuple[str, ...]] = {
     "zoo.kernels": ("zoo.core.kernels",),
     "zoo.precision": ("zoo.core.precision",),
     "zoo.recipes": ("zoo.model.recipes", "zoo.core.spec"),
-    "zoo.mtp": ("zoo.model.mtp", "zoo.checkpoints.mtp", "zoo.inference.speculative"),
+    "zoo.mtp": ("zoo.model.mtp", "zoo.checkpoints.hf.mtp", "zoo.inference.speculative"),
     "zoo.generation": ("zoo.inference.generate",),
     "zoo.compiled": ("zoo.inference.compiled",),
     "zoo.tokenizer": ("zoo.inference.tokenizer",),
@@ -97,6 +97,16 @@ MOVED_MODULES: dict[str, tuple[str, ...]] = {
     "zoo.train.data": ("zoo.training.data",),
     "zoo.train.resume": ("zoo.training.resume",),
 }
+# The checkpoints wing by concern: HF configs and names in zoo.checkpoints.hf, file containers in
+# zoo.checkpoints.files.
+MOVED_MODULES.update({f"zoo.checkpoints.{m}": (f"zoo.checkpoints.hf.{m}",)
+                      for m in ("format", "fields", "common", "sizes", "maps", "mtp", "formats")})
+MOVED_MODULES.update({f"zoo.checkpoints.formats.{m}": (f"zoo.checkpoints.hf.formats.{m}",)
+                      for m in ("_classic", "dbrx", "deepseek", "deepseek_moe", "deepseek_v32", "falcon", "glm_moe_dsa",
+                                "gpt2", "gpt_neox", "gptj", "llama", "mamba2", "minimax", "minimax_m2", "moe",
+                                "nemotron_h", "qwen3_next")})
+MOVED_MODULES.update({f"zoo.checkpoints.{m}": (f"zoo.checkpoints.files.{m}",)
+                      for m in ("io", "hub", "native", "gguf", "gguf_out")})
 
 
 def message(old: str, new: str) -> str:
@@ -161,7 +171,9 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None):
         if fullname in MOVED_MODULES and fullname not in _PACKAGES:
-            return importlib.util.spec_from_loader(fullname, self)
+            # an old package (zoo.checkpoints.formats) whose old submodules are shims of their own
+            package = any(old.startswith(fullname + ".") for old in MOVED_MODULES)
+            return importlib.util.spec_from_loader(fullname, self, is_package=package)
         return None
 
     def create_module(self, spec):
