@@ -21,7 +21,7 @@ from zoo.core import kinds as _kinds
 from zoo.core import kernels as _kernels
 from zoo.core import precision as _precision
 from zoo.core import registry as _registry
-from zoo.core.context import ForwardContext
+from zoo.core.context import ForwardContext, document_positions
 from zoo.core.kinds import PositionEncoding, PositionState, rotary_dim_of
 from zoo.model.loss import LossOutput, lm_loss, vocab_parallel_lm_loss
 from zoo.model.mtp import MTP
@@ -215,9 +215,12 @@ class Decoder(_kinds.Kernels, nn.Module):
 
     # -- forward ----------------------------------------------------------------------------------
     def context(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, state: Optional[DecodeState] = None) -> ForwardContext:
+                position_ids: Optional[torch.Tensor] = None, state: Optional[DecodeState] = None,
+                document_ids: Optional[torch.Tensor] = None) -> ForwardContext:
         """The forward context of ``input_ids`` (B, T): slots, padding mask and position ids, after
-        what ``state`` has seen (and moving ``state`` on)."""
+        what ``state`` has seen (and moving ``state`` on). ``document_ids`` (B, T) numbers the packed
+        documents of each row (non-decreasing along it): positions restart at each document, and every
+        mixer keeps each document to itself (:func:`document_positions`)."""
         B, T = input_ids.shape
         tp = getattr(self, "_tp", 1)
         if T % tp:
@@ -227,10 +230,30 @@ class Decoder(_kinds.Kernels, nn.Module):
             slots, key_mask, positions = state.advance(B, T, input_ids.device, attention_mask)
         else:
             slots, key_mask, positions = step_layout(B, T, input_ids.device, attention_mask)
+        if document_ids is not None:
+            self._check_documents(document_ids, B, T, state, attention_mask)
+            positions = document_positions(document_ids)
         ctx = ForwardContext(position_ids=positions if position_ids is None else position_ids, slots=slots,
                               key_mask=key_mask, state=state)
+        ctx.documents = document_ids
         ctx.n_layers = len(self.layers)
         return ctx
+
+    def _check_documents(self, documents: torch.Tensor, B: int, T: int, state, attention_mask) -> None:
+        if tuple(documents.shape) != (B, T):
+            raise ValueError(f"document_ids has shape {tuple(documents.shape)}; expected (batch, seq) = {(B, T)}")
+        if state is not None or attention_mask is not None:
+            raise ValueError("document_ids: packed documents are a training forward over whole sequences; pass no "
+                             "decode state or attention_mask with them (padding is a document of its own)")
+        if self.mtp is not None:
+            raise ValueError("document_ids: the multi-token prediction modules do not keep packed documents apart; "
+                             "train this model with packing = 'plain'")
+        for i in range(len(self.layers)):
+            cls = self.spec.layer(i).mixer.cls
+            if not getattr(cls, "documents", False):
+                raise ValueError(f"document_ids: layer {i}'s mixer {self.spec.layer(i).mixer.name!r} does not keep "
+                                 "packed documents apart (it states no documents = True); train it with packing = "
+                                 "'plain'")
 
     def hidden_states(
         self,
@@ -241,12 +264,13 @@ class Decoder(_kinds.Kernels, nn.Module):
         output_hidden_states: bool = False,
         *,
         cache: Optional[DecodeState] = None,
+        document_ids: Optional[torch.Tensor] = None,
     ):
         """Final hidden states (before the head), and every layer's output if asked. ``cache`` is the
         old name of ``state``."""
         if cache is not None:
             _deprecations.warn("the cache= keyword")
-        ctx = self.context(input_ids, attention_mask, position_ids, state if state is not None else cache)
+        ctx = self.context(input_ids, attention_mask, position_ids, state if state is not None else cache, document_ids)
         return self.run_layers(input_ids, ctx, output_hidden_states)
 
     def run_layers(self, input_ids: torch.Tensor, ctx: ForwardContext, output_hidden_states: bool = False):
@@ -356,6 +380,7 @@ class Decoder(_kinds.Kernels, nn.Module):
         cache: Optional[DecodeState] = None,
         return_dict: bool = False,
         output_hidden_states: bool = False,
+        document_ids: Optional[torch.Tensor] = None,
     ):
         """Logits of shape (batch, seq, vocab); with ``labels``, the :meth:`loss` instead (so a
         wrapper that only sees ``forward`` — DDP, FSDP — still gets the fused loss path).
@@ -364,7 +389,8 @@ class Decoder(_kinds.Kernels, nn.Module):
         ``return_dict=True`` answers as a transformers causal LM does: a :class:`CausalLMOutput`
         with ``.logits``, ``.loss`` (with ``labels``, unshifted as in transformers) and, with
         ``output_hidden_states=True``, ``.hidden_states`` (the embeddings, then each layer's output,
-        the last one after the final norm). Without it the return value is what it always was."""
+        the last one after the final norm). Without it the return value is what it always was.
+        ``document_ids`` (B, T): the packed documents of each row (see :meth:`context`)."""
         if cache is not None:
             _deprecations.warn("the cache= keyword")
         state = state if state is not None else cache
@@ -372,15 +398,17 @@ class Decoder(_kinds.Kernels, nn.Module):
             if output_hidden_states:
                 raise ValueError("output_hidden_states=True needs return_dict=True (or call model.hidden_states)")
             if labels is not None:
-                return self.loss(input_ids, labels, attention_mask)
-            return self.logits_from_hidden(self.hidden_states(input_ids, attention_mask, position_ids, state))
+                return self.loss(input_ids, labels, attention_mask, document_ids=document_ids)
+            return self.logits_from_hidden(self.hidden_states(input_ids, attention_mask, position_ids, state,
+                                                              document_ids=document_ids))
         if labels is not None:
             if state is not None or position_ids is not None or output_hidden_states:
                 raise ValueError("labels: the loss is computed over whole sequences; pass no state, position_ids "
                                  "or output_hidden_states with labels")
-            out = self.loss(input_ids, labels, attention_mask, return_logits=True)
+            out = self.loss(input_ids, labels, attention_mask, return_logits=True, document_ids=document_ids)
             return CausalLMOutput(logits=out.logits, loss=out.loss, aux=out.aux, metrics=out.metrics)
-        final, hidden = self.hidden_states(input_ids, attention_mask, position_ids, state, output_hidden_states=True)
+        final, hidden = self.hidden_states(input_ids, attention_mask, position_ids, state, output_hidden_states=True,
+                                           document_ids=document_ids)
         hidden = tuple(hidden[:-1]) + (final,) if output_hidden_states else None
         return CausalLMOutput(logits=self.logits_from_hidden(final), hidden_states=hidden)
 
@@ -392,11 +420,13 @@ class Decoder(_kinds.Kernels, nn.Module):
         *,
         z_loss: Optional[float] = None,
         return_logits: bool = False,
+        document_ids: Optional[torch.Tensor] = None,
     ) -> LossOutput:
         """The LM loss in one call: next-token cross-entropy, plus z-loss (coefficient from the spec
         unless given), plus each auxiliary loss a part added during the forward, times its weight.
-        ``labels`` default to ``input_ids``; padding (mask 0) is ignored."""
-        ctx = self.context(input_ids, attention_mask)
+        ``labels`` default to ``input_ids``; padding (mask 0) and labels of -100 are ignored.
+        ``document_ids``: packed documents (see :meth:`context`)."""
+        ctx = self.context(input_ids, attention_mask, document_ids=document_ids)
         hidden = self.run_layers(input_ids, ctx)
         labels = input_ids if labels is None else labels
         if attention_mask is not None:
