@@ -59,9 +59,8 @@ def _check_documents(model: nn.Module, documents: torch.Tensor, B: int, T: int, 
     if model.mtp is not None:
         raise ValueError("document_ids: the multi-token prediction modules do not keep packed documents apart; "
                          "train this model with packing = 'plain'")
-    for i in range(len(model.layers)):
-        cls = model.spec.layer(i).mixer.cls
-        if not getattr(cls, "documents", False):
+    for i, layer in enumerate(model.layers):
+        if not layer.mixer.documents:
             raise ValueError(f"document_ids: layer {i}'s mixer {model.spec.layer(i).mixer.name!r} does not keep "
                              "packed documents apart (it states no documents = True); train it with packing = "
                              "'plain'")
