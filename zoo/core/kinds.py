@@ -227,6 +227,9 @@ class Mixer(Part):
     #: Called by ``zoo.testing``'s conformance suite: False for a mixer that returns zeros and holds
     #: no parameters (``none``: the layer is its FFN).
     mixes_tokens: ClassVar[bool] = True
+    #: Checked by ``Decoder`` before a forward with packed documents (``ctx.documents``): True for a mixer
+    #: that keeps each document to itself (attention inside it, a recurrent state reset at its start).
+    documents: ClassVar[bool] = False
 
     @classmethod
     def rotary_dim(cls, cfg: Any, d_model: int) -> Optional[int]:
