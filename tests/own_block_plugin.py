@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import zoo
-from zoo.checkpoints.format import CheckpointFormat, Fields
-from zoo.checkpoints.maps import linear, rule
+from zoo.checkpoints.hf.format import CheckpointFormat, Fields
+from zoo.checkpoints.hf.maps import linear, rule
 from zoo.core.kinds import Block
 from zoo.core.spec import ModelSpec
 

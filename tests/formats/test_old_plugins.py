@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 import zoo
 from hf_pairs import assert_same_model
-from zoo.checkpoints.maps import bind, rule
+from zoo.checkpoints.hf.maps import bind, rule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
