@@ -474,6 +474,15 @@ def implements(obj: Any, hook: str) -> bool:
     return _own(obj if isinstance(obj, type) else type(obj), hook) is not None
 
 
+#: The hooks in which a part states facts about itself for the other wings (spec checks, shrinking,
+#: accounting, memory, checkpoint transforms, parallel plans) rather than computes. In a part file they
+#: follow the mechanism, below one line, :data:`FACTS_DIVIDER` (tests/parts/test_part_files.py checks
+#: zoo's own). ``check_experts`` is a router's, read by the mixture of experts' spec check.
+FACT_HOOKS = ("shrink", "shrink_to", "resolved", "check_in_model", "check_experts", "rotary_dim", "max_positions",
+              "heads", "cost", "facts", "activation_bytes", "tp_plan", "tp_divides", "parallelize",
+              "parallelize_experts", "expert_parameters")
+FACTS_DIVIDER = "# -- what this part states about itself --"
+
 #: Class -> the default hooks :func:`adapt` mixed into it.
 _MIXED: dict[type, tuple[str, ...]] = {}
 
