@@ -196,7 +196,7 @@ class Activation(Part):
 
     CONTEXT, FORWARD = (), ("x",)
 
-    #: Called by ``zoo.checkpoints.common.hf_activations``: HF activation names this part stands for
+    #: Called by ``zoo.checkpoints.hf.common.hf_activations``: HF activation names this part stands for
     #: (HF name -> this part's config), so configs naming them read as this part.
     hf_names: ClassVar[dict[str, dict[str, Any]]] = {}
     #: Called by the dense FFN: the name of the fused gated-product kernel for this activation, or None.
@@ -239,6 +239,9 @@ class Mixer(Part):
     #: Called by ``zoo.testing``'s conformance suite: False for a mixer that returns zeros and holds
     #: no parameters (``none``: the layer is its FFN).
     mixes_tokens: ClassVar[bool] = True
+    #: Checked by ``Decoder`` before a forward with packed documents (``ctx.documents``): True for a mixer
+    #: that keeps each document to itself (attention inside it, a recurrent state reset at its start).
+    documents: ClassVar[bool] = False
 
     @classmethod
     def rotary_dim(cls, cfg: Any, d_model: int) -> Optional[int]:
@@ -254,7 +257,7 @@ class Mixer(Part):
         return None
 
     def heads(self) -> Optional[tuple[int, int, int]]:
-        """Called by ``zoo.checkpoints.maps`` for a weight transform that needs them (a RoPE
+        """Called by ``zoo.checkpoints.hf.maps`` for a weight transform that needs them (a RoPE
         permutation): (query heads, key/value heads, head width), or None when it has no heads."""
         return None
 

@@ -42,6 +42,7 @@ class Attention(Mixer):
     has a window)."""
 
     kernel: ClassVar[str] = "attention"
+    documents: ClassVar[bool] = True  # packed documents: a mask keeps attention inside each
     # flex (FlexAttention) is chosen on CUDA for what SDPA cannot fuse: soft-capping, a window.
     backends: ClassVar[tuple] = ("flex", "sdpa", "eager")
 
@@ -132,7 +133,7 @@ class Attention(Mixer):
         bias = pos.score_bias(q_idx, k_idx, q.shape[1]) if pos is not None else None
         if ctx.asks("attn_logit_max"):  # the ablation lab's probe (zoo.tools.ablate.AttentionLogits)
             ctx.add_metric(f"attn_logit_max/layer{self.index}", self.logit_max(q, k, q_idx, k_idx))
-        out = self.attend(q, k, v, q_idx, k_idx, key_mask, bias).transpose(1, 2).reshape(B, T, -1)
+        out = self.attend(q, k, v, q_idx, k_idx, key_mask, bias, documents=ctx.documents).transpose(1, 2).reshape(B, T, -1)
         if self.cfg.output_gate:
             out = out * torch.sigmoid(gate.reshape(B, T, -1))
         return self.o_proj(out)
@@ -167,8 +168,9 @@ class Attention(Mixer):
             seen = seen & (q_idx[:, None] - k_idx[None, :] < self.window)
         return scores.masked_fill(~seen, float("-inf")).amax()
 
-    def attend(self, q, k, v, q_idx, k_idx, key_mask=None, bias=None):
-        """(B, H, Tq, D) queries against (B, Hkv, Tk, D) keys/values -> (B, H, Tq, D)."""
+    def attend(self, q, k, v, q_idx, k_idx, key_mask=None, bias=None, *, documents=None):
+        """(B, H, Tq, D) queries against (B, Hkv, Tk, D) keys/values -> (B, H, Tq, D); ``documents``
+        (B, T): packed documents, each query seeing keys of its own only."""
         # Under autocast over fp32 weights RoPE leaves q and k in fp32 while v is in the autocast
         # dtype; SDPA and matmuls would cast them, FlexAttention and fused kernels need one dtype.
         q, k = q.to(v.dtype), k.to(v.dtype)
@@ -178,14 +180,18 @@ class Attention(Mixer):
         if backend == "sdpa":
             if self.cfg.softcap is not None:
                 raise ValueError("the sdpa backend cannot soft-cap attention scores; use backend 'eager'")
-            return self._sdpa(q, k, v, q_idx, k_idx, key_mask, bias)
+            return self._sdpa(q, k, v, q_idx, k_idx, key_mask, bias, documents)
         if backend == "eager":
-            return self._eager(q, k, v, q_idx, k_idx, key_mask, bias)
+            return self._eager(q, k, v, q_idx, k_idx, key_mask, bias, documents)
+        if documents is not None:  # flex takes them as a block mask; another backend may not know them
+            if backend != "flex":
+                return self._eager(q, k, v, q_idx, k_idx, key_mask, bias, documents)
+            return kernels.attention_backend(backend)(self, q, k, v, q_idx, k_idx, key_mask, bias, documents=documents)
         return kernels.attention_backend(backend)(self, q, k, v, q_idx, k_idx, key_mask, bias)
 
-    def _sdpa(self, q, k, v, q_idx, k_idx, key_mask, bias):
+    def _sdpa(self, q, k, v, q_idx, k_idx, key_mask, bias, documents=None):
         Tq, Tk = q.shape[2], k.shape[2]
-        plain = key_mask is None and bias is None
+        plain = key_mask is None and bias is None and documents is None
         own = k_idx is q_idx  # no cache: a sequence's own consecutive slots, known without reading them (no sync)
         if own:
             windowed = self.window is not None and Tq > self.window
@@ -197,7 +203,7 @@ class Attention(Mixer):
         elif plain and not windowed and Tq == 1:
             mask = None  # one new token sees every cached key
         else:
-            mask = dense_mask(q_idx, k_idx, self.window, key_mask)
+            mask = dense_mask(q_idx, k_idx, self.window, key_mask, documents)
             if bias is not None:
                 mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
         return F.scaled_dot_product_attention(
@@ -206,7 +212,7 @@ class Attention(Mixer):
             enable_gqa=self.n_kv_heads != self.n_heads,
         )
 
-    def _eager(self, q, k, v, q_idx, k_idx, key_mask, bias):
+    def _eager(self, q, k, v, q_idx, k_idx, key_mask, bias, documents=None):
         B, H, Tq, D = q.shape
         Hkv = k.shape[1]  # local counts (a share of the heads under tensor parallelism)
         G = H // Hkv
@@ -217,7 +223,7 @@ class Attention(Mixer):
             scores = softcap(scores, self.cfg.softcap)
         if bias is not None:
             scores = scores + bias
-        mask = dense_mask(q_idx, k_idx, self.window, key_mask)
+        mask = dense_mask(q_idx, k_idx, self.window, key_mask, documents)
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         probs = F.dropout(probs, self.dropout, self.training)

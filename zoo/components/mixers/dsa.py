@@ -26,7 +26,7 @@ shared layer's decode state is MLA's alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -220,6 +220,8 @@ class DSA(MLA):
     indexer alone and the language-model loss never reaches it (DeepSeek-V3.2's recipe: a dense
     warm-up with ``index_topk`` at least the sequence length, then sparse training).
     """
+
+    documents: ClassVar[bool] = False  # its indexer's selection does not know packed documents
 
     @dataclass(frozen=True)
     class Config(MLA.Config):

@@ -37,6 +37,7 @@ from torch import nn
 
 from zoo.core import kernels
 from zoo.components.mixers import _recurrent as recurrent
+from zoo.core.context import document_starts
 from zoo.core.kinds import Cost, Mixer
 from zoo.core.registry import register
 from zoo.core.state import FixedState
@@ -57,6 +58,7 @@ class Mamba2(Mixer):
     # The chunked form runs on the shared core, whose Triton kernel is chosen on CUDA.
     kernel: ClassVar[str] = "scalar_decay"
     backends: ClassVar[tuple] = ("triton", "torch")
+    documents: ClassVar[bool] = True  # packed documents: the state and the convolution restart at each
 
     @dataclass(frozen=True)
     class Config:
@@ -147,7 +149,8 @@ class Mamba2(Mixer):
         before = (ctx.slots, state.get(Bsz)[0].clone(), state.get(Bsz)[1].clone(), xBC) if keep else None
         if state is not None and state.undo is not None:
             state.undo = None
-        xBC = self.conv1d(xBC, state.get(Bsz)[0] if state is not None else None)  # then SiLU
+        documents = ctx.documents if ctx is not None else None
+        xBC = self.conv1d(xBC, state.get(Bsz)[0] if state is not None else None, documents)  # then SiLU
         x, Bm, Cm = xBC.split([d_inner, G * N, G * N], -1)
         dt = F.softplus(dt.float() + local(self.dt_bias).float()).clamp(cfg.dt_limit_min, cfg.dt_limit_max)
         if mask is not None:
@@ -157,12 +160,14 @@ class Mamba2(Mixer):
         q, k = heads(Cm).transpose(1, 2), heads(Bm).transpose(1, 2)  # (B, H, T, N)
         v = (x * dt[..., None]).transpose(1, 2)  # (B, H, T, P)
         log_decay = (dt * -torch.exp(local(self.A_log).float())).transpose(1, 2)  # (B, H, T), <= 0
+        if documents is not None:  # a decay of 0 at each document's first token: its state starts empty
+            log_decay = log_decay.masked_fill(document_starts(documents)[:, None], float("-inf"))
         S = state.get(Bsz)[1] if state is not None else None
         if state is not None and T == 1:
             y, S_new = recurrent.step(q[:, :, 0], k[:, :, 0], v[:, :, 0], log_decay[:, :, 0], S)
             y = y[:, :, None]
         else:
-            fast = kernels.fast(self, q)  # the core's Triton kernel on CUDA
+            fast = kernels.fast(self, q) if documents is None else None  # the core's Triton kernel on CUDA
             run = fast if fast is not None else recurrent.chunked
             chunk = cfg.chunk_size if u.device.type != "cpu" else min(cfg.chunk_size, CPU_CHUNK)
             y, S_new = run(q, k, v, log_decay, S, chunk=chunk)

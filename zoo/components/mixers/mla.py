@@ -25,7 +25,7 @@ a full forward) the plain path up-projects the latents and attends per head, as 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,8 @@ def softmax_factor(spec, layer) -> float:
 class MLA(Mixer):
     """Multi-head latent attention: keys and values from a compressed latent, a decoupled rotary
     key shared by the heads; the decode state is the latent and the rotated key part."""
+
+    documents: ClassVar[bool] = True  # packed documents: a mask keeps attention inside each
 
     @dataclass(frozen=True)
     class Config:
@@ -138,18 +140,18 @@ class MLA(Mixer):
         if key_mask is not None and k_idx is not q_idx:
             key_mask = key_mask[:, k_idx]
         if ctx.state is not None and self.cfg.decode == "absorbed":
-            out = self.attend_absorbed(q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask)
+            out = self.attend_absorbed(q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask, ctx.documents)
         else:
-            out = self.attend_plain(q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask)
+            out = self.attend_plain(q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask, ctx.documents)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
-    def _mask(self, q_idx, k_idx, key_mask):
+    def _mask(self, q_idx, k_idx, key_mask, documents=None):
         """(None, True) for a plain causal forward over its own slots, else (boolean mask, False)."""
-        if key_mask is None and k_idx is q_idx:
+        if key_mask is None and documents is None and k_idx is q_idx:
             return None, True
-        return dense_mask(q_idx, k_idx, None, key_mask), False
+        return dense_mask(q_idx, k_idx, None, key_mask, documents), False
 
-    def attend_plain(self, q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask):
+    def attend_plain(self, q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask, documents=None):
         """Up-project every latent into per-head keys and values, then attend per head."""
         B, H, _, _ = q_nope.shape
         Tk = c.shape[2]
@@ -157,11 +159,11 @@ class MLA(Mixer):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(B, H, Tk, self.rope)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
-        mask, causal = self._mask(q_idx, k_idx, key_mask)
+        mask, causal = self._mask(q_idx, k_idx, key_mask, documents)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
                                               dropout_p=self.dropout if self.training else 0.0)
 
-    def attend_absorbed(self, q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask):
+    def attend_absorbed(self, q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask, documents=None):
         """Attend over the latents themselves: ``W_UK`` folded into the queries, ``W_UV`` applied
         to the weighted sum of latents. Every head meets the same key ``[c ; k_rope]`` (multi-query
         attention), so the heads are folded into the rows of one matrix product per batch row; the
@@ -172,7 +174,7 @@ class MLA(Mixer):
         c, k_rope = c[:, 0], k_rope[:, 0]  # (B, Tk, kv_lora_rank), (B, Tk, rope)
         scores = q_lat.reshape(B, H * T, -1) @ c.transpose(1, 2) + q_rope.reshape(B, H * T, -1) @ k_rope.transpose(1, 2)
         scores = (scores * self.scale).view(B, H, T, -1)
-        mask = dense_mask(q_idx, k_idx, None, key_mask)
+        mask = dense_mask(q_idx, k_idx, None, key_mask, documents)
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(c.dtype)
         probs = F.dropout(probs, self.dropout, self.training)

@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from zoo.checkpoints.format import CheckpointFormat, ConfigError, Fields
-from zoo.checkpoints.maps import ZOO_LAYER, ZOO_MIXER, rule
+from zoo.checkpoints.hf.format import CheckpointFormat, ConfigError, Fields
+from zoo.checkpoints.hf.maps import ZOO_LAYER, ZOO_MIXER, rule
 from zoo.core.spec import ModelSpec
 
 H = "backbone.layers.{i}."

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from zoo.checkpoints.common import activation_name, pattern
-from zoo.checkpoints.format import Fields
-from zoo.checkpoints.formats.llama import LAYER, TINY
-from zoo.checkpoints.formats.moe import Mixtral
-from zoo.checkpoints.maps import Transform, ZOO_MIXER, rule
+from zoo.checkpoints.hf.common import activation_name, pattern
+from zoo.checkpoints.hf.format import Fields
+from zoo.checkpoints.hf.formats.llama import LAYER, TINY
+from zoo.checkpoints.hf.formats.moe import Mixtral
+from zoo.checkpoints.hf.maps import Transform, ZOO_MIXER, rule
 from zoo.core.spec import ModelSpec
 
 LINEAR, FULL = "linear_attention", "full_attention"

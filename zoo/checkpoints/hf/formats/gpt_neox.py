@@ -3,12 +3,12 @@ rotary, and a fused QKV interleaved head by head."""
 
 from __future__ import annotations
 
-from zoo.checkpoints.common import rope_to_hf
-from zoo.checkpoints.fields import Field, FieldTable, TableFormat
-from zoo.checkpoints.formats._classic import LAYERNORM_TEMPLATE, aliases, layernorm_eps
-from zoo.checkpoints.formats.llama import Ropes, activation_field
-from zoo.checkpoints.maps import FUSED_QKV_PER_HEAD, ZOO_LAYER, ZOO_MIXER, linear, rule
-from zoo.checkpoints.sizes import ffn_size
+from zoo.checkpoints.hf.common import rope_to_hf
+from zoo.checkpoints.hf.fields import Field, FieldTable, TableFormat
+from zoo.checkpoints.hf.formats._classic import LAYERNORM_TEMPLATE, aliases, layernorm_eps
+from zoo.checkpoints.hf.formats.llama import Ropes, activation_field
+from zoo.checkpoints.hf.maps import FUSED_QKV_PER_HEAD, ZOO_LAYER, ZOO_MIXER, linear, rule
+from zoo.checkpoints.hf.sizes import ffn_size
 
 H = "gpt_neox.layers.{i}."
 PARALLEL, SERIAL = {"name": "parallel", "shared_norm": False}, {"name": "serial", "norm_position": "pre"}

@@ -1,7 +1,7 @@
 """Checkpoint formats: one per HF ``model_type``, registered under registry kind ``checkpoint_format``.
 
 A format turns an HF ``config.json`` into a :class:`~zoo.core.spec.ModelSpec` and back, and owns the
-one two-way weight-name map of its ``model_type`` (:mod:`zoo.checkpoints.maps`).
+one two-way weight-name map of its ``model_type`` (:mod:`zoo.checkpoints.hf.maps`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from contextvars import ContextVar
 from typing import Any, Iterator, Optional
 
 from zoo.core import registry as _registry
-from zoo.checkpoints.maps import Rule
+from zoo.checkpoints.hf.maps import Rule
 from zoo.core.spec import ModelSpec
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
-from zoo.checkpoints.maps import Rule
+from zoo.checkpoints.hf.maps import Rule
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def mtp_rules(rules: list, spec, layout: MTPLayout = DEEPSEEK, *, hf_layer: str 
     Returns the rules to put *before* the format's own (so that on loading, the main embedding and
     head, read after their copies, are the ones kept). Empty when the spec has no MTP.
     """
-    from zoo.checkpoints.maps import Rule, Transform, rule
+    from zoo.checkpoints.hf.maps import Rule, Transform, rule
 
     # The stored copies of the embedding and head: written as copies of their own (safetensors
     # refuses two names over one storage).
@@ -82,7 +82,7 @@ def mtp_rules(rules: list, spec, layout: MTPLayout = DEEPSEEK, *, hf_layer: str 
 
 def read_mtp(f, key: str = "num_nextn_predict_layers") -> Optional[dict[str, Any]]:
     """The spec's ``mtp`` table from an HF config's count of MTP modules (``f`` a
-    :class:`~zoo.checkpoints.format.Fields`), or None when it is absent or 0."""
+    :class:`~zoo.checkpoints.hf.format.Fields`), or None when it is absent or 0."""
     from zoo.core.spec import MAX_MTP_DEPTH
 
     depth, limit = f.get(key, 0), MAX_MTP_DEPTH

@@ -50,13 +50,13 @@ def save_native(model, directory: str | Path, *, state: Optional[Mapping[str, to
     """Write ``model`` in zoo's own layout: ``spec.toml`` and ``model.safetensors`` (replacing only
     those, atomically, as :func:`zoo.save_pretrained` replaces its own files).
 
-    The tensors are written one at a time (:func:`zoo.checkpoints.io.stream_shards`), so a save holds
+    The tensors are written one at a time (:func:`zoo.checkpoints.files.io.stream_shards`), so a save holds
     about one tensor beyond the weights. ``state`` gives the weights by name when they are not
     ``model``'s own (``model`` may then be on the meta device), as for :func:`zoo.save_pretrained`: a
     training checkpoint's :class:`zoo.training.checkpointer.CheckpointWeights` is read tensor by tensor,
     never gathered whole. Tied parameters are stored once, under the name safetensors' ``save_model``
     keeps (the first in sorted order), so that ``load_model`` reads the file either way."""
-    from zoo.checkpoints.io import replace_checkpoint, stream_shards
+    from zoo.checkpoints.files.io import replace_checkpoint, stream_shards
 
     groups: dict[int, list[str]] = {}  # one entry per distinct tensor: the names it goes by
     for name, t in model.state_dict(keep_vars=True).items():
@@ -112,7 +112,8 @@ def spec_of(source: Any) -> Optional[ModelSpec]:
     """The spec of a checkpoint named by path, without its weights: a GGUF file, an HF checkpoint
     directory or its ``config.json`` (read as transformers reads it), zoo's own layout, or a training
     run directory (its export). None when ``source`` is none of these (a preset name, a recipe file)."""
-    from zoo.checkpoints import config_to_spec, gguf, read_config
+    from zoo.checkpoints import config_to_spec, read_config
+    from zoo.checkpoints.files import gguf
 
     if not isinstance(source, (str, Path)):
         return None

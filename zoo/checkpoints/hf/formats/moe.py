@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from zoo.checkpoints.common import pattern
-from zoo.checkpoints.fields import merged
-from zoo.checkpoints.format import Fields
-from zoo.checkpoints.formats.llama import TINY, LAYER, FULL, LlamaStyle, Mistral, NoWindows, Qwen3
-from zoo.checkpoints.maps import EXPERT_PROJECTIONS, ZOO_LAYER, gated_mlp, rule, stacked_experts
+from zoo.checkpoints.hf.common import pattern
+from zoo.checkpoints.hf.fields import merged
+from zoo.checkpoints.hf.format import Fields
+from zoo.checkpoints.hf.formats.llama import TINY, LAYER, FULL, LlamaStyle, Mistral, NoWindows, Qwen3
+from zoo.checkpoints.hf.maps import EXPERT_PROJECTIONS, ZOO_LAYER, gated_mlp, rule, stacked_experts
 from zoo.core.spec import ModelSpec
 
 MOE_TINY = {**TINY, "num_hidden_layers": 3, "output_router_logits": True, "router_aux_loss_coef": 0.02}

@@ -44,7 +44,7 @@ nothing and drops the ``mtp.*`` tensors): ``num_nextn_predict_layers`` modules (
 weights), each a run of ``mtp_layers_block_type`` layers (default ``[full_attention, moe]``; the legacy
 ``mtp_hybrid_override_pattern`` string, ``*E``, as transformers maps it), of the main model's layer
 kinds: zoo's ``spec.mtp`` with ``layer`` the list of those kinds. Its tensors, as vLLM names them
-(zoo.checkpoints.mtp.NEMOTRON_H)::
+(zoo.checkpoints.hf.mtp.NEMOTRON_H)::
 
     mtp.layers.0.{enorm, hnorm, eh_proj}.weight        the fusion, in the first layer
     mtp.layers.{j}.norm.weight, mtp.layers.{j}.mixer.*  layer j of the module, as a main layer's
@@ -58,11 +58,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from zoo.checkpoints.common import activation, activation_name, pattern
-from zoo.checkpoints.format import CheckpointFormat, Fields
-from zoo.checkpoints.formats.mamba2 import MIXER_TENSORS, Mamba2Format
-from zoo.checkpoints.maps import ZOO_LAYER, ZOO_MIXER, rule, stacked_experts
-from zoo.checkpoints.mtp import NEMOTRON_H, mtp_rules, read_mtp
+from zoo.checkpoints.hf.common import activation, activation_name, pattern
+from zoo.checkpoints.hf.format import CheckpointFormat, Fields
+from zoo.checkpoints.hf.formats.mamba2 import MIXER_TENSORS, Mamba2Format
+from zoo.checkpoints.hf.maps import ZOO_LAYER, ZOO_MIXER, rule, stacked_experts
+from zoo.checkpoints.hf.mtp import NEMOTRON_H, mtp_rules, read_mtp
 from zoo.core.spec import ModelSpec, SpecError
 from zoo.model.mtp import mtp_layer_kinds
 

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Optional
 import torch
 from safetensors import safe_open
 
-from zoo.checkpoints.format import CheckpointError
+from zoo.checkpoints.hf.format import CheckpointError
 
 try:
     import fcntl

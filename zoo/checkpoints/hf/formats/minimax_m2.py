@@ -12,10 +12,10 @@ with one group, and ``norm_topk_prob`` always on. Tensor names are Mixtral's
 
 from __future__ import annotations
 
-from zoo.checkpoints.fields import merged
-from zoo.checkpoints.formats.llama import LAYER, TINY, LlamaStyle
-from zoo.checkpoints.formats.moe import MoEStyle, Mixtral
-from zoo.checkpoints.maps import ZOO_LAYER, rule
+from zoo.checkpoints.hf.fields import merged
+from zoo.checkpoints.hf.formats.llama import LAYER, TINY, LlamaStyle
+from zoo.checkpoints.hf.formats.moe import MoEStyle, Mixtral
+from zoo.checkpoints.hf.maps import ZOO_LAYER, rule
 
 
 class MiniMaxM2(MoEStyle):
@@ -40,7 +40,7 @@ class MiniMaxM2(MoEStyle):
         return super().rules(spec) + [rule(f"{LAYER}{self.mlp}.e_score_correction_bias", f"{ZOO_LAYER}ffn.router.bias")]
 
     def config_to_spec(self, config, *, strict=False):
-        from zoo.checkpoints.format import Fields
+        from zoo.checkpoints.hf.format import Fields
 
         Fields(config, self.model_type).expect("router_jitter_noise", (0.0, 0), "zoo's routers add no noise")
         spec = super().config_to_spec(config, strict=strict)

@@ -2,11 +2,11 @@
 
 The model's spec is written as its checkpoint format's HF config would say it
 (:func:`~zoo.checkpoints.spec_to_config`, which refuses by name what the format cannot express),
-turned into llama.cpp's metadata keys by the same table :mod:`zoo.checkpoints.gguf` reads with,
+turned into llama.cpp's metadata keys by the same table :mod:`zoo.checkpoints.files.gguf` reads with,
 and read back before anything is kept: a model whose file would describe a different model (a
 sliding window the GGUF architecture has no key for, a RoPE scaling llama.cpp stores otherwise)
 is refused, naming the spec field. The tensors pass the format's weight-name map, gguf's tensor-name
-map and the changes llama.cpp's converter makes (:class:`~zoo.checkpoints.gguf.TensorFix`).
+map and the changes llama.cpp's converter makes (:class:`~zoo.checkpoints.files.gguf.TensorFix`).
 
 Weights of two or more dimensions are stored in ``dtype`` (``f16``, ``bf16``, ``q8_0``, or ``f32``);
 vectors (norms, biases) stay F32 as llama.cpp keeps them, and a matrix whose rows are no multiple of
@@ -26,8 +26,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from zoo.checkpoints.format import CheckpointError, get_format
-from zoo.checkpoints.gguf import COMMON, GGUFFile, architecture_of, name_map, require_gguf
+from zoo.checkpoints.hf.format import CheckpointError, get_format
+from zoo.checkpoints.files.gguf import COMMON, GGUFFile, architecture_of, name_map, require_gguf
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")
 
@@ -104,14 +104,14 @@ def _quantised(t: torch.Tensor, dtype: str):
 
 def save_gguf(model, path: str | Path, *, dtype: str = "f16", tokenizer: Optional[str | Path] = None,
               model_type: Optional[str] = None, name: Optional[str] = None) -> Path:
-    """Write ``model`` as one GGUF file at ``path`` for llama.cpp (see :mod:`zoo.checkpoints.gguf_out`).
+    """Write ``model`` as one GGUF file at ``path`` for llama.cpp (see :mod:`zoo.checkpoints.files.gguf_out`).
 
     ``tokenizer``: a GGUF file whose tokenizer (and chat template) to embed; default the file the
     model was loaded from, if it was a GGUF. A model loaded from safetensors has no GGUF tokenizer
     to copy, so its file carries none unless one is given (llama.cpp then cannot tokenize text).
     """
     from zoo.checkpoints import _architecture, differences, spec_to_config
-    from zoo.checkpoints.maps import bind
+    from zoo.checkpoints.hf.maps import bind
 
     gguf = require_gguf()
     if dtype not in DTYPES:

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from zoo.checkpoints.common import activation, activation_name, pattern, rope_parameters, rope_part, rope_to_hf
-from zoo.checkpoints.format import CheckpointFormat, Fields
-from zoo.checkpoints.maps import ZOO_LAYER, ZOO_MIXER, embed_and_head, gated_mlp, layer_norms, linear, rule, stacked_experts
+from zoo.checkpoints.hf.common import activation, activation_name, pattern, rope_parameters, rope_part, rope_to_hf
+from zoo.checkpoints.hf.format import CheckpointFormat, Fields
+from zoo.checkpoints.hf.maps import ZOO_LAYER, ZOO_MIXER, embed_and_head, gated_mlp, layer_norms, linear, rule, stacked_experts
 from zoo.model.mtp import mtp_layer_kind
-from zoo.checkpoints.mtp import mtp_rules, read_mtp
+from zoo.checkpoints.hf.mtp import mtp_rules, read_mtp
 from zoo.core.spec import ModelSpec
 
 LAYER = "model.layers.{i}."

@@ -2,9 +2,9 @@
 
 A :class:`Field` ties one HF config key to one (or more) paths in the spec data, with the default
 transformers' config class gives it and, where the two spell a value differently, a converter each
-way. :func:`read_fields` reads a table through :class:`~zoo.checkpoints.format.Fields` into spec data;
+way. :func:`read_fields` reads a table through :class:`~zoo.checkpoints.hf.format.Fields` into spec data;
 :func:`write_fields` writes the same table back from a spec. For the one-to-one fields the round
-trip holds by construction, as it does for tensors through :class:`~zoo.checkpoints.maps.Rule`.
+trip holds by construction, as it does for tensors through :class:`~zoo.checkpoints.hf.maps.Rule`.
 
 A spec path is dotted (``d_model``, ``head.tied``, ``final_norm.eps``); one that starts with
 ``layer.`` names a field of the layer the format builds, before it decides the layer kinds (a window,
@@ -109,7 +109,7 @@ def merged(base: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_fields(f, table: Iterable[Field], data: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """Read every field of ``table`` through ``f`` (a :class:`~zoo.checkpoints.format.Fields`) into
+    """Read every field of ``table`` through ``f`` (a :class:`~zoo.checkpoints.hf.format.Fields`) into
     the spec data ``data`` (a new dict when None); returns it. ``f.values`` keeps the HF values read."""
     data = {} if data is None else data
     values = getattr(f, "values", None)
@@ -153,8 +153,8 @@ def write_fields(spec: ModelSpec, table: Iterable[Field], cfg: Optional[dict[str
 
 def expect(hf: str, allowed: Any, why: str = "") -> Field:
     """A field read only to refuse any value but ``allowed`` (absent counts as ``allowed[0]``), as
-    :meth:`~zoo.checkpoints.format.Fields.expect` does; nothing of it is written."""
-    from zoo.checkpoints.format import is_kind
+    :meth:`~zoo.checkpoints.hf.format.Fields.expect` does; nothing of it is written."""
+    from zoo.checkpoints.hf.format import is_kind
 
     allowed = allowed if isinstance(allowed, (tuple, list)) else (allowed,)
 
@@ -177,7 +177,7 @@ STORED_AT_TOP = ("vocab_size", "d_model", "n_layers", "max_seq_len")
 
 
 def _format_base():
-    from zoo.checkpoints.format import CheckpointFormat
+    from zoo.checkpoints.hf.format import CheckpointFormat
 
     return CheckpointFormat
 
@@ -209,7 +209,7 @@ class TableFormat(_format_base()):
         data["layers"] = {"default": data.pop("layer")}
 
     def config_to_spec(self, config, *, strict=False):
-        from zoo.checkpoints.format import Fields
+        from zoo.checkpoints.hf.format import Fields
 
         f = Fields(config, self.model_type, self.defaults)
         data = read_fields(f, self.read_table(), copy.deepcopy(self.template))

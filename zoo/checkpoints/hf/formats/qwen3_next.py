@@ -18,7 +18,7 @@ pre_fc_norm_hidden(h[i])]``, embedding first as vLLM's ``qwen3_next_mtp`` concat
 ``mtp.layers.0``, a gated-attention MoE layer, then ``mtp.norm``. transformers drops it; zoo loads
 and saves it. ``num_nextn_predict_layers`` counts the modules; the released config.json leaves it
 out and vLLM then reads 1, as zoo does. A checkpoint without ``mtp.*`` tensors (one transformers
-wrote) loads the main model alone (zoo.checkpoints.mtp.without_absent_mtp). The layout stores one ``mtp.fc``,
+wrote) loads the main model alone (zoo.checkpoints.hf.mtp.without_absent_mtp). The layout stores one ``mtp.fc``,
 so a depth above 1 is refused.
 """
 
@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
-from zoo.checkpoints.common import pattern
-from zoo.checkpoints.fields import merged
-from zoo.checkpoints.format import Fields
-from zoo.checkpoints.formats.llama import FULL, GEMMA_NORM, LAYER, TINY, LlamaStyle, Ropes
-from zoo.checkpoints.formats.moe import MOE_TINY, MoEStyle
-from zoo.checkpoints.maps import Transform, ZOO_MIXER, rule
-from zoo.checkpoints.mtp import QWEN3_NEXT, mtp_rules, read_mtp
+from zoo.checkpoints.hf.common import pattern
+from zoo.checkpoints.hf.fields import merged
+from zoo.checkpoints.hf.format import Fields
+from zoo.checkpoints.hf.formats.llama import FULL, GEMMA_NORM, LAYER, TINY, LlamaStyle, Ropes
+from zoo.checkpoints.hf.formats.moe import MOE_TINY, MoEStyle
+from zoo.checkpoints.hf.maps import Transform, ZOO_MIXER, rule
+from zoo.checkpoints.hf.mtp import QWEN3_NEXT, mtp_rules, read_mtp
 from zoo.model.mtp import mtp_layer_kind
 from zoo.core.spec import ModelSpec
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from zoo.checkpoints.format import KINDS, Fields, is_kind
+from zoo.checkpoints.hf.format import KINDS, Fields, is_kind
 from zoo.core.spec import ModelSpec, Part
 
 # HF activation names -> zoo activation parts. GPT-2's gelu_new and gelu_fast are the tanh form.

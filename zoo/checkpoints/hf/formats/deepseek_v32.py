@@ -11,9 +11,9 @@ weights_proj}``, under the same names in zoo's mixer.
 
 from __future__ import annotations
 
-from zoo.checkpoints.format import Fields
-from zoo.checkpoints.formats.deepseek import LAYER, DeepseekV3
-from zoo.checkpoints.maps import ZOO_MIXER, rule
+from zoo.checkpoints.hf.format import Fields
+from zoo.checkpoints.hf.formats.deepseek import LAYER, DeepseekV3
+from zoo.checkpoints.hf.maps import ZOO_MIXER, rule
 from zoo.core.spec import ModelSpec
 
 INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")

@@ -3,11 +3,11 @@ LM head with a bias."""
 
 from __future__ import annotations
 
-from zoo.checkpoints.fields import Field, FieldTable, TableFormat, expect
-from zoo.checkpoints.formats._classic import LAYERNORM_TEMPLATE, layernorm_eps
-from zoo.checkpoints.formats.llama import activation_field
-from zoo.checkpoints.maps import ZOO_LAYER, ZOO_MIXER, linear, rule
-from zoo.checkpoints.sizes import ffn_size
+from zoo.checkpoints.hf.fields import Field, FieldTable, TableFormat, expect
+from zoo.checkpoints.hf.formats._classic import LAYERNORM_TEMPLATE, layernorm_eps
+from zoo.checkpoints.hf.formats.llama import activation_field
+from zoo.checkpoints.hf.maps import ZOO_LAYER, ZOO_MIXER, linear, rule
+from zoo.checkpoints.hf.sizes import ffn_size
 
 H = "transformer.h.{i}."
 

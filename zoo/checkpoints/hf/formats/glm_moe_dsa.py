@@ -18,10 +18,10 @@ layer has no indexer weights, in transformers as in zoo.
 
 from __future__ import annotations
 
-from zoo.checkpoints.fields import Field, FieldTable, read_fields, write_fields
-from zoo.checkpoints.format import Fields
-from zoo.checkpoints.formats.deepseek_v32 import DeepseekV32
-from zoo.checkpoints.common import pattern
+from zoo.checkpoints.hf.fields import Field, FieldTable, read_fields, write_fields
+from zoo.checkpoints.hf.format import Fields
+from zoo.checkpoints.hf.formats.deepseek_v32 import DeepseekV32
+from zoo.checkpoints.hf.common import pattern
 from zoo.core.spec import ModelSpec
 
 SHARED = "_shared"  # the suffix of a layer kind whose DSA reuses an earlier layer's selection

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from zoo.checkpoints.common import activation_name, hf_activation, rope_parameters, rope_part, rope_to_hf
-from zoo.checkpoints.fields import Field, FieldTable, TableFormat, expect, known, write_fields
-from zoo.checkpoints.format import GENERIC_FIELDS, _is_dropout
-from zoo.checkpoints.maps import FUSED_QKV, ZOO_LAYER, ZOO_MIXER, embed_and_head, fused_experts, layer_norms, rule
+from zoo.checkpoints.hf.common import activation_name, hf_activation, rope_parameters, rope_part, rope_to_hf
+from zoo.checkpoints.hf.fields import Field, FieldTable, TableFormat, expect, known, write_fields
+from zoo.checkpoints.hf.format import GENERIC_FIELDS, _is_dropout
+from zoo.checkpoints.hf.maps import FUSED_QKV, ZOO_LAYER, ZOO_MIXER, embed_and_head, fused_experts, layer_norms, rule
 
 LAYER = "transformer.blocks.{i}."
 NESTED = ("attn_config", "ffn_config")
@@ -154,7 +154,7 @@ class Dbrx(TableFormat):
     def config_to_spec(self, config, *, strict=False):
         for sub in NESTED:
             if config.get(sub) is not None and not isinstance(config[sub], dict):
-                from zoo.checkpoints.format import ConfigError
+                from zoo.checkpoints.hf.format import ConfigError
 
                 raise ConfigError(sub, f"must be a JSON object, got {config[sub]!r}", self.model_type)
         return super().config_to_spec(flatten(config), strict=strict)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from zoo.checkpoints.format import CheckpointError
+from zoo.checkpoints.hf.format import CheckpointError
 
 ALLOW_PATTERNS = [
     "config.json", "*.safetensors", "model.safetensors.index.json", "generation_config.json",

@@ -4,7 +4,7 @@ norm placement and flavour, QK-norm, biases, sliding windows, soft-caps, embeddi
 
 Each format is its parent plus a difference, in three declarations:
 
-- ``fields``: the one-to-one config fields (:mod:`zoo.checkpoints.fields`), read and written from one table;
+- ``fields``: the one-to-one config fields (:mod:`zoo.checkpoints.hf.fields`), read and written from one table;
 - ``template``: the spec values the format always builds (a norm's flavour, the block's norm placement,
   which also picks the norms' HF names in the weight map, :func:`llama_rules`);
 - ``windows`` and ``ropes``: the named readers of what is not one-to-one (which layers slide, the RoPE
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from zoo.checkpoints.common import activation_name, hf_activation, layer_types_of, pattern, rope_parameters, rope_part, rope_to_hf
-from zoo.checkpoints.fields import Field, FieldTable, TableFormat, expect, known, merged, read_fields
-from zoo.checkpoints.format import ConfigError, Fields
-from zoo.checkpoints.maps import embed_and_head, gated_mlp, layer_norms, llama_attention
-from zoo.checkpoints.sizes import ffn_size
+from zoo.checkpoints.hf.common import activation_name, hf_activation, layer_types_of, pattern, rope_parameters, rope_part, rope_to_hf
+from zoo.checkpoints.hf.fields import Field, FieldTable, TableFormat, expect, known, merged, read_fields
+from zoo.checkpoints.hf.format import ConfigError, Fields
+from zoo.checkpoints.hf.maps import embed_and_head, gated_mlp, layer_norms, llama_attention
+from zoo.checkpoints.hf.sizes import ffn_size
 from zoo.core.spec import ModelSpec
 
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zoo.checkpoints.format import Fields
+from zoo.checkpoints.hf.format import Fields
 
 
 def aliases(config: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
@@ -23,7 +23,7 @@ def layernorm(f: Fields, key: str, bias: bool = True) -> dict[str, Any]:
 
 def layernorm_eps(key: str):
     """The LayerNorms' eps (every layer's and the final one) under ``key``."""
-    from zoo.checkpoints.fields import Field
+    from zoo.checkpoints.hf.fields import Field
 
     return Field(key, ("layer.norm.eps", "final_norm.eps"), 1e-5, to_spec=float)
 

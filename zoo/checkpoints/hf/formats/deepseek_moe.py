@@ -33,11 +33,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from zoo.checkpoints.common import pattern, rope_parameters, rope_part
-from zoo.checkpoints.format import Fields
-from zoo.checkpoints.formats.llama import LAYER, TINY, LlamaStyle
-from zoo.checkpoints.formats.moe import MoEStyle
-from zoo.checkpoints.maps import ZOO_LAYER, gated_mlp, rule, stacked_experts
+from zoo.checkpoints.hf.common import pattern, rope_parameters, rope_part
+from zoo.checkpoints.hf.format import Fields
+from zoo.checkpoints.hf.formats.llama import LAYER, TINY, LlamaStyle
+from zoo.checkpoints.hf.formats.moe import MoEStyle
+from zoo.checkpoints.hf.maps import ZOO_LAYER, gated_mlp, rule, stacked_experts
 from zoo.core.spec import ModelSpec
 
 #: DeepseekConfig's defaults (configuration_deepseek.py of the release) for absent fields.

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from zoo.checkpoints.format import CheckpointError, get_format
+from zoo.checkpoints.hf.format import CheckpointError, get_format
 from zoo.core import registry as _registry
 
 SUFFIX = ".gguf"
@@ -121,7 +121,7 @@ def _falcon_qkv_to_hf(t, c):
     architecture groups them per kv head ([q of the group, k, v])."""
     if not c.get("new_decoder_architecture"):
         return t  # one kv head (multi-query): the two layouts are the same
-    from zoo.checkpoints.maps import Heads, _concat_split, _grouped_fuse
+    from zoo.checkpoints.hf.maps import Heads, _concat_split, _grouped_fuse
 
     h = Heads(c["num_attention_heads"], c["num_kv_heads"], c["hidden_size"] // c["num_attention_heads"])
     return _grouped_fuse(_concat_split(t, h), h)
@@ -130,7 +130,7 @@ def _falcon_qkv_to_hf(t, c):
 def _falcon_qkv_to_gguf(t, c):
     if not c.get("new_decoder_architecture"):
         return t
-    from zoo.checkpoints.maps import Heads, _concat_fuse, _grouped_split
+    from zoo.checkpoints.hf.maps import Heads, _concat_fuse, _grouped_split
 
     h = Heads(c["num_attention_heads"], c["num_kv_heads"], c["hidden_size"] // c["num_attention_heads"])
     return _concat_fuse(_grouped_split(t, h), h)
@@ -419,7 +419,7 @@ def quant_types() -> set[str]:
 
 class GGUFWeights:
     """The tensors of a :class:`GGUFFile` as a checkpoint format's map names them (the interface of
-    :class:`~zoo.checkpoints.io.WeightFiles`), each dequantised to ``dtype`` when read.
+    :class:`~zoo.checkpoints.files.io.WeightFiles`), each dequantised to ``dtype`` when read.
 
     ``hf_names`` are the names the model's bound map asks for. Before anything is read, every GGUF
     tensor must have a place (an HF name), a type the ``gguf`` library dequantises, and the shape
@@ -500,12 +500,12 @@ class GGUFWeights:
 
 def load(path: str | Path, *, dtype: Optional[torch.dtype] = None, device=None, strict: bool = False,
          progress: bool = True):
-    """A zoo model from a GGUF file (or a directory holding one); see :mod:`zoo.checkpoints.gguf`.
+    """A zoo model from a GGUF file (or a directory holding one); see :mod:`zoo.checkpoints.files.gguf`.
 
     Quantised tensors are dequantised to ``dtype`` (default float32) as they are read.
     """
     from zoo.checkpoints import load_weights
-    from zoo.checkpoints.format import ConfigError
+    from zoo.checkpoints.hf.format import ConfigError
     from zoo.model.decoder import build_model
 
     file = GGUFFile(gguf_file(path))
@@ -517,7 +517,7 @@ def load(path: str | Path, *, dtype: Optional[torch.dtype] = None, device=None, 
     except ConfigError as exc:
         raise CheckpointError(f"{file.path}: its metadata gives {exc}") from None
     model = build_model(spec, device="meta")
-    from zoo.checkpoints.maps import bind
+    from zoo.checkpoints.hf.maps import bind
 
     bound = list(bind(fmt.rules(spec), model))
     weights = GGUFWeights(file, arch, config, [h for b in bound for h in b.hf], spec.n_layers, dtype)
