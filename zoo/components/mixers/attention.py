@@ -82,41 +82,6 @@ class Attention(Mixer):
     def head_dim_for(cfg, d_model: int) -> int:
         return cfg.head_dim if cfg.head_dim is not None else d_model // cfg.n_heads
 
-    @classmethod
-    def rotary_dim(cls, cfg, d_model: int) -> int:
-        """A rotary position encoding rotates each head's queries and keys."""
-        return cls.head_dim_for(cfg, d_model)
-
-    @classmethod
-    def resolved(cls, cfg, d_model: int) -> dict:
-        """The settings with defaults made explicit, so two spellings of one attention compare equal."""
-        from zoo.core.spec import to_dict
-
-        out = to_dict(cfg)
-        out["head_dim"] = cls.head_dim_for(cfg, d_model)
-        out["n_kv_heads"] = cfg.n_kv_heads or cfg.n_heads
-        out["scale_dim"] = cfg.scale_dim or out["head_dim"]
-        return out
-
-    @staticmethod
-    def shrink(cfg, *, head_dim: int = 8, window: int = 4, **_) -> dict:
-        """Settings for a tiny test copy: 4 query heads of ``head_dim``, MHA/GQA/MQA kept, short window."""
-        out = {"n_heads": 4, "head_dim": head_dim}
-        if cfg.n_kv_heads is not None:
-            out["n_kv_heads"] = 4 if cfg.n_kv_heads == cfg.n_heads else (1 if cfg.n_kv_heads == 1 else 2)
-        if cfg.window is not None:
-            out["window"] = window
-        if cfg.scale_dim is not None:
-            out["scale_dim"] = float(head_dim)
-        return out
-
-    @classmethod
-    def check_in_model(cls, cfg, *, spec, layer):
-        if cfg.head_dim is None and spec.d_model % cfg.n_heads:
-            raise SpecError(
-                "n_heads", f"d_model {spec.d_model} is not divisible by n_heads {cfg.n_heads}; set head_dim explicitly"
-            )
-
     def __init__(self, cfg, *, d_model: int, layer, spec, index: int = 0):
         super().__init__()
         self.cfg, self.index = cfg, index
@@ -137,73 +102,9 @@ class Attention(Mixer):
             self.k_norm = layer.norm.build(dim=self.n_kv_heads * D)
         self.backend = "auto"  # "sdpa", "eager" or any registered fast path; "auto" picks
 
-    # -- what this part states about itself ---------------------------------------------------------
     def new_state(self, batch, max_len, *, dtype=None, device=None) -> KVState:
         return KVState(window=self.window, max_len=max_len)
 
-    def heads(self) -> tuple[int, int, int]:
-        """(n_heads, n_kv_heads, head_dim), for checkpoint transforms that split fused projections."""
-        return self.n_heads, self.n_kv_heads, self.head_dim
-
-    def cost(self, context: int) -> Cost:
-        """Scores and the weighted sum: ``4 * n_heads * head_dim`` FLOPs per key seen (a window caps
-        the keys); keys and values of ``n_kv_heads * head_dim`` each per token held."""
-        per_key = 4 * self.n_heads * self.head_dim
-        w = min(self.window or context, context)
-        keys = w * (w + 1) // 2 + (context - w) * w  # sum over t = 1..context of min(t, w)
-        kv = 2 * self.n_kv_heads * self.head_dim
-        return Cost(flops=per_key * w, flops_mean=per_key * keys / context, state_per_token=kv, state_at_context=kv * w)
-
-    def facts(self) -> dict:
-        return {"attention": attention_kind(self.n_heads, self.n_kv_heads), "n_heads": self.n_heads,
-                "n_kv_heads": self.n_kv_heads, "head_dim": self.head_dim, "window": self.window,
-                **({"output gate": "sigmoid, from q_proj"} if self.cfg.output_gate else {}),
-                **({"qkv clamp": self.cfg.clip_qkv} if self.cfg.clip_qkv is not None else {})}
-
-    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
-        """Per token: the input the projections read (the whole sequence, gathered under tensor
-        parallelism); of this process's heads, the rotated queries and keys, the values, the output (which
-        ``o_proj`` reads) and the float32 log-sum-exp of the fused kernels (SDPA, FlexAttention); the gate
-        and its product when gated; a QK-norm's own. The eager path (soft-capping off CUDA) also keeps,
-        per head and key, the soft-cap's tanh, the float32 probabilities and their cast."""
-        c = dtype.itemsize
-        H, Hkv, D = self.n_heads / tp, self.n_kv_heads / tp, self.head_dim
-        out = self.q_proj.in_features * c + (2 * H + 2 * Hkv) * D * c + 4 * H
-        if self.cfg.output_gate:
-            out += 3 * H * D * c  # the gate's sigmoid, the ungated output and the product o_proj reads
-        if self.cfg.qk_norm == "head":  # per head row; and the projected queries, which it reads
-            out += H * self.q_norm.activation_bytes(seq_len, dtype, device=device) \
-                + Hkv * self.k_norm.activation_bytes(seq_len, dtype, device=device) + H * D * c
-        elif self.cfg.qk_norm == "proj":  # whole rows, gathered under tensor parallelism
-            out += self.q_norm.activation_bytes(seq_len, dtype, device=device) \
-                + self.k_norm.activation_bytes(seq_len, dtype, device=device)
-        if self.cfg.softcap is not None and device != "cuda":  # the eager path: scores per key
-            out += H * seq_len * (c + 4 + (c if c != 4 else 0)) + H * D * c - 4 * H  # (a copy o_proj reads, no lse)
-        return out
-
-    def parallelize(self, tp_mesh) -> None:
-        """Tensor parallelism by heads: the sequence gathered, q/k/v sharded by their heads' rows (whole
-        heads, each with its gate), o_proj by its columns and reduce-scattered back onto the sequence
-        slice; the forward reshapes with the local head counts. A per-head QK-norm normalises the local
-        heads with replicated weights (their gradient summed over the processes); one over the whole
-        projection (OLMo 2) gathers its features to normalise each row whole."""
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        from zoo.core.parallel import heads_in, heads_out, local_count, sequence_input
-
-        local_count(self.n_heads, tp_mesh, "n_heads", self)
-        local_count(self.n_kv_heads, tp_mesh, "n_kv_heads", self)
-        parallelize_module(self, tp_mesh, sequence_input(tp_mesh))
-        parallelize_module(self, tp_mesh, {"q_proj": heads_in(), "k_proj": heads_in(), "v_proj": heads_in(),
-                                           "o_proj": heads_out()})
-        if self.cfg.qk_norm != "none":
-            from zoo.core.kinds import parallelize
-
-            dim = 1 if self.cfg.qk_norm == "head" else -1  # (B, heads, T, D), or (B, T, heads x D)
-            for name in ("q_norm", "k_norm"):
-                parallelize(getattr(self, name), tp_mesh, name, shard_dim=dim)
-
-    # -- forward -------------------------------------------------------------------------------------
     def forward(self, x, ctx, pos):
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -328,3 +229,92 @@ class Attention(Mixer):
         probs = F.dropout(probs, self.dropout, self.training)
         out = torch.matmul(probs.view(B, Hkv, G, Tq, -1), v.unsqueeze(2))
         return out.view(B, H, Tq, D)
+
+    # -- what this part states about itself ---------------------------------------------------------
+    #: Tensor parallelism by heads: the sequence gathered, q/k/v sharded by their heads' rows (whole heads,
+    #: each with its gate), o_proj by its columns and reduce-scattered back onto the sequence slice; the
+    #: forward reshapes with the local head counts. A per-head QK-norm normalises the local heads with
+    #: replicated weights (their gradient summed over the processes); one over the whole projection
+    #: (OLMo 2) gathers its features to normalise each row whole.
+    tp_divides = ("n_heads", "n_kv_heads")
+
+    @property
+    def tp_plan(self) -> dict:
+        norm = "split_features" if self.cfg.qk_norm == "proj" else "split_heads"  # (B, T, heads x D) or (B, heads, T, D)
+        return {"": "gather_sequence", "q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise",
+                "o_proj": "rowwise", "q_norm": norm, "k_norm": norm}
+
+    @classmethod
+    def rotary_dim(cls, cfg, d_model: int) -> int:
+        """A rotary position encoding rotates each head's queries and keys."""
+        return cls.head_dim_for(cfg, d_model)
+
+    @classmethod
+    def resolved(cls, cfg, d_model: int) -> dict:
+        """The settings with defaults made explicit, so two spellings of one attention compare equal."""
+        from zoo.core.spec import to_dict
+
+        out = to_dict(cfg)
+        out["head_dim"] = cls.head_dim_for(cfg, d_model)
+        out["n_kv_heads"] = cfg.n_kv_heads or cfg.n_heads
+        out["scale_dim"] = cfg.scale_dim or out["head_dim"]
+        return out
+
+    @staticmethod
+    def shrink(cfg, *, head_dim: int = 8, window: int = 4, **_) -> dict:
+        """Settings for a tiny test copy: 4 query heads of ``head_dim``, MHA/GQA/MQA kept, short window."""
+        out = {"n_heads": 4, "head_dim": head_dim}
+        if cfg.n_kv_heads is not None:
+            out["n_kv_heads"] = 4 if cfg.n_kv_heads == cfg.n_heads else (1 if cfg.n_kv_heads == 1 else 2)
+        if cfg.window is not None:
+            out["window"] = window
+        if cfg.scale_dim is not None:
+            out["scale_dim"] = float(head_dim)
+        return out
+
+    @classmethod
+    def check_in_model(cls, cfg, *, spec, layer):
+        if cfg.head_dim is None and spec.d_model % cfg.n_heads:
+            raise SpecError(
+                "n_heads", f"d_model {spec.d_model} is not divisible by n_heads {cfg.n_heads}; set head_dim explicitly"
+            )
+
+    def heads(self) -> tuple[int, int, int]:
+        """(n_heads, n_kv_heads, head_dim), for checkpoint transforms that split fused projections."""
+        return self.n_heads, self.n_kv_heads, self.head_dim
+
+    def cost(self, context: int) -> Cost:
+        """Scores and the weighted sum: ``4 * n_heads * head_dim`` FLOPs per key seen (a window caps
+        the keys); keys and values of ``n_kv_heads * head_dim`` each per token held."""
+        per_key = 4 * self.n_heads * self.head_dim
+        w = min(self.window or context, context)
+        keys = w * (w + 1) // 2 + (context - w) * w  # sum over t = 1..context of min(t, w)
+        kv = 2 * self.n_kv_heads * self.head_dim
+        return Cost(flops=per_key * w, flops_mean=per_key * keys / context, state_per_token=kv, state_at_context=kv * w)
+
+    def facts(self) -> dict:
+        return {"attention": attention_kind(self.n_heads, self.n_kv_heads), "n_heads": self.n_heads,
+                "n_kv_heads": self.n_kv_heads, "head_dim": self.head_dim, "window": self.window,
+                **({"output gate": "sigmoid, from q_proj"} if self.cfg.output_gate else {}),
+                **({"qkv clamp": self.cfg.clip_qkv} if self.cfg.clip_qkv is not None else {})}
+
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token: the input the projections read (the whole sequence, gathered under tensor
+        parallelism); of this process's heads, the rotated queries and keys, the values, the output (which
+        ``o_proj`` reads) and the float32 log-sum-exp of the fused kernels (SDPA, FlexAttention); the gate
+        and its product when gated; a QK-norm's own. The eager path (soft-capping off CUDA) also keeps,
+        per head and key, the soft-cap's tanh, the float32 probabilities and their cast."""
+        c = dtype.itemsize
+        H, Hkv, D = self.n_heads / tp, self.n_kv_heads / tp, self.head_dim
+        out = self.q_proj.in_features * c + (2 * H + 2 * Hkv) * D * c + 4 * H
+        if self.cfg.output_gate:
+            out += 3 * H * D * c  # the gate's sigmoid, the ungated output and the product o_proj reads
+        if self.cfg.qk_norm == "head":  # per head row; and the projected queries, which it reads
+            out += H * self.q_norm.activation_bytes(seq_len, dtype, device=device) \
+                + Hkv * self.k_norm.activation_bytes(seq_len, dtype, device=device) + H * D * c
+        elif self.cfg.qk_norm == "proj":  # whole rows, gathered under tensor parallelism
+            out += self.q_norm.activation_bytes(seq_len, dtype, device=device) \
+                + self.k_norm.activation_bytes(seq_len, dtype, device=device)
+        if self.cfg.softcap is not None and device != "cuda":  # the eager path: scores per key
+            out += H * seq_len * (c + 4 + (c if c != 4 else 0)) + H * D * c - 4 * H  # (a copy o_proj reads, no lse)
+        return out
