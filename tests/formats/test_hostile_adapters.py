@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import zoo
 from zoo.checkpoints import adapter
-from zoo.checkpoints.format import CheckpointError
+from zoo.checkpoints.hf.format import CheckpointError
 from zoo.checkpoints.tiny import make_tiny
 
 peft = pytest.importorskip("peft")

@@ -339,7 +339,7 @@ def test_resume_auto_skips_a_fifo_among_the_checkpoint_files(tmp_path):
 @pytest.mark.parametrize("umask", [0o022, 0o002], ids=["022", "002"])
 def test_an_exported_gguf_file_has_the_mode_the_umask_gives(tmp_path, umask):
     pytest.importorskip("gguf")
-    from zoo.checkpoints.gguf_out import save_gguf
+    from zoo.checkpoints.files.gguf_out import save_gguf
 
     model = zoo.build("llama3.2-1b", overrides={"n_layers": 1, "d_model": 32, "vocab_size": 64, "layers.*.mixer.n_heads": 2,
                                                  "layers.*.mixer.n_kv_heads": 1, "layers.*.ffn.d_ff": 64,
@@ -376,7 +376,7 @@ def test_a_gguf_array_claiming_2_62_items_is_refused_at_once(tmp_path):
     import struct
 
     pytest.importorskip("gguf")
-    from zoo.checkpoints.gguf import GGUFFile
+    from zoo.checkpoints.files.gguf import GGUFFile
 
     path = tmp_path / "bomb.gguf"
     path.write_bytes(gguf_header(gguf_key("general.xxxx") + struct.pack("<IIQ", 9, 4, 2 ** 62)))
@@ -401,7 +401,7 @@ def test_every_gguf_count_and_length_is_checked_against_the_bytes_left(tmp_path,
     import struct
 
     pytest.importorskip("gguf")
-    from zoo.checkpoints.gguf import GGUFFile
+    from zoo.checkpoints.files.gguf import GGUFFile
 
     path = tmp_path / "bad.gguf"
     path.write_bytes(gguf_header(entry(struct), n_tensors=tensors))
@@ -451,7 +451,7 @@ def test_a_layer_count_of_ten_million_is_refused_when_read(model_type, config, k
 
 def test_a_gguf_block_count_of_a_hundred_million_is_refused_when_read(tmp_path):
     pytest.importorskip("gguf")
-    from zoo.checkpoints.gguf import GGUFFile
+    from zoo.checkpoints.files.gguf import GGUFFile
 
     model = zoo.build("llama3.2-1b", overrides={"n_layers": 1, "d_model": 32, "vocab_size": 64, "layers.*.mixer.n_heads": 2,
                                                  "layers.*.mixer.n_kv_heads": 1, "layers.*.ffn.d_ff": 64,
