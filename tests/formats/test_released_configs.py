@@ -58,6 +58,7 @@ def hf_text_config(config: dict):
 NOT_STORED_YET = {"minimax": "MiniMaxAI/MiniMax-Text-01-hf", "nemotron_h": "nvidia/Nemotron-H-8B-Base-8K"}
 NOT_STORED_YET["minimax_m2"] = "MiniMaxAI/MiniMax-M2"
 NOT_STORED_YET["glm_moe_dsa"] = "zai-org/GLM-5"  # no whole copy of its config.json was found (SOURCES.md)
+NOT_STORED_YET.update({"smollm3": "HuggingFaceTB/SmolLM3-3B", "olmo3": "allenai/Olmo-3-1025-7B"})  # (SOURCES.md)
 
 
 def test_every_supported_model_type_has_a_released_config():
@@ -105,9 +106,13 @@ def same_as_transformers(config: dict) -> None:
     params = getattr(hc, "rope_parameters", None)
     if model_type_of(config) in ROPE_BASE_DROPPED and "rope_parameters" not in config:
         params = None
+    no_rope = getattr(hc, "no_rope_layers", None)  # SmolLM3: 0 where a layer has no position (NoPE)
     for i, t in enumerate(types if params else []):  # each layer's RoPE as transformers sets it up
         p = params[t] if isinstance(params.get(t), dict) else params
         pos = spec.position_for(i)
+        if no_rope is not None and not no_rope[i]:
+            assert pos.name == "nope", f"layer {i} is NoPE in transformers"
+            continue
         assert pos.theta == p["rope_theta"]
         assert (pos.scaling.name if pos.scaling else "default") == ROPE_TYPES[p.get("rope_type", "default")]
         if pos.scaling is not None and p.get("factor") is not None:
