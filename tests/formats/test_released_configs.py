@@ -58,7 +58,8 @@ def hf_text_config(config: dict):
 NOT_STORED_YET = {"minimax": "MiniMaxAI/MiniMax-Text-01-hf", "nemotron_h": "nvidia/Nemotron-H-8B-Base-8K"}
 NOT_STORED_YET["minimax_m2"] = "MiniMaxAI/MiniMax-M2"
 NOT_STORED_YET["glm_moe_dsa"] = "zai-org/GLM-5"  # no whole copy of its config.json was found (SOURCES.md)
-NOT_STORED_YET.update({"smollm3": "HuggingFaceTB/SmolLM3-3B", "olmo3": "allenai/Olmo-3-1025-7B"})  # (SOURCES.md)
+NOT_STORED_YET.update({"smollm3": "HuggingFaceTB/SmolLM3-3B", "olmo3": "allenai/Olmo-3-1025-7B",
+                       "cohere": "CohereLabs/c4ai-command-r-v01", "cohere2": "CohereLabs/c4ai-command-r7b-12-2024"})  # (SOURCES.md)
 
 
 def test_every_supported_model_type_has_a_released_config():
@@ -82,6 +83,10 @@ def test_every_supported_model_type_has_a_released_config():
 ROPE_BASE_DROPPED = {"dbrx"}
 
 ROPE_TYPES = {"default": "default", "linear": "linear", "dynamic": "dynamic_ntk", "yarn": "yarn", "llama3": "llama3"}
+
+
+# Whose full-attention layers have no position encoding (transformers rotates only where they slide).
+NOPE_ON_FULL = {"cohere2"}
 
 
 def same_as_transformers(config: dict) -> None:
@@ -110,7 +115,7 @@ def same_as_transformers(config: dict) -> None:
     for i, t in enumerate(types if params else []):  # each layer's RoPE as transformers sets it up
         p = params[t] if isinstance(params.get(t), dict) else params
         pos = spec.position_for(i)
-        if no_rope is not None and not no_rope[i]:
+        if (no_rope is not None and not no_rope[i]) or (t == "full_attention" and model_type_of(config) in NOPE_ON_FULL):
             assert pos.name == "nope", f"layer {i} is NoPE in transformers"
             continue
         assert pos.theta == p["rope_theta"]
