@@ -172,6 +172,14 @@ def test_fields_transformers_declares_are_read_and_the_rest_kept(path):
             config_to_spec(config, strict=True)
 
 
+@pytest.mark.parametrize("model_type", sorted(NOT_STORED_YET))
+def test_fields_transformers_declares_are_read_where_no_released_config_is_stored(model_type):
+    """Without a released file, the whole config transformers' config class writes (every field it
+    declares, at its default) is read: none is left unread."""
+    declared = {f.name for f in dataclasses.fields(transformers.CONFIG_MAPPING[model_type])}
+    assert not set(ignored_fields(transformers.AutoConfig.for_model(model_type).to_dict())) & declared
+
+
 def test_vendor_extras_are_ignored_as_transformers_ignores_them():
     qwen = load(CONFIGS[0].parent / "Qwen--Qwen2.5-0.5B.json")
     smol = load(CONFIGS[0].parent / "HuggingFaceTB--SmolLM2-135M.json")
