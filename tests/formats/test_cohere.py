@@ -9,7 +9,7 @@ import torch
 
 import zoo
 from zoo.checkpoints import ConfigError, config_to_spec
-from zoo.checkpoints.format import get_format
+from zoo.checkpoints.hf.format import get_format
 from zoo.checkpoints.tiny import tiny_config
 
 transformers = pytest.importorskip("transformers")

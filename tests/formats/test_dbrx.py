@@ -101,8 +101,8 @@ def test_the_fused_tensors_map_both_ways(pair, tmp_path):
     mlp = hf.transformer.blocks[1].ffn.experts.mlp
     E, Fd, d = 4, 24, 64
     ffn = ours.layers[1].ffn
-    assert torch.equal(ffn.w_gate, mlp.w1.view(E, Fd, d)) and torch.equal(ffn.w_up, mlp.v1.view(E, Fd, d))
-    assert torch.equal(ffn.w_down, mlp.w2.view(E, Fd, d).transpose(1, 2))
+    assert torch.equal(ffn.experts.w_gate, mlp.w1.view(E, Fd, d)) and torch.equal(ffn.experts.w_up, mlp.v1.view(E, Fd, d))
+    assert torch.equal(ffn.experts.w_down, mlp.w2.view(E, Fd, d).transpose(1, 2))
     att = ours.layers[1].mixer
     assert torch.equal(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]),
                        hf.transformer.blocks[1].norm_attn_norm.attn.Wqkv.weight)

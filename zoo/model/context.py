@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from zoo.core import kinds as _kinds
-from zoo.core.context import ForwardContext
+from zoo.core.context import ForwardContext, document_positions
 from zoo.core.state import DecodeState, step_layout
 
 
@@ -30,17 +30,40 @@ def for_tokens(batch: int, length: int, device, attention_mask: Optional[torch.T
 
 
 def context(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-            position_ids: Optional[torch.Tensor] = None, state: Optional[DecodeState] = None) -> ForwardContext:
+            position_ids: Optional[torch.Tensor] = None, state: Optional[DecodeState] = None,
+            document_ids: Optional[torch.Tensor] = None) -> ForwardContext:
     """The forward context of ``input_ids`` (B, T) in ``model``: slots, padding mask and position ids,
-    after what ``state`` has seen (and moving ``state`` on)."""
+    after what ``state`` has seen (and moving ``state`` on). ``document_ids`` (B, T) numbers the packed
+    documents of each row (non-decreasing along it): positions restart at each document
+    (:func:`~zoo.core.context.document_positions`), and every mixer keeps each document to itself."""
     B, T = input_ids.shape
     tp = getattr(model, "_tp", 1)
     if T % tp:
         raise ValueError(f"input_ids: {T} tokens do not split over tp = {tp} processes (sequence parallelism "
                          f"gives each an equal slice); use a length divisible by {tp}")
+    if document_ids is not None:
+        _check_documents(model, document_ids, B, T, state, attention_mask)
+        position_ids = document_positions(document_ids) if position_ids is None else position_ids
     ctx = for_tokens(B, T, input_ids.device, attention_mask, state=state, position_ids=position_ids)
+    ctx.documents = document_ids
     ctx.n_layers = len(model.layers)
     return ctx
+
+
+def _check_documents(model: nn.Module, documents: torch.Tensor, B: int, T: int, state, attention_mask) -> None:
+    if tuple(documents.shape) != (B, T):
+        raise ValueError(f"document_ids has shape {tuple(documents.shape)}; expected (batch, seq) = {(B, T)}")
+    if state is not None or attention_mask is not None:
+        raise ValueError("document_ids: packed documents are a training forward over whole sequences; pass no "
+                         "decode state or attention_mask with them (padding is a document of its own)")
+    if model.mtp is not None:
+        raise ValueError("document_ids: the multi-token prediction modules do not keep packed documents apart; "
+                         "train this model with packing = 'plain'")
+    for i, layer in enumerate(model.layers):
+        if not _kinds.mixer_of(layer).documents:
+            raise ValueError(f"document_ids: layer {i}'s mixer {model.spec.layer(i).mixer.name!r} does not keep "
+                             "packed documents apart (it states no documents = True); train it with packing = "
+                             "'plain'")
 
 
 def new_state(model: nn.Module, batch: Optional[int], max_len: Optional[int] = None, *, dtype=None,
@@ -51,7 +74,7 @@ def new_state(model: nn.Module, batch: Optional[int], max_len: Optional[int] = N
     dtype, device = dtype or p.dtype, device or p.device
     layers = []
     for i, layer in enumerate(model.layers):
-        mixer = layer.mixer
+        mixer = _kinds.mixer_of(layer)
         state = _kinds.adapt_state(mixer.new_state(batch, max_len, dtype=dtype, device=device))
         if state is None:
             raise ValueError(

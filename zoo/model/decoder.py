@@ -127,12 +127,13 @@ class Decoder(_kinds.Kernels, nn.Module):
         output_hidden_states: bool = False,
         *,
         cache: Optional[DecodeState] = None,
+        document_ids: Optional[torch.Tensor] = None,
     ):
         """Final hidden states (before the head), and every layer's output if asked. ``cache`` is the
         old name of ``state``."""
         if cache is not None:
             _deprecations.warn("the cache= keyword")
-        ctx = self.context(input_ids, attention_mask, position_ids, state if state is not None else cache)
+        ctx = self.context(input_ids, attention_mask, position_ids, state if state is not None else cache, document_ids)
         return self.run_layers(input_ids, ctx, output_hidden_states)
 
     def run_layers(self, input_ids: torch.Tensor, ctx: ForwardContext, output_hidden_states: bool = False):
@@ -222,6 +223,7 @@ class Decoder(_kinds.Kernels, nn.Module):
         cache: Optional[DecodeState] = None,
         return_dict: bool = False,
         output_hidden_states: bool = False,
+        document_ids: Optional[torch.Tensor] = None,
     ):
         """Logits of shape (batch, seq, vocab); with ``labels``, the :meth:`loss` instead (so a
         wrapper that only sees ``forward`` — DDP, FSDP — still gets the fused loss path).
@@ -230,7 +232,8 @@ class Decoder(_kinds.Kernels, nn.Module):
         ``return_dict=True`` answers as a transformers causal LM does: a :class:`CausalLMOutput`
         with ``.logits``, ``.loss`` (with ``labels``, unshifted as in transformers) and, with
         ``output_hidden_states=True``, ``.hidden_states`` (the embeddings, then each layer's output,
-        the last one after the final norm). Without it the return value is what it always was."""
+        the last one after the final norm). Without it the return value is what it always was.
+        ``document_ids`` (B, T): the packed documents of each row (see :meth:`context`)."""
         if cache is not None:
             _deprecations.warn("the cache= keyword")
         state = state if state is not None else cache
@@ -238,15 +241,17 @@ class Decoder(_kinds.Kernels, nn.Module):
             if output_hidden_states:
                 raise ValueError("output_hidden_states=True needs return_dict=True (or call model.hidden_states)")
             if labels is not None:
-                return self.loss(input_ids, labels, attention_mask)
-            return self.logits_from_hidden(self.hidden_states(input_ids, attention_mask, position_ids, state))
+                return self.loss(input_ids, labels, attention_mask, document_ids=document_ids)
+            return self.logits_from_hidden(self.hidden_states(input_ids, attention_mask, position_ids, state,
+                                                              document_ids=document_ids))
         if labels is not None:
             if state is not None or position_ids is not None or output_hidden_states:
                 raise ValueError("labels: the loss is computed over whole sequences; pass no state, position_ids "
                                  "or output_hidden_states with labels")
-            out = self.loss(input_ids, labels, attention_mask, return_logits=True)
+            out = self.loss(input_ids, labels, attention_mask, return_logits=True, document_ids=document_ids)
             return CausalLMOutput(logits=out.logits, loss=out.loss, aux=out.aux, metrics=out.metrics)
-        final, hidden = self.hidden_states(input_ids, attention_mask, position_ids, state, output_hidden_states=True)
+        final, hidden = self.hidden_states(input_ids, attention_mask, position_ids, state, output_hidden_states=True,
+                                           document_ids=document_ids)
         hidden = tuple(hidden[:-1]) + (final,) if output_hidden_states else None
         return CausalLMOutput(logits=self.logits_from_hidden(final), hidden_states=hidden)
 
@@ -258,11 +263,13 @@ class Decoder(_kinds.Kernels, nn.Module):
         *,
         z_loss: Optional[float] = None,
         return_logits: bool = False,
+        document_ids: Optional[torch.Tensor] = None,
     ) -> LossOutput:
         """The LM loss in one call: next-token cross-entropy, plus z-loss (coefficient from the spec
         unless given), plus each auxiliary loss a part added during the forward, times its weight.
-        ``labels`` default to ``input_ids``; padding (mask 0) is ignored."""
-        ctx = self.context(input_ids, attention_mask)
+        ``labels`` default to ``input_ids``; padding (mask 0) and labels of -100 are ignored.
+        ``document_ids``: packed documents (see :meth:`context`)."""
+        ctx = self.context(input_ids, attention_mask, document_ids=document_ids)
         hidden = self.run_layers(input_ids, ctx)
         labels = input_ids if labels is None else labels
         if attention_mask is not None:

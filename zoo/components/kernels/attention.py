@@ -81,10 +81,12 @@ def _ordered(blocks: torch.Tensor):
     return count, indices
 
 
-def build_block_mask(q_idx, k_idx, window: Optional[int], key_mask=None, mask_mod=None) -> BlockMask:
-    """The block mask of ``causal_mask(q_idx, k_idx, window, key_mask)`` with ``mask_mod`` (by
-    default one reading the slot tensors), from per-block slot bounds: a block is skipped when no
-    query of it can see a key of it, and full (no mask_mod applied) when every query sees every key."""
+def build_block_mask(q_idx, k_idx, window: Optional[int], key_mask=None, mask_mod=None, documents=None) -> BlockMask:
+    """The block mask of ``causal_mask(q_idx, k_idx, window, key_mask, documents)`` with ``mask_mod``
+    (by default one reading the slot tensors), from per-block slot bounds: a block is skipped when no
+    query of it can see a key of it, and full (no mask_mod applied) when every query sees every key.
+    With packed ``documents`` (B, T), per-block bounds of the document numbers do the same: a block
+    whose queries' and keys' documents cannot meet is skipped, one of a single document may be full."""
     global builds
     builds += 1
     Tq, Tk = len(q_idx), len(k_idx)
@@ -109,11 +111,30 @@ def build_block_mask(q_idx, k_idx, window: Optional[int], key_mask=None, mask_mo
         any_blind = torch.nn.functional.pad(blind, (0, -Tq % BLOCK), value=False).view(blind.shape[0], -1, BLOCK).any(-1)
         some = (some & any_real[:, None, None, :]) | any_blind[:, None, :, None]
         every = every & all_real[:, None, None, :]
+    if documents is not None:
+        lo, hi = _row_bounds(documents)  # (B, n blocks)
+        some = some & ((lo[:, None, :, None] <= hi[:, None, None, :]) & (lo[:, None, None, :] <= hi[:, None, :, None]))
+        single = lo == hi
+        every = every & (single[:, None, :, None] & single[:, None, None, :] & (lo[:, None, :, None] == lo[:, None, None, :]))
     if mask_mod is None:
         mask_mod = _slots_mask_mod(q_idx, k_idx, window, key_mask, blind)
+    if documents is not None:
+        inner = mask_mod
+
+        def mask_mod(b, h, qi, ki):
+            return inner(b, h, qi, ki) & (documents[b, qi] == documents[b, ki])
     partial = some & ~every
     return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(every), BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
                                     seq_lengths=(Tq, Tk))
+
+
+def _row_bounds(documents: torch.Tensor):
+    """Smallest and largest document number in each block of ``BLOCK`` tokens of each row."""
+    pad = -documents.shape[-1] % BLOCK
+    if pad:
+        documents = torch.cat([documents, documents[:, -1:].expand(-1, pad)], -1)
+    blocks = documents.view(documents.shape[0], -1, BLOCK)
+    return blocks.amin(-1), blocks.amax(-1)
 
 
 def _slots_mask_mod(q_idx, k_idx, window, key_mask, blind):
@@ -134,11 +155,17 @@ def _own_slots_mask_mod(window: Optional[int]):
     return mask_mod
 
 
-def block_mask(q_idx, k_idx, window: Optional[int], key_mask=None) -> BlockMask:
+def block_mask(q_idx, k_idx, window: Optional[int], key_mask=None, documents=None) -> BlockMask:
     """The block mask for queries at slots ``q_idx`` and keys at ``k_idx`` (``key_mask`` (B, Tk)
-    marks real keys, ``None`` without padding), from a cache when it has been built before."""
+    marks real keys, ``None`` without padding; ``documents`` (B, T): packed documents), from a cache
+    when it has been built before."""
     if torch.compiler.is_compiling():  # traced: the compiler fuses the build; no Python caches
-        return build_block_mask(q_idx, k_idx, window, key_mask)
+        return build_block_mask(q_idx, k_idx, window, key_mask, documents=documents)
+    if documents is not None:  # data: once per forward, shared by the layers
+        return per_forward((q_idx, k_idx, key_mask, documents), ("flex-documents", window),
+                           lambda: build_block_mask(q_idx.clone(), k_idx.clone(), window,
+                                                    key_mask.clone() if key_mask is not None else None,
+                                                    documents=documents.clone()))
     if key_mask is None and k_idx is q_idx:
         key = (len(q_idx), window, q_idx.device)
         hit = _by_shape.get(key)
@@ -157,12 +184,12 @@ def block_mask(q_idx, k_idx, window: Optional[int], key_mask=None) -> BlockMask:
     return per_forward((q_idx, k_idx, key_mask), ("flex", window), build)
 
 
-def flex_attend(module, q, k, v, q_idx, k_idx, key_mask=None, bias=None):
+def flex_attend(module, q, k, v, q_idx, k_idx, key_mask=None, bias=None, documents=None):
     """``Attention.attend`` on FlexAttention: (B, H, Tq, D) x (B, Hkv, Tk, D) -> (B, H, Tq, D)."""
     if bias is not None or (module.training and module.dropout):
         # Score biases and attention dropout stay on the reference path.
-        return module._eager(q, k, v, q_idx, k_idx, key_mask, bias)
-    mask = block_mask(q_idx, k_idx, module.window, key_mask)
+        return module._eager(q, k, v, q_idx, k_idx, key_mask, bias, documents)
+    mask = block_mask(q_idx, k_idx, module.window, key_mask, documents)
     cap = module.cfg.softcap
     score_mod = None
     if cap is not None:

@@ -32,18 +32,22 @@ def per_forward(tensors: tuple, extra, build: Callable):
     return hit
 
 
-def causal_mask(q_idx, k_idx, window: Optional[int], key_mask=None):
+def causal_mask(q_idx, k_idx, window: Optional[int], key_mask=None, documents=None):
     """Boolean (Tq, Tk) or (B, 1, Tq, Tk) mask of what each query may see: keys at or before it,
-    within ``window`` slots (``q - k < window``), and not padding. A row with nothing visible (a
-    padding query) sees everything, so no row is all -inf."""
+    within ``window`` slots (``q - k < window``), not padding, and of its own document (``documents``
+    (B, T): packed documents, queries and keys the same tokens). A row with nothing visible (a padding
+    query) sees everything, so no row is all -inf."""
     allowed = k_idx[None, :] <= q_idx[:, None]
     if window is not None:
         allowed = allowed & (q_idx[:, None] - k_idx[None, :] < window)
     if key_mask is not None:
         allowed = allowed[None, None] & key_mask[:, None, None, :]
+    if documents is not None:
+        allowed = allowed & (documents[:, None, :, None] == documents[:, None, None, :])
     return allowed | ~allowed.any(-1, keepdim=True)
 
 
-def dense_mask(q_idx, k_idx, window: Optional[int], key_mask=None):
+def dense_mask(q_idx, k_idx, window: Optional[int], key_mask=None, documents=None):
     """:func:`causal_mask`, built once per forward and window and shared by the layers."""
-    return per_forward((q_idx, k_idx, key_mask), ("dense", window), lambda: causal_mask(q_idx, k_idx, window, key_mask))
+    return per_forward((q_idx, k_idx, key_mask, documents), ("dense", window),
+                       lambda: causal_mask(q_idx, k_idx, window, key_mask, documents))

@@ -42,6 +42,7 @@ class Attention(Mixer):
     has a window)."""
 
     kernel: ClassVar[str] = "attention"
+    documents: ClassVar[bool] = True  # packed documents: a mask keeps attention inside each
     # flex (FlexAttention) is chosen on CUDA for what SDPA cannot fuse: soft-capping, a window.
     backends: ClassVar[tuple] = ("flex", "sdpa", "eager")
 
@@ -81,6 +82,168 @@ class Attention(Mixer):
     def head_dim_for(cfg, d_model: int) -> int:
         return cfg.head_dim if cfg.head_dim is not None else d_model // cfg.n_heads
 
+    def __init__(self, cfg, *, d_model: int, layer, spec, index: int = 0):
+        super().__init__()
+        self.cfg, self.index = cfg, index
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
+        self.head_dim = D = self.head_dim_for(cfg, d_model)
+        self.window = cfg.window
+        self.scale = (cfg.scale_dim if cfg.scale_dim is not None else D) ** -0.5
+        self.dropout = spec.dropout
+        self.q_proj = nn.Linear(d_model, self.n_heads * D * (2 if cfg.output_gate else 1), bias=cfg.bias)
+        self.k_proj = nn.Linear(d_model, self.n_kv_heads * D, bias=cfg.bias)
+        self.v_proj = nn.Linear(d_model, self.n_kv_heads * D, bias=cfg.bias)
+        self.o_proj = nn.Linear(self.n_heads * D, d_model, bias=cfg.out_bias)
+        if cfg.qk_norm == "head":
+            self.q_norm, self.k_norm = layer.norm.build(dim=D), layer.norm.build(dim=D)
+        elif cfg.qk_norm == "proj":
+            self.q_norm = layer.norm.build(dim=self.n_heads * D)
+            self.k_norm = layer.norm.build(dim=self.n_kv_heads * D)
+        self.backend = "auto"  # "sdpa", "eager" or any registered fast path; "auto" picks
+
+    def new_state(self, batch, max_len, *, dtype=None, device=None) -> KVState:
+        return KVState(window=self.window, max_len=max_len)
+
+    def forward(self, x, ctx, pos):
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.cfg.clip_qkv is not None:
+            c = self.cfg.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        if self.cfg.output_gate:  # per head: its query, then its gate
+            q, gate = q.view(B, T, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            q = q.reshape(B, T, -1)
+        if self.cfg.qk_norm == "proj":
+            q, k = self.q_norm(q), self.k_norm(k)
+        # -1: the heads this process holds (all of them, or its share under tensor parallelism)
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.cfg.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if pos is not None:
+            q, k = pos.rotate(q, k)
+        q_idx = k_idx = ctx.slots
+        if ctx.state is not None:
+            k, v, k_idx = ctx.state.layers[self.index].update(k, v, q_idx)
+        key_mask = ctx.key_mask
+        if key_mask is not None and k_idx is not q_idx:  # else the same tensor for every layer: masks built once
+            key_mask = key_mask[:, k_idx]
+        bias = pos.score_bias(q_idx, k_idx, q.shape[1]) if pos is not None else None
+        if ctx.asks("attn_logit_max"):  # the ablation lab's probe (zoo.tools.ablate.AttentionLogits)
+            ctx.add_metric(f"attn_logit_max/layer{self.index}", self.logit_max(q, k, q_idx, k_idx))
+        out = self.attend(q, k, v, q_idx, k_idx, key_mask, bias, documents=ctx.documents).transpose(1, 2).reshape(B, T, -1)
+        if self.cfg.output_gate:
+            out = out * torch.sigmoid(gate.reshape(B, T, -1))
+        return self.o_proj(out)
+
+    def reference_backend(self):
+        return "eager" if self.cfg.softcap is not None else "sdpa"
+
+    def kernel_problem(self, backend, q=None, forced=False):
+        if forced:
+            return None
+        if self.dropout and self.training:
+            return "attention dropout runs on the reference path"
+        T = q.shape[-2] if q is not None else None
+        if self.cfg.softcap is None and (self.window is None or (T is not None and T <= self.window)):
+            return "SDPA covers it (no soft-cap, no active window)"
+        if T == 1:
+            return "one query per step: the reference path is cheaper"
+        return None
+
+    @torch.no_grad()
+    def logit_max(self, q, k, q_idx, k_idx) -> torch.Tensor:
+        """The largest causal attention logit (the score fed to the softmax, after scaling and any
+        soft-cap, within the window), in float32."""
+        B, H, T, D = q.shape
+        hkv = k.shape[1]
+        scores = torch.matmul(q.float().view(B, hkv, H // hkv, T, D), k.float().unsqueeze(2).transpose(-1, -2))
+        scores = scores * self.scale
+        if self.cfg.softcap is not None:
+            scores = self.cfg.softcap * torch.tanh(scores / self.cfg.softcap)
+        seen = k_idx[None, :] <= q_idx[:, None]
+        if self.window is not None:
+            seen = seen & (q_idx[:, None] - k_idx[None, :] < self.window)
+        return scores.masked_fill(~seen, float("-inf")).amax()
+
+    def attend(self, q, k, v, q_idx, k_idx, key_mask=None, bias=None, *, documents=None):
+        """(B, H, Tq, D) queries against (B, Hkv, Tk, D) keys/values -> (B, H, Tq, D); ``documents``
+        (B, T): packed documents, each query seeing keys of its own only."""
+        # Under autocast over fp32 weights RoPE leaves q and k in fp32 while v is in the autocast
+        # dtype; SDPA and matmuls would cast them, FlexAttention and fused kernels need one dtype.
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        backend = self.backend
+        if backend == "auto":
+            backend = kernels.select(self, q) or self.reference_backend()
+        if backend == "sdpa":
+            if self.cfg.softcap is not None:
+                raise ValueError("the sdpa backend cannot soft-cap attention scores; use backend 'eager'")
+            return self._sdpa(q, k, v, q_idx, k_idx, key_mask, bias, documents)
+        if backend == "eager":
+            return self._eager(q, k, v, q_idx, k_idx, key_mask, bias, documents)
+        if documents is not None:  # flex takes them as a block mask; another backend may not know them
+            if backend != "flex":
+                return self._eager(q, k, v, q_idx, k_idx, key_mask, bias, documents)
+            return kernels.attention_backend(backend)(self, q, k, v, q_idx, k_idx, key_mask, bias, documents=documents)
+        return kernels.attention_backend(backend)(self, q, k, v, q_idx, k_idx, key_mask, bias)
+
+    def _sdpa(self, q, k, v, q_idx, k_idx, key_mask, bias, documents=None):
+        Tq, Tk = q.shape[2], k.shape[2]
+        plain = key_mask is None and bias is None and documents is None
+        own = k_idx is q_idx  # no cache: a sequence's own consecutive slots, known without reading them (no sync)
+        if own:
+            windowed = self.window is not None and Tq > self.window
+        else:  # cache rings are unordered; only asked when the mask could be skipped
+            windowed = plain and self.window is not None and int(q_idx[-1] - k_idx.min()) >= self.window
+        mask, is_causal = None, False
+        if plain and not windowed and (own or (Tq == Tk and bool((q_idx == k_idx).all()))):
+            is_causal = True
+        elif plain and not windowed and Tq == 1:
+            mask = None  # one new token sees every cached key
+        else:
+            mask = dense_mask(q_idx, k_idx, self.window, key_mask, documents)
+            if bias is not None:
+                mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+
+    def _eager(self, q, k, v, q_idx, k_idx, key_mask, bias, documents=None):
+        B, H, Tq, D = q.shape
+        Hkv = k.shape[1]  # local counts (a share of the heads under tensor parallelism)
+        G = H // Hkv
+        qg = q.view(B, Hkv, G, Tq, D)
+        scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * self.scale  # (B, Hkv, G, Tq, Tk)
+        scores = scores.view(B, H, Tq, -1)
+        if self.cfg.softcap is not None:
+            scores = softcap(scores, self.cfg.softcap)
+        if bias is not None:
+            scores = scores + bias
+        mask = dense_mask(q_idx, k_idx, self.window, key_mask, documents)
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = F.dropout(probs, self.dropout, self.training)
+        out = torch.matmul(probs.view(B, Hkv, G, Tq, -1), v.unsqueeze(2))
+        return out.view(B, H, Tq, D)
+
+    # -- what this part states about itself ---------------------------------------------------------
+    #: Tensor parallelism by heads: the sequence gathered, q/k/v sharded by their heads' rows (whole heads,
+    #: each with its gate), o_proj by its columns and reduce-scattered back onto the sequence slice; the
+    #: forward reshapes with the local head counts. A per-head QK-norm normalises the local heads with
+    #: replicated weights (their gradient summed over the processes); one over the whole projection
+    #: (OLMo 2) gathers its features to normalise each row whole.
+    tp_divides = ("n_heads", "n_kv_heads")
+
+    @property
+    def tp_plan(self) -> dict:
+        norm = "split_features" if self.cfg.qk_norm == "proj" else "split_heads"  # (B, T, heads x D) or (B, heads, T, D)
+        return {"": "gather_sequence", "q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise",
+                "o_proj": "rowwise", "q_norm": norm, "k_norm": norm}
+
     @classmethod
     def rotary_dim(cls, cfg, d_model: int) -> int:
         """A rotary position encoding rotates each head's queries and keys."""
@@ -115,30 +278,6 @@ class Attention(Mixer):
             raise SpecError(
                 "n_heads", f"d_model {spec.d_model} is not divisible by n_heads {cfg.n_heads}; set head_dim explicitly"
             )
-
-    def __init__(self, cfg, *, d_model: int, layer, spec, index: int = 0):
-        super().__init__()
-        self.cfg, self.index = cfg, index
-        self.n_heads = cfg.n_heads
-        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
-        self.head_dim = D = self.head_dim_for(cfg, d_model)
-        self.window = cfg.window
-        self.scale = (cfg.scale_dim if cfg.scale_dim is not None else D) ** -0.5
-        self.dropout = spec.dropout
-        self.q_proj = nn.Linear(d_model, self.n_heads * D * (2 if cfg.output_gate else 1), bias=cfg.bias)
-        self.k_proj = nn.Linear(d_model, self.n_kv_heads * D, bias=cfg.bias)
-        self.v_proj = nn.Linear(d_model, self.n_kv_heads * D, bias=cfg.bias)
-        self.o_proj = nn.Linear(self.n_heads * D, d_model, bias=cfg.out_bias)
-        if cfg.qk_norm == "head":
-            self.q_norm, self.k_norm = layer.norm.build(dim=D), layer.norm.build(dim=D)
-        elif cfg.qk_norm == "proj":
-            self.q_norm = layer.norm.build(dim=self.n_heads * D)
-            self.k_norm = layer.norm.build(dim=self.n_kv_heads * D)
-        self.backend = "auto"  # "sdpa", "eager" or any registered fast path; "auto" picks
-
-    # -- what this part states about itself ---------------------------------------------------------
-    def new_state(self, batch, max_len, *, dtype=None, device=None) -> KVState:
-        return KVState(window=self.window, max_len=max_len)
 
     def heads(self) -> tuple[int, int, int]:
         """(n_heads, n_kv_heads, head_dim), for checkpoint transforms that split fused projections."""
@@ -179,146 +318,3 @@ class Attention(Mixer):
         if self.cfg.softcap is not None and device != "cuda":  # the eager path: scores per key
             out += H * seq_len * (c + 4 + (c if c != 4 else 0)) + H * D * c - 4 * H  # (a copy o_proj reads, no lse)
         return out
-
-    def parallelize(self, tp_mesh) -> None:
-        """Tensor parallelism by heads: the sequence gathered, q/k/v sharded by their heads' rows (whole
-        heads, each with its gate), o_proj by its columns and reduce-scattered back onto the sequence
-        slice; the forward reshapes with the local head counts. A per-head QK-norm normalises the local
-        heads with replicated weights (their gradient summed over the processes); one over the whole
-        projection (OLMo 2) gathers its features to normalise each row whole."""
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        from zoo.core.parallel import heads_in, heads_out, local_count, sequence_input
-
-        local_count(self.n_heads, tp_mesh, "n_heads", self)
-        local_count(self.n_kv_heads, tp_mesh, "n_kv_heads", self)
-        parallelize_module(self, tp_mesh, sequence_input(tp_mesh))
-        parallelize_module(self, tp_mesh, {"q_proj": heads_in(), "k_proj": heads_in(), "v_proj": heads_in(),
-                                           "o_proj": heads_out()})
-        if self.cfg.qk_norm != "none":
-            from zoo.core.kinds import parallelize
-
-            dim = 1 if self.cfg.qk_norm == "head" else -1  # (B, heads, T, D), or (B, T, heads x D)
-            for name in ("q_norm", "k_norm"):
-                parallelize(getattr(self, name), tp_mesh, name, shard_dim=dim)
-
-    # -- forward -------------------------------------------------------------------------------------
-    def forward(self, x, ctx, pos):
-        B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.cfg.clip_qkv is not None:
-            c = self.cfg.clip_qkv
-            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
-        if self.cfg.output_gate:  # per head: its query, then its gate
-            q, gate = q.view(B, T, -1, 2 * self.head_dim).chunk(2, dim=-1)
-            q = q.reshape(B, T, -1)
-        if self.cfg.qk_norm == "proj":
-            q, k = self.q_norm(q), self.k_norm(k)
-        # -1: the heads this process holds (all of them, or its share under tensor parallelism)
-        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
-        if self.cfg.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if pos is not None:
-            q, k = pos.rotate(q, k)
-        q_idx = k_idx = ctx.slots
-        if ctx.state is not None:
-            k, v, k_idx = ctx.state.layers[self.index].update(k, v, q_idx)
-        key_mask = ctx.key_mask
-        if key_mask is not None and k_idx is not q_idx:  # else the same tensor for every layer: masks built once
-            key_mask = key_mask[:, k_idx]
-        bias = pos.score_bias(q_idx, k_idx, q.shape[1]) if pos is not None else None
-        if ctx.asks("attn_logit_max"):  # the ablation lab's probe (zoo.tools.ablate.AttentionLogits)
-            ctx.add_metric(f"attn_logit_max/layer{self.index}", self.logit_max(q, k, q_idx, k_idx))
-        out = self.attend(q, k, v, q_idx, k_idx, key_mask, bias).transpose(1, 2).reshape(B, T, -1)
-        if self.cfg.output_gate:
-            out = out * torch.sigmoid(gate.reshape(B, T, -1))
-        return self.o_proj(out)
-
-    def reference_backend(self):
-        return "eager" if self.cfg.softcap is not None else "sdpa"
-
-    def kernel_problem(self, backend, q=None, forced=False):
-        if forced:
-            return None
-        if self.dropout and self.training:
-            return "attention dropout runs on the reference path"
-        T = q.shape[-2] if q is not None else None
-        if self.cfg.softcap is None and (self.window is None or (T is not None and T <= self.window)):
-            return "SDPA covers it (no soft-cap, no active window)"
-        if T == 1:
-            return "one query per step: the reference path is cheaper"
-        return None
-
-    @torch.no_grad()
-    def logit_max(self, q, k, q_idx, k_idx) -> torch.Tensor:
-        """The largest causal attention logit (the score fed to the softmax, after scaling and any
-        soft-cap, within the window), in float32."""
-        B, H, T, D = q.shape
-        hkv = k.shape[1]
-        scores = torch.matmul(q.float().view(B, hkv, H // hkv, T, D), k.float().unsqueeze(2).transpose(-1, -2))
-        scores = scores * self.scale
-        if self.cfg.softcap is not None:
-            scores = self.cfg.softcap * torch.tanh(scores / self.cfg.softcap)
-        seen = k_idx[None, :] <= q_idx[:, None]
-        if self.window is not None:
-            seen = seen & (q_idx[:, None] - k_idx[None, :] < self.window)
-        return scores.masked_fill(~seen, float("-inf")).amax()
-
-    def attend(self, q, k, v, q_idx, k_idx, key_mask=None, bias=None):
-        """(B, H, Tq, D) queries against (B, Hkv, Tk, D) keys/values -> (B, H, Tq, D)."""
-        # Under autocast over fp32 weights RoPE leaves q and k in fp32 while v is in the autocast
-        # dtype; SDPA and matmuls would cast them, FlexAttention and fused kernels need one dtype.
-        q, k = q.to(v.dtype), k.to(v.dtype)
-        backend = self.backend
-        if backend == "auto":
-            backend = kernels.select(self, q) or self.reference_backend()
-        if backend == "sdpa":
-            if self.cfg.softcap is not None:
-                raise ValueError("the sdpa backend cannot soft-cap attention scores; use backend 'eager'")
-            return self._sdpa(q, k, v, q_idx, k_idx, key_mask, bias)
-        if backend == "eager":
-            return self._eager(q, k, v, q_idx, k_idx, key_mask, bias)
-        return kernels.attention_backend(backend)(self, q, k, v, q_idx, k_idx, key_mask, bias)
-
-    def _sdpa(self, q, k, v, q_idx, k_idx, key_mask, bias):
-        Tq, Tk = q.shape[2], k.shape[2]
-        plain = key_mask is None and bias is None
-        own = k_idx is q_idx  # no cache: a sequence's own consecutive slots, known without reading them (no sync)
-        if own:
-            windowed = self.window is not None and Tq > self.window
-        else:  # cache rings are unordered; only asked when the mask could be skipped
-            windowed = plain and self.window is not None and int(q_idx[-1] - k_idx.min()) >= self.window
-        mask, is_causal = None, False
-        if plain and not windowed and (own or (Tq == Tk and bool((q_idx == k_idx).all()))):
-            is_causal = True
-        elif plain and not windowed and Tq == 1:
-            mask = None  # one new token sees every cached key
-        else:
-            mask = dense_mask(q_idx, k_idx, self.window, key_mask)
-            if bias is not None:
-                mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
-
-    def _eager(self, q, k, v, q_idx, k_idx, key_mask, bias):
-        B, H, Tq, D = q.shape
-        Hkv = k.shape[1]  # local counts (a share of the heads under tensor parallelism)
-        G = H // Hkv
-        qg = q.view(B, Hkv, G, Tq, D)
-        scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * self.scale  # (B, Hkv, G, Tq, Tk)
-        scores = scores.view(B, H, Tq, -1)
-        if self.cfg.softcap is not None:
-            scores = softcap(scores, self.cfg.softcap)
-        if bias is not None:
-            scores = scores + bias
-        mask = dense_mask(q_idx, k_idx, self.window, key_mask)
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        probs = F.dropout(probs, self.dropout, self.training)
-        out = torch.matmul(probs.view(B, Hkv, G, Tq, -1), v.unsqueeze(2))
-        return out.view(B, H, Tq, D)
