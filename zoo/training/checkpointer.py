@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from zoo.checkpoints.files.io import DTYPES
-from zoo.checkpoints.hf.maps import current_name, moved_expert_name
+from zoo.checkpoints.hf.maps import current_name, earlier_names
 from zoo.core.spec import ModelSpec, differences
 from zoo.training.config import TrainConfig
 from zoo.training.resume import fsync_dir, fsync_tree, step_of
@@ -218,13 +218,14 @@ class Checkpointer:
         from torch.distributed.tensor import DTensor
 
         sharded = state["sharded"]
-        # A checkpoint of zoo 0.1 names the mixer ``layers.{i}.attention.*``: read it under today's names.
-        weights = {current_name(k): v for k, v in load_file(str(path / self._files(sharded, "model"))).items()}
+        # A checkpoint of zoo 0.1 or 0.2 names the mixer ``layers.{i}.attention.*``, one of zoo 0.2 an moe FFN's
+        # experts ``layers.{i}.ffn.w_up``: read under today's names where the model has them (a plugin's
+        # own block keeps its ``attention``, found under its own name).
+        weights = load_file(str(path / self._files(sharded, "model")))
         with torch.no_grad():
             for name, t in model.state_dict(keep_vars=True).items():
-                old = name.replace(".experts.w_", ".w_") if name not in weights else name
-                if old != name and old in weights and moved_expert_name(old) == name:  # zoo 0.2's MoE names
-                    weights[name] = weights.pop(old)
+                if name not in weights:
+                    name = next((old for old in earlier_names(name) if old in weights), name)
                 if name not in weights:
                     raise KeyError(f"checkpoint {path} has no tensor {name!r}; it was written by another model")
                 _local(t).copy_(weights[name])
