@@ -1,7 +1,7 @@
 """zoo's recurrent Triton kernels compiled for sm_90 (H100/H200) on the CPU, at the shapes the presets
 give them: every launch of the forward and backward, in fp32 and bf16, fits the 232,448 bytes of
 shared memory a block may use there. Registers and stack bytes per thread are printed as a table
-(``pytest -s``; docs/kernels.md shows it). The compile runs in a subprocess without
+(``pytest -s``; docs/reference/kernels.md shows it). The compile runs in a subprocess without
 ``TRITON_INTERPRET`` (under the interpreter nothing is compiled); Triton caches what it compiled,
 so a second run takes seconds."""
 

@@ -228,14 +228,14 @@ def test_an_attention_plugin_written_before_mixers_still_builds_and_trains(tmp_p
 
 
 def test_the_plugin_guides_mixer_example_passes_the_contract():
-    """docs/plugins.md's decayed linear attention is run as written, and decodes as it computes."""
+    """docs/guides/plugins.md's decayed linear attention is run as written, and decodes as it computes."""
     from pathlib import Path
 
     import torch.nn.functional as F
 
     from zoo.core.kinds import Cost
 
-    guide = (Path(__file__).parents[2] / "docs" / "plugins.md").read_text()
+    guide = (Path(__file__).parents[2] / "docs" / "guides" / "plugins.md").read_text()
     code = guide.split("## 5. A mixer with its own state")[1].split("```python")[1].split("```")[0]
     scope = {"torch": torch, "nn": nn, "F": F, "dataclass": dataclass, "Cost": Cost}
     exec(code, scope)

@@ -7,7 +7,7 @@ One base per kind (:class:`Norm`, :class:`Activation`, :class:`FFN`, :class:`Rou
 :class:`Part`; :class:`LayerState` for decode states) declares the constructor context
 (``CONTEXT``: ``cls(config, **context)``), the forward arguments (``FORWARD``) and every hook, with
 its default and its caller. This is the one statement of the contract: :data:`BASES`, the tables
-derived from it, the registration check and docs/plugins.md's table (:func:`contract_table`) all
+derived from it, the registration check and docs/guides/plugins.md's table (:func:`contract_table`) all
 read it. A part states its own facts (:class:`Cost`, ``facts``, ``shrink``); nothing outside a part
 reads its attributes. It also states how it shards under tensor parallelism (:func:`parallelize`,
 the ``parallelize`` hook).
@@ -404,7 +404,7 @@ def no_plan(part: nn.Module, where: str = "") -> NotImplementedError:
     return NotImplementedError(
         f"{at}({type(part).__module__}.{type(part).__qualname__}) has no tensor-parallel plan: it does not "
         "state a tp_plan (or define parallelize(tp_mesh, ...)), so parallel.tp > 1 cannot shard it; set tp = 1, "
-        "or give the part a plan (docs/training.md, 'Tensor and sequence parallelism')")
+        "or give the part a plan (docs/reference/training.md, 'Tensor and sequence parallelism')")
 
 
 def parallelize(part: nn.Module, tp_mesh: Any, where: str, **kw: Any) -> None:
@@ -492,7 +492,7 @@ _MIXED: dict[type, tuple[str, ...]] = {}
 
 def contract_table() -> str:
     """The constructor contract and hooks of every module-like kind, as the markdown table in
-    docs/plugins.md (tests/core/test_contract.py checks that the two agree)."""
+    docs/guides/plugins.md (tests/core/test_contract.py checks that the two agree)."""
     lines = ["| kind | base | built as | called as | hooks (default in the base) |", "|---|---|---|---|---|"]
     for kind, base in BASES.items():
         built = ", ".join(("config", *(f"{k}=" for k in base.CONTEXT)))
