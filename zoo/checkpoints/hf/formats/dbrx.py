@@ -104,7 +104,9 @@ DBRX_FIELDS = FieldTable([
     Field("ffn_config.moe_normalize_expert_weights", "layer.ffn.router", None, float,
           to_spec=_router,
           source=lambda s: 1.0 if s.layer(0).ffn.router.name == "topk_softmax" else None),
-    expect("ffn_config.moe_jitter_eps", (None, 0, 0.0), "zoo's routers add no noise"),
+    # Router noise in training only (transformers' DbrxRouter: ``if self.training``): typed, and
+    # nothing at inference.
+    Field("ffn_config.moe_jitter_eps", None, None, float),
     expect("tie_word_embeddings", (False,), "transformers refuses tied DBRX embeddings"),
     # Read by the loss reader (switch_pooled_loss) below.
     Field("output_router_logits", None, False, bool),
