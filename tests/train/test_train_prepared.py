@@ -38,7 +38,7 @@ def test_validation_every_n_steps_is_logged_plotted_and_returned_and_a_resume_is
     whole = zoo.train("llama3-8b", data=[{"path": str(a)}], val=val, out_dir=str(tmp_path / "whole"), plot=True, **KW)
     rows = _metrics(tmp_path / "whole")
     assert [r["step"] for r in rows if "val_loss" in r] == [2, 4, 6]
-    assert [v["step"] for v in whole.val] == [2, 4, 6] and whole.val[-1]["val_loss"] < whole.val[0]["val_loss"]
+    assert [v["step"] for v in whole.val] == [0, 2, 4, 6] and whole.val[-1]["val_loss"] < whole.val[0]["val_loss"]
     assert whole.plot is not None and whole.plot.is_file()
     cut = zoo.train("llama3-8b", data=[{"path": str(a)}], val=val, out_dir=str(tmp_path / "cut"), plot=False,
                     stop_after=3, **KW)

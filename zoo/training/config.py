@@ -399,5 +399,6 @@ class TrainResult:
     extra: dict[str, Any] = field(default_factory=dict)
     # Every term the loss output carried (loss, ce, z, each auxiliary loss and metric), per step.
     terms: list[dict[str, float]] = field(default_factory=list)
-    # The validation loss ({step, val_loss}) at each evaluation of this invocation (with config.val).
+    # The validation loss ({step, val_loss}) at each evaluation of this invocation (with config.val; a
+    # fresh run's first is at step 0, before training).
     val: list[dict[str, float]] = field(default_factory=list)

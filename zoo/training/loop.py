@@ -371,6 +371,9 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
 
     bar = tqdm(total=config.steps, initial=step, disable=not (config.progress and acc.is_local_main_process),
                desc="train", unit="step", dynamic_ncols=True)
+    if val_data is not None and step == 0 and last > 0:  # where a fresh run starts from
+        result.val.append({"step": 0, "val_loss": evaluate(wrapped, val_data, config, acc, dp_rank, dp_size)})
+        acc.print(f"step 0: val_loss {result.val[-1]['val_loss']:.4f}")
     started, tokens_seen = time.perf_counter(), 0
     saved: Optional[Path] = None
     while step < last:
