@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import zoo
-from zoo.checkpoints.format import CheckpointFormat, Fields
-from zoo.checkpoints.maps import rule
+from zoo.checkpoints.hf.format import CheckpointFormat, Fields
+from zoo.checkpoints.hf.maps import rule
 from zoo.core.kinds import Cost
 from zoo.core.spec import ModelSpec
 

@@ -60,6 +60,16 @@ OLD_IMPORTS = {
     "zoo.train.checkpointer": ["Checkpointer", "checkpoints", "read_checkpoint_state"],
     "zoo.train.data": ["TokenData", "get_tokenizer"],
     "zoo.train.resume": ["step_of", "resume_point"],
+    # the checkpoints wing by concern (hf/: configs and names; files/: containers)
+    **{f"zoo.checkpoints.{m}": [] for m in ("fields", "common", "sizes", "mtp", "formats")},
+    "zoo.checkpoints.format": ["CheckpointFormat", "get_format"],
+    "zoo.checkpoints.maps": ["bind", "IDENTITY"],
+    **{f"zoo.checkpoints.formats.{m}": [] for m in (
+        "_classic", "dbrx", "deepseek", "deepseek_moe", "deepseek_v32", "falcon", "glm_moe_dsa", "gpt2", "gpt_neox",
+        "gptj", "mamba2", "minimax", "minimax_m2", "moe", "nemotron_h", "qwen3_next")},
+    "zoo.checkpoints.formats.llama": ["LlamaStyle", "FORMATS"],
+    **{f"zoo.checkpoints.{m}": [] for m in ("hub", "native", "gguf", "gguf_out")},
+    "zoo.checkpoints.io": ["WeightFiles", "stream_shards"],
 }
 
 # zoo 0.1's zoo.training was a shim of zoo 0.2; it is the training package again, and hands over the
@@ -252,7 +262,7 @@ def _decoder_generate():
 
 
 def _old_parameter_names():
-    from zoo.checkpoints.maps import rule
+    from zoo.checkpoints.hf.maps import rule
 
     r = rule("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.attention.q_proj.weight")
     assert r.zoo == ("layers.{i}.mixer.q_proj.weight",)
@@ -265,7 +275,7 @@ def _moe_expert_attributes():
 
 
 def _old_expert_names():
-    from zoo.checkpoints.maps import bind, rule
+    from zoo.checkpoints.hf.maps import bind, rule
 
     model = zoo.build_model(zt.one_of_each("qwen3-30b-a3b"), seed=0)
     bound = list(bind([rule("model.layers.{i}.mlp.up", "layers.{i}.ffn.w_up")], model))
@@ -273,7 +283,7 @@ def _old_expert_names():
 
 
 def _llama_style_flags():
-    from zoo.checkpoints.formats.llama import TINY, LlamaStyle
+    from zoo.checkpoints.hf.formats.llama import TINY, LlamaStyle
 
     class OldStyle(LlamaStyle):  # a format written against zoo 0.2's class flags
         model_type = "old_style"

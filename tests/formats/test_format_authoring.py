@@ -13,8 +13,8 @@ from torch import nn
 import zoo
 import zoo.testing as zt
 from zoo.checkpoints import CheckpointError, config_to_spec
-from zoo.checkpoints.common import activation, activation_name
-from zoo.checkpoints.format import ConfigError, Fields
+from zoo.checkpoints.hf.common import activation, activation_name
+from zoo.checkpoints.hf.format import ConfigError, Fields
 from zoo.cli import main
 
 LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

@@ -339,7 +339,7 @@ def test_resume_auto_skips_a_fifo_among_the_checkpoint_files(tmp_path):
 @pytest.mark.parametrize("umask", [0o022, 0o002], ids=["022", "002"])
 def test_an_exported_gguf_file_has_the_mode_the_umask_gives(tmp_path, umask):
     pytest.importorskip("gguf")
-    from zoo.checkpoints.gguf_out import save_gguf
+    from zoo.checkpoints.files.gguf_out import save_gguf
 
     model = zoo.build("llama3.2-1b", overrides={"n_layers": 1, "d_model": 32, "vocab_size": 64, "layers.*.mixer.n_heads": 2,
                                                  "layers.*.mixer.n_kv_heads": 1, "layers.*.ffn.d_ff": 64,

@@ -125,7 +125,7 @@ def test_the_preset_is_the_published_model_and_what_transformers_builds():
     model = zoo.build("minimax-text-01", device="meta")
     assert model.num_parameters() == 456_089_655_296  # "456B total parameters"
     assert [model.spec.layer(i).mixer.name for i in range(16)] == (["lightning_attention"] * 7 + ["attention"]) * 2
-    config = {**zoo.checkpoints.format.get_format("minimax").spec_to_config(model.spec), "model_type": "minimax"}
+    config = {**zoo.checkpoints.hf.format.get_format("minimax").spec_to_config(model.spec), "model_type": "minimax"}
     same_as_transformers(config)  # the parameter count transformers builds from that config, on meta
     assert zoo.core.spec.differences(config_to_spec(config).to_dict(), model.spec.to_dict()) == [("label", None, "minimax-text-01")]
 
@@ -147,7 +147,7 @@ def test_specs_minimax_cannot_hold_are_refused_on_saving(pair, tmp_path):
                           ({"layers.linear.ffn.d_ff": 40}, "one ffn")):
         spec = ours.spec.with_overrides(over)
         with pytest.raises(ValueError, match=message):
-            zoo.checkpoints.format.get_format("minimax").spec_to_config(spec)
+            zoo.checkpoints.hf.format.get_format("minimax").spec_to_config(spec)
 
 
 @pytest.mark.parametrize("preset", ["minimax-m1-80k", "minimax-m1-40k"])
@@ -160,7 +160,7 @@ def test_minimax_m1_is_text_01s_architecture_at_its_size(preset):
     assert model.num_parameters() == 456_089_655_296
     text01 = zoo.build("minimax-text-01", device="meta").spec
     assert zoo.core.spec.differences(text01.to_dict(), model.spec.to_dict()) == [("label", "minimax-text-01", preset)]
-    config = {**zoo.checkpoints.format.get_format("minimax").spec_to_config(model.spec), "model_type": "minimax"}
+    config = {**zoo.checkpoints.hf.format.get_format("minimax").spec_to_config(model.spec), "model_type": "minimax"}
     same_as_transformers(config)
     # The release config's sizes (github.com/MiniMax-AI/MiniMax-M1, config.json, remote-code layout).
     release = {"hidden_size": 6144, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,

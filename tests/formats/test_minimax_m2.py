@@ -69,5 +69,5 @@ def test_bad_input_is_named(pair):
         config_to_spec({**tiny_config("minimax_m2"), "model_type": "minimax_m2", "router_jitter_noise": 0.1})
     _, ours, _ = pair
     with pytest.raises(ValueError, match="norm_topk_prob"):
-        zoo.checkpoints.format.get_format("minimax_m2").spec_to_config(
+        zoo.checkpoints.hf.format.get_format("minimax_m2").spec_to_config(
             ours.spec.with_overrides({"layers.*.ffn.norm_topk_prob": False}))

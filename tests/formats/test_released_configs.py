@@ -11,7 +11,7 @@ import torch
 
 import zoo
 from zoo.checkpoints import ConfigError, config_to_spec, get_format, ignored_fields
-from zoo.checkpoints.format import layout_of
+from zoo.checkpoints.hf.format import layout_of
 
 CONFIGS = sorted((Path(__file__).parents[1] / "data" / "configs").glob("*.json"))
 transformers = pytest.importorskip("transformers")

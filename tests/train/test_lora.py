@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import zoo
 from hf_pairs import assert_within_reference_error, float64_twin
 from zoo.checkpoints.adapter import add_lora, lora_layers, save_adapter
-from zoo.checkpoints.format import CheckpointError
+from zoo.checkpoints.hf.format import CheckpointError
 from zoo.checkpoints.tiny import make_tiny
 from zoo.cli import main as cli
 

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from zoo.checkpoints.format import CheckpointError
+from zoo.checkpoints.hf.format import CheckpointError
 from zoo.core.extras import import_extra
 
 ADAPTER = "default"  # the one adapter zoo adds to a model
@@ -172,8 +172,8 @@ class MergedWeights(Mapping):
 def _module_map(model: nn.Module, model_type: str) -> dict[str, tuple[str, str]]:
     """zoo module -> (its HF module name, the transform its weight goes through) in ``model_type``'s
     format, for every module whose weight the format's map names."""
-    from zoo.checkpoints.format import get_format
-    from zoo.checkpoints.maps import bind
+    from zoo.checkpoints.hf.format import get_format
+    from zoo.checkpoints.hf.maps import bind
     from zoo.model.decoder import build_model
 
     plain = build_model(model.spec, device="meta")  # zoo's own names (no adapter), and the heads

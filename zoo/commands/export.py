@@ -56,7 +56,7 @@ def run(args):
     if os.path.isfile(os.path.join(args.source, "state.json")):
         return _training_checkpoint(args)
     if args.gguf:
-        from zoo.checkpoints.gguf_out import save_gguf
+        from zoo.checkpoints.files.gguf_out import save_gguf
 
         model = from_pretrained(args.source, progress=False)
         path = save_gguf(model, args.out, dtype=args.dtype or "f16", tokenizer=args.tokenizer)

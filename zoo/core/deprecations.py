@@ -48,6 +48,12 @@ ALIASES: dict[str, str] = {
     "LlamaStyle class flags": "the format's fields, template, windows and ropes (docs/checkpoints.md)",
 }
 
+#: deprecated calls whose new home is in a wing above the caller's -> "module:function" of the new home
+#: (named, not imported, so the old spelling adds no arrow up the wing order)
+MOVED_CALLS: dict[str, str] = {
+    "Decoder.generate(...)": "zoo.inference.generate:generate",
+}
+
 #: old module -> the modules its names moved to (looked up in this order)
 MOVED_MODULES: dict[str, tuple[str, ...]] = {
     "zoo.parts": ("zoo.core.kinds", "zoo.core.context", "zoo.core.spec"),
@@ -60,7 +66,7 @@ MOVED_MODULES: dict[str, tuple[str, ...]] = {
     "zoo.kernels": ("zoo.core.kernels",),
     "zoo.precision": ("zoo.core.precision",),
     "zoo.recipes": ("zoo.model.recipes", "zoo.core.spec"),
-    "zoo.mtp": ("zoo.model.mtp", "zoo.checkpoints.mtp", "zoo.inference.speculative"),
+    "zoo.mtp": ("zoo.model.mtp", "zoo.checkpoints.hf.mtp", "zoo.inference.speculative"),
     "zoo.generation": ("zoo.inference.generate",),
     "zoo.compiled": ("zoo.inference.compiled",),
     "zoo.tokenizer": ("zoo.inference.tokenizer",),
@@ -91,6 +97,16 @@ MOVED_MODULES: dict[str, tuple[str, ...]] = {
     "zoo.train.data": ("zoo.training.data",),
     "zoo.train.resume": ("zoo.training.resume",),
 }
+# The checkpoints wing by concern: HF configs and names in zoo.checkpoints.hf, file containers in
+# zoo.checkpoints.files.
+MOVED_MODULES.update({f"zoo.checkpoints.{m}": (f"zoo.checkpoints.hf.{m}",)
+                      for m in ("format", "fields", "common", "sizes", "maps", "mtp", "formats")})
+MOVED_MODULES.update({f"zoo.checkpoints.formats.{m}": (f"zoo.checkpoints.hf.formats.{m}",)
+                      for m in ("_classic", "dbrx", "deepseek", "deepseek_moe", "deepseek_v32", "falcon", "glm_moe_dsa",
+                                "gpt2", "gpt_neox", "gptj", "llama", "mamba2", "minimax", "minimax_m2", "moe",
+                                "nemotron_h", "qwen3_next")})
+MOVED_MODULES.update({f"zoo.checkpoints.{m}": (f"zoo.checkpoints.files.{m}",)
+                      for m in ("io", "hub", "native", "gguf", "gguf_out")})
 
 
 def message(old: str, new: str) -> str:
@@ -100,6 +116,14 @@ def message(old: str, new: str) -> str:
 def warn(old: str, *, stacklevel: int = 3) -> None:
     """Warn that the spelling ``old`` (a key of :data:`ALIASES`) was used, naming its replacement."""
     warnings.warn(message(old, ALIASES[old]), DeprecationWarning, stacklevel=stacklevel)
+
+
+def moved_call(old: str, *, stacklevel: int = 3) -> Callable[..., Any]:
+    """Warn that the call ``old`` (a key of :data:`MOVED_CALLS` and :data:`ALIASES`) was used, and
+    return the function that replaces it."""
+    warn(old, stacklevel=stacklevel + 1)
+    module, name = MOVED_CALLS[old].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def moved_module(old: str) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
@@ -147,7 +171,9 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None):
         if fullname in MOVED_MODULES and fullname not in _PACKAGES:
-            return importlib.util.spec_from_loader(fullname, self)
+            # an old package (zoo.checkpoints.formats) whose old submodules are shims of their own
+            package = any(old.startswith(fullname + ".") for old in MOVED_MODULES)
+            return importlib.util.spec_from_loader(fullname, self, is_package=package)
         return None
 
     def create_module(self, spec):

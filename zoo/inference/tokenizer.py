@@ -4,7 +4,7 @@
 ``tokenizer_config.json`` (whether to prepend BOS) and the end-of-sequence ids of
 ``generation_config.json`` / ``config.json``, and the chat template (``tokenizer_config.json``'s
 ``chat_template`` or ``chat_template.jinja``). A GGUF file holds all of these in its metadata:
-``Tokenizer("model.gguf")`` reads them there (:func:`zoo.checkpoints.gguf.tokenizer_parts`).
+``Tokenizer("model.gguf")`` reads them there (:func:`zoo.checkpoints.files.gguf.tokenizer_parts`).
 :class:`TextStream` turns ids into text pieces that
 are safe to print as they come (no half-decoded UTF-8 sequences).
 """
@@ -38,7 +38,7 @@ class Tokenizer:
     the one tokenizer wrapper, for generation and for training data alike."""
 
     def __init__(self, directory: str | Path):
-        from zoo.checkpoints.gguf import is_gguf, tokenizer_parts
+        from zoo.checkpoints.files.gguf import is_gguf, tokenizer_parts
 
         directory = Path(directory)
         if is_gguf(directory):

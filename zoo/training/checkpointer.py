@@ -24,8 +24,8 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from zoo.checkpoints.io import DTYPES
-from zoo.checkpoints.maps import current_name, moved_expert_name
+from zoo.checkpoints.files.io import DTYPES
+from zoo.checkpoints.hf.maps import current_name, moved_expert_name
 from zoo.core.spec import ModelSpec, differences
 from zoo.training.config import TrainConfig
 from zoo.training.resume import fsync_dir, fsync_tree, step_of

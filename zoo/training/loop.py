@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from zoo.checkpoints.gguf import is_gguf
+from zoo.checkpoints.files.gguf import is_gguf
 from zoo.training.checkpointer import Checkpointer, checkpoints, load_full_state_dict, read_checkpoint_state
 from zoo.training.config import MESH_DIMS, ParallelConfig, TrainConfig, TrainResult
 from zoo.training.data import TokenData, bos_id, builtin_corpus, get_tokenizer, read_texts, tokenize
@@ -280,7 +280,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
         raise ValueError(f"seq_len {config.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}")
     tok_source = config.tokenizer
     if tok_source is None and config.init_from:
-        from zoo.checkpoints.native import checkpoint_dir
+        from zoo.checkpoints.files.native import checkpoint_dir
 
         if is_gguf(config.init_from):
             tok_source = config.init_from  # a GGUF file holds its tokenizer in its metadata
@@ -517,12 +517,12 @@ def export(checkpoint: Path, path: Path, *, model_type: Optional[str] = None, to
 
     Without ``model_type``, the first registered checkpoint format that describes the checkpoint's
     spec exactly is used; when none does, the model is written in zoo's own layout (``spec.toml`` and
-    ``model.safetensors``, :mod:`zoo.checkpoints.native`), which ``zoo.from_pretrained`` loads.
+    ``model.safetensors``, :mod:`zoo.checkpoints.files.native`), which ``zoo.from_pretrained`` loads.
     A LoRA run's checkpoint is written as the merged model (:class:`zoo.checkpoints.adapter.MergedWeights`).
     """
     from zoo.checkpoints import save_pretrained, save_tokenizer
-    from zoo.checkpoints.format import CheckpointError
-    from zoo.checkpoints.native import save_native
+    from zoo.checkpoints.hf.format import CheckpointError
+    from zoo.checkpoints.files.native import save_native
     from zoo.core.registry import list_components
     from zoo.training.checkpointer import CheckpointWeights
 

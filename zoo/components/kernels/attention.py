@@ -84,12 +84,14 @@ def _ordered(blocks: torch.Tensor):
     return count, indices
 
 
-def build_block_mask(q_idx, k_idx, window: Optional[int], key_mask=None, mask_mod=None, *,
+def build_block_mask(q_idx, k_idx, window: Optional[int], key_mask=None, mask_mod=None, documents=None, *,
                      chunk: Optional[int] = None, extra=None) -> BlockMask:
-    """The block mask of ``causal_mask(q_idx, k_idx, window, key_mask, chunk=, mask_mod=extra)`` with
-    ``mask_mod`` (by default one reading the slot tensors), from per-block slot bounds: a block is
+    """The block mask of ``causal_mask(q_idx, k_idx, window, key_mask, documents, chunk=, mask_mod=extra)``
+    with ``mask_mod`` (by default one reading the slot tensors), from per-block slot bounds: a block is
     skipped when no query of it can see a key of it, and full (no mask_mod applied) when every query
-    sees every key (never, with an ``extra`` mask_mod of the score hook: it is applied everywhere)."""
+    sees every key (never, with an ``extra`` mask_mod of the score hook: it is applied everywhere).
+    With packed ``documents`` (B, T), per-block bounds of the document numbers do the same: a block
+    whose queries' and keys' documents cannot meet is skipped, one of a single document may be full."""
     global builds
     builds += 1
     Tq, Tk = len(q_idx), len(k_idx)
@@ -123,11 +125,30 @@ def build_block_mask(q_idx, k_idx, window: Optional[int], key_mask=None, mask_mo
         any_blind = torch.nn.functional.pad(blind, (0, -Tq % BLOCK), value=False).view(blind.shape[0], -1, BLOCK).any(-1)
         some = (some & any_real[:, None, None, :]) | any_blind[:, None, :, None]
         every = every & all_real[:, None, None, :]
+    if documents is not None:
+        lo, hi = _row_bounds(documents)  # (B, n blocks)
+        some = some & ((lo[:, None, :, None] <= hi[:, None, None, :]) & (lo[:, None, None, :] <= hi[:, None, :, None]))
+        single = lo == hi
+        every = every & (single[:, None, :, None] & single[:, None, None, :] & (lo[:, None, :, None] == lo[:, None, None, :]))
     if mask_mod is None:
         mask_mod = _slots_mask_mod(q_idx, k_idx, window, key_mask, blind, chunk, offsets, extra)
+    if documents is not None:
+        inner = mask_mod
+
+        def mask_mod(b, h, qi, ki):
+            return inner(b, h, qi, ki) & (documents[b, qi] == documents[b, ki])
     partial = some & ~every
     return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(every), BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
                                     seq_lengths=(Tq, Tk))
+
+
+def _row_bounds(documents: torch.Tensor):
+    """Smallest and largest document number in each block of ``BLOCK`` tokens of each row."""
+    pad = -documents.shape[-1] % BLOCK
+    if pad:
+        documents = torch.cat([documents, documents[:, -1:].expand(-1, pad)], -1)
+    blocks = documents.view(documents.shape[0], -1, BLOCK)
+    return blocks.amin(-1), blocks.amax(-1)
 
 
 def _rules(window, chunk, extra, offsets=None):
@@ -163,20 +184,27 @@ def _own_slots_mask_mod(window: Optional[int], chunk: Optional[int] = None, extr
     return mask_mod
 
 
-def block_mask(q_idx, k_idx, window: Optional[int], key_mask=None, *, chunk: Optional[int] = None,
+def block_mask(q_idx, k_idx, window: Optional[int], key_mask=None, documents=None, *, chunk: Optional[int] = None,
                mask_mod=None) -> BlockMask:
     """The block mask for queries at slots ``q_idx`` and keys at ``k_idx`` (``key_mask`` (B, Tk)
-    marks real keys, ``None`` without padding), with a score hook's ``chunk`` and ``mask_mod``, from a
-    cache when it has been built before (keyed on the ``mask_mod`` object)."""
+    marks real keys, ``None`` without padding; ``documents`` (B, T): packed documents), with a score
+    hook's ``chunk`` and ``mask_mod``, from a cache when it has been built before (keyed on the
+    ``mask_mod`` object)."""
+    hook = {"chunk": chunk, "extra": mask_mod}
     if torch.compiler.is_compiling():  # traced: the compiler fuses the build; no Python caches
-        return build_block_mask(q_idx, k_idx, window, key_mask, chunk=chunk, extra=mask_mod)
+        return build_block_mask(q_idx, k_idx, window, key_mask, documents=documents, **hook)
+    if documents is not None:  # data: once per forward, shared by the layers
+        return per_forward((q_idx, k_idx, key_mask, documents), ("flex-documents", window, chunk, mask_mod),
+                           lambda: build_block_mask(q_idx.clone(), k_idx.clone(), window,
+                                                    key_mask.clone() if key_mask is not None else None,
+                                                    documents=documents.clone(), **hook))
     if key_mask is None and k_idx is q_idx:
         key = (len(q_idx), window, chunk, mask_mod, q_idx.device)
         hit = _by_shape.get(key)
         if hit is None:
             own = torch.arange(len(q_idx), device=q_idx.device)
             hit = _by_shape[key] = build_block_mask(own, own, window, mask_mod=_own_slots_mask_mod(window, chunk, mask_mod),
-                                                    chunk=chunk, extra=mask_mod)
+                                                    **hook)
             while len(_by_shape) > 16:
                 _by_shape.popitem(last=False)
         _by_shape.move_to_end(key)
@@ -185,19 +213,19 @@ def block_mask(q_idx, k_idx, window: Optional[int], key_mask=None, *, chunk: Opt
     # entry keyed on them, alive for good.
     def build():
         return build_block_mask(q_idx.clone(), k_idx.clone(), window, key_mask.clone() if key_mask is not None else None,
-                                chunk=chunk, extra=mask_mod)
+                                **hook)
 
     return per_forward((q_idx, k_idx, key_mask), ("flex", window, chunk, mask_mod), build)
 
 
-def flex_attend(module, q, k, v, q_idx, k_idx, key_mask=None, bias=None):
+def flex_attend(module, q, k, v, q_idx, k_idx, key_mask=None, bias=None, documents=None):
     """``Attention.attend`` on FlexAttention: (B, H, Tq, D) x (B, Hkv, Tk, D) -> (B, H, Tq, D), with
-    the module's score hook (``module.scores()``; its query scale was applied by ``attend``)."""
+    the module's score hook (``module.scores()``; its query scale was applied by the forward)."""
     if bias is not None or (module.training and module.dropout):
         # Score biases and attention dropout stay on the reference path.
-        return module._eager(q, k, v, q_idx, k_idx, key_mask, bias)
+        return module._eager(q, k, v, q_idx, k_idx, key_mask, bias, documents)
     s = module.scores()
-    mask = block_mask(q_idx, k_idx, s.window, key_mask, chunk=s.chunk, mask_mod=s.mask_mod)
+    mask = block_mask(q_idx, k_idx, s.window, key_mask, documents, chunk=s.chunk, mask_mod=s.mask_mod)
     score_mod = None
     if s.score_mod is not None:
         user = s.score_mod

@@ -1,10 +1,10 @@
 """The Hugging Face ``phi`` checkpoint format: config.json <-> spec, and one two-way weight-name map."""
 
-from zoo.checkpoints.common import activation, activation_name, rope_parameters, rope_part, rope_to_hf
-from zoo.checkpoints.format import CheckpointFormat, Fields
-from zoo.checkpoints.gguf import GGUFArch
-from zoo.checkpoints.maps import rule
-from zoo.checkpoints.sizes import ffn_size
+from zoo.checkpoints.hf.common import activation, activation_name, rope_parameters, rope_part, rope_to_hf
+from zoo.checkpoints.hf.format import CheckpointFormat, Fields
+from zoo.checkpoints.files.gguf import GGUFArch
+from zoo.checkpoints.hf.maps import rule
+from zoo.checkpoints.hf.sizes import ffn_size
 from zoo.spec import ModelSpec
 
 H, Z = "model.layers.{i}.", "layers.{i}."
