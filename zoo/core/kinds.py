@@ -571,6 +571,15 @@ def misspelt_hooks(obj: Any, base: type) -> list[tuple[str, str]]:
     return out
 
 
+def mixer_of(block: nn.Module) -> nn.Module:
+    """A block's token mixer: its ``mixer``, or, for a block of its own written against zoo 0.2's block
+    API, the ``attention`` it stores the mixer as (its parameters keep that name: ``layers.{i}.attention.*``)."""
+    for name in ("mixer", "attention"):
+        if block._modules.get(name) is not None:
+            return block._modules[name]
+    return block.mixer  # a block that makes its mixer a property
+
+
 def takes_ctx(module: nn.Module) -> bool:
     """Whether ``module.forward`` accepts the forward context after ``x`` (FFNs written before the
     context was passed take ``x`` only, and are called that way)."""
