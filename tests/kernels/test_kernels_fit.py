@@ -36,6 +36,8 @@ def assert_fit(rows):
     misfits = [r for r in rows if not r["fits"]]
     assert not misfits, "\n" + fit.table(misfits)
     assert all(r["shared_limit"] == 232_448 and r["registers"] <= fit.MAX_REGISTERS for r in rows)
+    spilling = [r for r in rows if r["stack"] > fit.MAX_STACK[r["inputs"]]]
+    assert not spilling, "stack per thread over fit.MAX_STACK:\n" + fit.table(spilling)
 
 
 def test_the_presets_give_the_recurrent_kernels_their_shapes():

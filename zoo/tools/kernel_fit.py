@@ -37,6 +37,11 @@ import torch
 #: Shared memory one block may use, by compute capability (sm_90: 227 KiB of the SM's 228).
 SHARED_LIMIT = {90: 232_448}
 MAX_REGISTERS = 255
+#: Stack bytes per thread (what spilled) a build may use, by input dtype: the TF32 builds bf16 models
+#: run spill at most 3.8 KB on Triton 3.9 (8 warps: 1.5 KB); the IEEE fp32 builds, whose ``tl.dot``
+#: is scalar FMA code, up to 17 KB. A build past these spills pathologically (before the launch
+#: configurations were chosen, one spilled 35 KB).
+MAX_STACK = {"bf16": 4096, "fp16": 4096, "fp32": 20480}
 #: The components whose Triton kernels are driven from the presets' mixers.
 RECURRENT = ("scalar_decay", "gated_delta")
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
