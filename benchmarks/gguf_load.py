@@ -24,7 +24,8 @@ import gc, json, os, sys, time, torch
 path, dtype = sys.argv[2], getattr(torch, sys.argv[3])
 if sys.argv[1] == "zoo":
     import zoo
-    from zoo.checkpoints import config_to_spec, gguf
+    from zoo.checkpoints import config_to_spec
+    from zoo.checkpoints.files import gguf
     zoo.build_model(config_to_spec(gguf.GGUFFile(path).config()), device="meta")
     load = lambda: zoo.from_pretrained(path, dtype=dtype, progress=False)
 else:

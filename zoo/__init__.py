@@ -89,8 +89,8 @@ def chat(model, messages, tokenizer, **kw):
 
 
 def save_gguf(model, path, **kw):
-    """Write ``model`` as a GGUF file for llama.cpp; see :func:`zoo.checkpoints.gguf_out.save_gguf`."""
-    from zoo.checkpoints.gguf_out import save_gguf as _save
+    """Write ``model`` as a GGUF file for llama.cpp; see :func:`zoo.checkpoints.files.gguf_out.save_gguf`."""
+    from zoo.checkpoints.files.gguf_out import save_gguf as _save
 
     return _save(model, path, **kw)
 

@@ -1,4 +1,4 @@
-"""Field tables (zoo.checkpoints.fields): one declaration read one way and written the other, a
+"""Field tables (zoo.checkpoints.hf.fields): one declaration read one way and written the other, a
 format's difference from its parent, and what a format does not store."""
 
 import pytest
@@ -6,9 +6,9 @@ import torch
 
 import zoo
 from zoo.checkpoints import CheckpointError, ConfigError
-from zoo.checkpoints.fields import Field, FieldTable, read_fields, write_fields
-from zoo.checkpoints.format import Fields, get_format
-from zoo.checkpoints.formats.llama import LLAMA_FIELDS, TINY, LlamaStyle
+from zoo.checkpoints.hf.fields import Field, FieldTable, read_fields, write_fields
+from zoo.checkpoints.hf.format import Fields, get_format
+from zoo.checkpoints.hf.formats.llama import LLAMA_FIELDS, TINY, LlamaStyle
 from zoo.core import registry as _registry
 
 SMALL = {"n_layers": 2, "d_model": 64, "vocab_size": 128, "layers.*.mixer.n_heads": 4,
@@ -53,7 +53,7 @@ def test_tables_add_replace_and_drop_by_hf_key():
 
 
 def test_a_format_states_only_its_difference_from_its_parent():
-    from zoo.checkpoints.formats.llama import Mistral, Qwen2, Qwen3
+    from zoo.checkpoints.hf.formats.llama import Mistral, Qwen2, Qwen3
 
     assert {f.hf for f in LlamaStyle.fields} - {f.hf for f in Mistral.fields} == {"mlp_bias"}
     assert {f.hf for f in Qwen3.fields} - {f.hf for f in Qwen2.fields} == {"attention_bias"}

@@ -97,7 +97,7 @@ def test_failed_save_removes_only_a_directory_it_created(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr("zoo.checkpoints.io.create_shard", boom)
+    monkeypatch.setattr("zoo.checkpoints.files.io.create_shard", boom)
     with pytest.raises(OSError, match="disk full"):
         zoo.save_pretrained(tiny(), tmp_path / "new" / "ckpt", model_type="llama")
     assert not (tmp_path / "new" / "ckpt").exists()
@@ -110,7 +110,7 @@ def test_failed_save_removes_only_a_directory_it_created(tmp_path, monkeypatch):
 SAVER = r"""
 import json, os, signal, sys, time
 import zoo
-import zoo.checkpoints.io as io
+import zoo.checkpoints.files.io as io
 mode, target, seed, arg, shard = sys.argv[1:6]
 model = zoo.build_model(zoo.checkpoints.config_to_spec(json.loads(os.environ["ZOO_TEST_CONFIG"])), seed=int(seed))
 calls = [0]
@@ -178,7 +178,7 @@ def test_a_save_killed_after_its_commit_is_finished_by_the_next_load(ckpt):
 
 
 def test_a_save_failing_after_its_commit_is_finished_not_undone(ckpt, monkeypatch):
-    import zoo.checkpoints.io as io
+    import zoo.checkpoints.files.io as io
 
     real, calls = io.fsync_dir, []
 

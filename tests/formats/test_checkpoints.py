@@ -176,7 +176,7 @@ def test_save_is_atomic(ckpt, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr("zoo.checkpoints.io.create_shard", boom)
+    monkeypatch.setattr("zoo.checkpoints.files.io.create_shard", boom)
     with pytest.raises(OSError, match="disk full"):
         zoo.save_pretrained(other, d, model_type="llama")
     assert {p.name: p.read_bytes() for p in d.iterdir() if p.name != "tokenizer.json"} == before
@@ -248,7 +248,7 @@ def test_real_world_config_spellings():
 
 def test_formats_are_registry_parts():
     assert {"llama", "gemma3", "gpt2", "falcon"} <= set(zoo.list_components("checkpoint_format"))
-    assert zoo.manager().provider_of("checkpoint_format", "qwen3") == "zoo.checkpoints.formats"
+    assert zoo.manager().provider_of("checkpoint_format", "qwen3") == "zoo.checkpoints.hf.formats"
     with pytest.raises(zoo.RegistryError, match="needs a `config_to_spec` method"):
         zoo.manager().add("checkpoint_format", "broken", object(), provider="test")
 

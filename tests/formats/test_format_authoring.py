@@ -13,8 +13,8 @@ from torch import nn
 import zoo
 import zoo.testing as zt
 from zoo.checkpoints import CheckpointError, config_to_spec
-from zoo.checkpoints.common import activation, activation_name
-from zoo.checkpoints.format import ConfigError, Fields
+from zoo.checkpoints.hf.common import activation, activation_name
+from zoo.checkpoints.hf.format import ConfigError, Fields
 from zoo.cli import main
 
 LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -108,7 +108,7 @@ def test_zoo_list_kind_name_shows_a_parts_settings_types_and_defaults(capsys):
     assert "GLU with SiLU" in out  # the part's own description
     assert re.search(r"d_ff_rule\s+Literal\['4x', '8/3', '8/3_scaled'\]\s+= '8/3'", out)
     assert re.search(r"activation\s+activation part\s+= 'silu'", out)
-    assert main(["list", "attention", "attention", "--json"]) == 0
+    assert main(["list", "mixer", "attention", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     settings = {s["name"]: s for s in row["settings"]}
     assert settings["n_heads"] == {"name": "n_heads", "type": "int", "default": "(required)"}

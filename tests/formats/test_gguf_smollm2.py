@@ -65,7 +65,7 @@ def test_the_tokenizer_from_the_file_matches_transformers(path, tokenizer):
 def test_weights_equal_transformers_dequantisation(ours, hf):
     # Both dequantise the same Q4_1 blocks; zoo undoes llama.cpp's Q/K permutation as transformers does.
     from zoo.checkpoints import get_format
-    from zoo.checkpoints.maps import bind
+    from zoo.checkpoints.hf.maps import bind
 
     theirs, state, seen = hf.state_dict(), ours.state_dict(), set()
     for b in bind(get_format("llama").rules(ours.spec), ours):  # zoo's weights under their HF names

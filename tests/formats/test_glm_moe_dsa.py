@@ -11,8 +11,8 @@ import torch
 
 import zoo
 from zoo.checkpoints import ConfigError, _architecture, config_to_spec
-from zoo.checkpoints.formats.glm_moe_dsa import schedule
-from zoo.checkpoints.format import Fields
+from zoo.checkpoints.hf.formats.glm_moe_dsa import schedule
+from zoo.checkpoints.hf.format import Fields
 from zoo.core.spec import ModelSpec, SpecError
 
 from hf_pairs import (assert_dsa_state_is_the_cache, assert_logits_equal_with_a_left_padded_row,

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 import zoo
 from zoo.core import registry as _registry
 from zoo.checkpoints import CheckpointError
-from zoo.checkpoints.formats.llama import LlamaStyle
+from zoo.checkpoints.hf.formats.llama import LlamaStyle
 from zoo.core.context import ForwardContext
-from zoo.checkpoints.mtp import DEEPSEEK, QWEN3_NEXT, mtp_rules, read_mtp
+from zoo.checkpoints.hf.mtp import DEEPSEEK, QWEN3_NEXT, mtp_rules, read_mtp
 from zoo.inference.speculative import SpeculationStats
 from zoo.core.spec import SpecError
 from zoo.core.state import KVState, step_layout
@@ -88,7 +88,7 @@ class LlamaMTP(LlamaStyle):
     layout = DEEPSEEK
 
     def config_to_spec(self, config, *, strict=False):
-        from zoo.checkpoints.format import Fields
+        from zoo.checkpoints.hf.format import Fields
 
         config = dict(config)
         mtp = read_mtp(Fields({k: config.pop(k) for k in ["num_nextn_predict_layers"] if k in config}, "llama_mtp"))

@@ -205,8 +205,8 @@ def test_expert_parallelism_refuses_to_run_without_fsdp():
 # -- the experts' names before they were a module of their own ------------------------------------------
 
 def test_a_format_naming_the_experts_as_zoo_0_2_did_still_binds_and_warns():
-    from zoo.checkpoints.format import get_format
-    from zoo.checkpoints.maps import Rule, bind
+    from zoo.checkpoints.hf.format import get_format
+    from zoo.checkpoints.hf.maps import Rule, bind
 
     model = zoo.build_model(zoo.get_spec("qwen3-30b-a3b", SETS), seed=0)
     rules = get_format("qwen3_moe").rules(model.spec)

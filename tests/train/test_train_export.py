@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import zoo
-from zoo.checkpoints.io import write_shards
+from zoo.checkpoints.files.io import write_shards
 from zoo.cli import main as cli
 from zoo.model.recipes import get_spec
 from zoo.testing import one_of_each

@@ -151,7 +151,7 @@ def test_zoos_layout_is_written_tensor_by_tensor_from_a_mapping(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_model, save_model
 
-    from zoo.checkpoints.native import save_native
+    from zoo.checkpoints.files.native import save_native
 
     spec = zoo.get_spec("gpt3-125m", overrides={"n_layers": 2, "d_model": 32, "vocab_size": 64, "max_seq_len": 16,
                                                "layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 4,

@@ -19,14 +19,14 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from zoo.checkpoints.format import CheckpointError, CheckpointFormat, ConfigError, collect_ignored, get_format, layout_of
+from zoo.checkpoints.hf.format import CheckpointError, CheckpointFormat, ConfigError, collect_ignored, get_format, layout_of
 from zoo.core import kinds
-from zoo.checkpoints.hub import resolve
-from zoo.checkpoints.io import WeightFiles, reading, regular_file, replace_checkpoint, stream_shards
-from zoo.checkpoints.maps import IDENTITY, bind
+from zoo.checkpoints.files.hub import resolve
+from zoo.checkpoints.files.io import WeightFiles, reading, regular_file, replace_checkpoint, stream_shards
+from zoo.checkpoints.hf.maps import IDENTITY, bind
 from zoo.checkpoints.quantized import FIELD as QUANTIZATION, keep_fp8, kept_tensors, read_quantization, with_scales, without_quantization
 from zoo.model.decoder import Decoder, build_model
-from zoo.checkpoints.mtp import missing_depth, without_absent_mtp
+from zoo.checkpoints.hf.mtp import missing_depth, without_absent_mtp
 from zoo.core.precision import fp32_tensors, narrower
 from zoo.core.registry import list_components
 from zoo.core.spec import ModelSpec, differences
@@ -295,10 +295,10 @@ def from_pretrained(
     with their block scales instead (:class:`~zoo.checkpoints.quantized.FP8Linear`: block-scaled
     ``scaled_mm`` on an H100/H200, else each weight dequantised for its own product), and saving writes
     them back as stored. Other quantization methods are refused by name. A GGUF
-    file (or a directory holding one) is read by :mod:`zoo.checkpoints.gguf`, dequantised to ``dtype``
+    file (or a directory holding one) is read by :mod:`zoo.checkpoints.files.gguf`, dequantised to ``dtype``
     (default float32). A directory in zoo's own layout (``spec.toml`` + ``model.safetensors``: what
     ``zoo train`` exports for a model no HF format describes) loads too, and so does a training run's
-    directory (its ``final/`` export); see :mod:`zoo.checkpoints.native`. ``adapter``: a PEFT LoRA
+    directory (its ``final/`` export); see :mod:`zoo.checkpoints.files.native`. ``adapter``: a PEFT LoRA
     adapter directory (what ``zoo train --lora`` writes, or peft saves for the transformers model) to
     apply on top (:func:`zoo.checkpoints.adapter.load_adapter`; ``zoo.merge_adapter`` folds it in).
     """
@@ -315,7 +315,7 @@ def from_pretrained(
 
 
 def _from_pretrained(path_or_repo_id, *, revision, dtype, device, strict, token, cache_dir, progress, fp8) -> Decoder:
-    from zoo.checkpoints import gguf, native
+    from zoo.checkpoints.files import gguf, native
 
     if gguf.is_gguf(path_or_repo_id):  # a llama.cpp file: metadata, tokenizer and (quantised) tensors in one
         return gguf.load(path_or_repo_id, dtype=_float_dtype(dtype), device=device, strict=strict, progress=progress)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.checkpoints.format import CheckpointError, ConfigError, is_kind
+from zoo.checkpoints.hf.format import CheckpointError, ConfigError, is_kind
 from zoo.components.ffn.moe import GroupedExperts
 
 SCALE_SUFFIX = "_scale_inv"
@@ -123,7 +123,7 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class DequantizedFiles:
-    """A checkpoint's :class:`~zoo.checkpoints.io.WeightFiles` as the model sees them: each fp8
+    """A checkpoint's :class:`~zoo.checkpoints.files.io.WeightFiles` as the model sees them: each fp8
     weight and its ``<name>_scale_inv`` are one tensor of the loaded dtype, dequantised when read.
 
     Every pairing is checked from the headers before anything is read, each an error naming the
@@ -438,10 +438,10 @@ def keep_fp8(model: nn.Module, bound, names: dict[str, str], files: DequantizedF
     """Make each ``nn.Linear`` of ``model`` (on the meta device) whose weight is one stored fp8 tensor
     (through an identity rule of ``bound``; ``names``: the format's spelling -> the stored name) an
     :class:`FP8Linear`, and each MoE's :class:`GroupedExperts` whose every projection is stacked
-    (:data:`~zoo.checkpoints.maps.STACK`) from stored fp8 tensors an :class:`FP8Experts`; give back
+    (:data:`~zoo.checkpoints.hf.maps.STACK`) from stored fp8 tensors an :class:`FP8Experts`; give back
     ``files`` that read those weights and their scales as stored. Anything else quantised (experts
     stored fused, as DBRX's are) is dequantised as it is read."""
-    from zoo.checkpoints.maps import IDENTITY, STACK
+    from zoo.checkpoints.hf.maps import IDENTITY, STACK
 
     kept, experts = [], {}  # experts: the module's path -> {projection: its stored tensors}
     for b in bound:
@@ -480,7 +480,7 @@ def _kept(model: nn.Module) -> set[str]:
 def with_scales(bound: list, model: nn.Module) -> list:
     """``bound`` and, for each kept float8 weight, the rule of its scale: the HF names and the zoo
     name, each with ``_scale_inv``, through the weight's own transform (identity, or the experts' stack)."""
-    from zoo.checkpoints.maps import Bound
+    from zoo.checkpoints.hf.maps import Bound
 
     fp8 = _kept(model)
     extra = [Bound(tuple(h + SCALE_SUFFIX for h in b.hf), (b.zoo[0] + SCALE_SUFFIX,), b.transform, None)

@@ -28,7 +28,8 @@ def add_parser(sub):
 
 
 def load(checkpoint, dtype, adapter=None, fp8="dequantize"):
-    from zoo.checkpoints import from_pretrained, gguf, resolve
+    from zoo.checkpoints import from_pretrained, resolve
+    from zoo.checkpoints.files import gguf
     from zoo.inference.tokenizer import Tokenizer
 
     source = checkpoint if gguf.is_gguf(checkpoint) else resolve(checkpoint)

@@ -25,7 +25,8 @@ def add_parser(sub):
 def run(args):
     import torch
 
-    from zoo.checkpoints import from_pretrained, gguf, resolve
+    from zoo.checkpoints import from_pretrained, resolve
+    from zoo.checkpoints.files import gguf
     from zoo.tools.evaluation import perplexity
     from zoo.inference.tokenizer import Tokenizer
 

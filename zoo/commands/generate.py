@@ -50,10 +50,11 @@ def run(args):
     from zoo.inference.generate import generate
     from zoo.inference.tokenizer import TextStream, Tokenizer
 
-    from zoo.checkpoints import gguf, resolve
+    from zoo.checkpoints import resolve
+    from zoo.checkpoints.files import gguf
 
     # a GGUF file, a local directory, or the hub repo's cached snapshot
-    from zoo.checkpoints.native import checkpoint_dir
+    from zoo.checkpoints.files.native import checkpoint_dir
 
     directory = args.checkpoint if gguf.is_gguf(args.checkpoint) else checkpoint_dir(resolve(args.checkpoint))
     if args.tokenizer is None:

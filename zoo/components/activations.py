@@ -1,7 +1,7 @@
 """Pointwise activations: ReLU, squared ReLU, GeLU (exact or tanh), SiLU (Swish).
 
 An activation names itself in Hugging Face configs with ``hf_names`` (HF name -> its config here),
-which the checkpoint formats read through ``zoo.checkpoints.common.activation``."""
+which the checkpoint formats read through ``zoo.checkpoints.hf.common.activation``."""
 
 from dataclasses import dataclass
 from typing import Literal

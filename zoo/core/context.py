@@ -79,6 +79,10 @@ class ForwardContext:
         self._readers = [fn for _, fn in _ASKING]
         #: The number of layers of the model running (set by the model; None elsewhere).
         self.n_layers: Optional[int] = None
+        #: (B, T) the packed document of each token (non-decreasing along a row), or None: one
+        #: sequence per row. A mixer that states ``documents = True`` keeps each document to itself
+        #: (attention within it, recurrent state reset at its first token).
+        self.documents: Optional[torch.Tensor] = None
 
     def asks(self, name: str) -> bool:
         """Whether a part should report the optional metric ``name`` (costly to compute) in this forward."""
@@ -129,3 +133,19 @@ class ForwardContext:
     def q_idx(self) -> torch.Tensor:  # the name before mixers
         _deprecations.warn("ForwardContext.q_idx")
         return self.slots
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """Position ids that restart at 0 where ``documents`` (B, T) changes along a row."""
+    T = documents.shape[-1]
+    idx = torch.arange(T, device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return idx - torch.where(starts, idx, torch.zeros_like(idx)).cummax(-1).values
+
+
+def document_starts(documents: torch.Tensor) -> torch.Tensor:
+    """(B, T) True at the first token of each document after a row's first: where state must reset."""
+    starts = torch.zeros_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return starts

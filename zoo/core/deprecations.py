@@ -1,8 +1,9 @@
 """The one table of deprecated spellings: every old name that still works, and what replaces it.
 
 Modelled on timm's ``register_model_deprecations``: an old spelling keeps working for a stated
-period and warns with a :class:`DeprecationWarning` that names the new one. Everything here was
-deprecated in zoo 0.2 and will be removed in zoo 0.4.
+period and warns with a :class:`DeprecationWarning` that names the new one. A name deprecated in
+release N warns and works through N+1 and may go in N+2 (CONTRIBUTING.md; CHANGELOG.md lists each):
+what :data:`SINCE` does not date later was deprecated in zoo 0.2 and may go in 0.4.
 
 - :data:`ALIASES`: old names of things (a class, an argument, a kind, a spec key...), each warned
   by :func:`warn` where the old spelling is read.
@@ -26,6 +27,14 @@ from typing import Any, Callable, Optional
 DEPRECATED_IN = "0.2"
 REMOVED_IN = "0.4"
 
+
+def removed_in(since: str) -> str:
+    """The release that may remove a name deprecated in release ``since``: two minor releases on."""
+    major, minor = since.split(".")[:2]
+    return f"{major}.{int(minor) + 2}"
+
+OLD_EXPERT_NAMES = "zoo-side parameter names layers.{i}.ffn.w_gate, w_up, w_down (an moe FFN's experts)"
+
 #: old spelling -> new spelling
 ALIASES: dict[str, str] = {
     "zoo.cache.KVCache.for_model(model, max_len)": "model.new_state(None, max_len)",
@@ -43,9 +52,15 @@ ALIASES: dict[str, str] = {
     "an FFN whose forward takes no ctx": "forward(self, x, ctx) (ctx may be None)",
     "accounting key 'kv_cache'": "accounting key 'decode_state'",
     "zoo-side parameter names layers.{i}.attention.*": "layers.{i}.mixer.*",
-    "zoo-side parameter names layers.{i}.ffn.w_gate, w_up, w_down (an moe FFN's experts)": "layers.{i}.ffn.experts.w_*",
+    OLD_EXPERT_NAMES: "layers.{i}.ffn.experts.w_*",
     "MoE.w_gate, MoE.w_up, MoE.w_down": "MoE.experts.w_gate, .w_up, .w_down (GroupedExperts)",
     "LlamaStyle class flags": "the format's fields, template, windows and ropes (docs/checkpoints.md)",
+}
+
+#: deprecated calls whose new home is in a wing above the caller's -> "module:function" of the new home
+#: (named, not imported, so the old spelling adds no arrow up the wing order)
+MOVED_CALLS: dict[str, str] = {
+    "Decoder.generate(...)": "zoo.inference.generate:generate",
 }
 
 #: old module -> the modules its names moved to (looked up in this order)
@@ -60,7 +75,7 @@ MOVED_MODULES: dict[str, tuple[str, ...]] = {
     "zoo.kernels": ("zoo.core.kernels",),
     "zoo.precision": ("zoo.core.precision",),
     "zoo.recipes": ("zoo.model.recipes", "zoo.core.spec"),
-    "zoo.mtp": ("zoo.model.mtp", "zoo.checkpoints.mtp", "zoo.inference.speculative"),
+    "zoo.mtp": ("zoo.model.mtp", "zoo.checkpoints.hf.mtp", "zoo.inference.speculative"),
     "zoo.generation": ("zoo.inference.generate",),
     "zoo.compiled": ("zoo.inference.compiled",),
     "zoo.tokenizer": ("zoo.inference.tokenizer",),
@@ -90,16 +105,51 @@ MOVED_MODULES: dict[str, tuple[str, ...]] = {
     "zoo.train.checkpointer": ("zoo.training.checkpointer",),
     "zoo.train.data": ("zoo.training.data",),
     "zoo.train.resume": ("zoo.training.resume",),
+    # zoo 0.2's developer tool, out of the parts catalogue (``python -m zoo.tools.kernel_fit``)
+    "zoo.components.kernels.fit": ("zoo.tools.kernel_fit",),
 }
+# The checkpoints wing by concern: HF configs and names in zoo.checkpoints.hf, file containers in
+# zoo.checkpoints.files.
+MOVED_MODULES.update({f"zoo.checkpoints.{m}": (f"zoo.checkpoints.hf.{m}",)
+                      for m in ("format", "fields", "common", "sizes", "maps", "mtp", "formats")})
+MOVED_MODULES.update({f"zoo.checkpoints.formats.{m}": (f"zoo.checkpoints.hf.formats.{m}",)
+                      for m in ("_classic", "dbrx", "deepseek", "deepseek_moe", "deepseek_v32", "falcon", "glm_moe_dsa",
+                                "gpt2", "gpt_neox", "gptj", "llama", "mamba2", "minimax", "minimax_m2", "moe",
+                                "nemotron_h", "qwen3_next")})
+MOVED_MODULES.update({f"zoo.checkpoints.{m}": (f"zoo.checkpoints.files.{m}",)
+                      for m in ("io", "hub", "native", "gguf", "gguf_out")})
+
+#: entries of :data:`ALIASES` and :data:`MOVED_MODULES` deprecated after zoo 0.2 -> the release that did:
+#: spellings that were zoo 0.2's own (its blocks' ``attention``, its MoE's stacked ``w_up``, its Llama-style
+#: class flags, its ``Decoder.generate``, training and checkpoints modules), which therefore work through 0.4
+SINCE: dict[str, str] = {old: "0.3" for old in (
+    "a block's .attention", "zoo-side parameter names layers.{i}.attention.*", "Decoder.generate(...)",
+    OLD_EXPERT_NAMES, "MoE.w_gate, MoE.w_up, MoE.w_down", "LlamaStyle class flags",
+    "zoo.train", "zoo.train.loop", "zoo.train.config", "zoo.train.checkpointer", "zoo.train.data", "zoo.train.resume",
+    "zoo.components.kernels.fit", *(m for m in MOVED_MODULES if m.startswith("zoo.checkpoints.")))}
 
 
-def message(old: str, new: str) -> str:
-    return f"{old} is deprecated since zoo {DEPRECATED_IN} and will be removed in {REMOVED_IN}: use {new}"
+def since(old: str) -> str:
+    """The release that deprecated ``old`` (a key of :data:`ALIASES` or :data:`MOVED_MODULES`)."""
+    return SINCE.get(old, DEPRECATED_IN)
+
+
+def message(old: str, new: str, deprecated_in: str = DEPRECATED_IN) -> str:
+    return (f"{old} is deprecated since zoo {deprecated_in} and will be removed in {removed_in(deprecated_in)}: "
+            f"use {new}")
 
 
 def warn(old: str, *, stacklevel: int = 3) -> None:
     """Warn that the spelling ``old`` (a key of :data:`ALIASES`) was used, naming its replacement."""
-    warnings.warn(message(old, ALIASES[old]), DeprecationWarning, stacklevel=stacklevel)
+    warnings.warn(message(old, ALIASES[old], since(old)), DeprecationWarning, stacklevel=stacklevel)
+
+
+def moved_call(old: str, *, stacklevel: int = 3) -> Callable[..., Any]:
+    """Warn that the call ``old`` (a key of :data:`MOVED_CALLS` and :data:`ALIASES`) was used, and
+    return the function that replaces it."""
+    warn(old, stacklevel=stacklevel + 1)
+    module, name = MOVED_CALLS[old].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def moved_module(old: str) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
@@ -122,7 +172,7 @@ def moved_module(old: str) -> tuple[Callable[[str], Any], Callable[[], list[str]
         for home in homes:
             mod = importlib.import_module(home)
             if hasattr(mod, name):
-                warnings.warn(message(f"{old}.{name}", f"{home}.{name}"), DeprecationWarning, stacklevel=2)
+                warnings.warn(message(f"{old}.{name}", f"{home}.{name}", since(old)), DeprecationWarning, stacklevel=2)
                 return getattr(mod, name)
         raise AttributeError(f"module {old!r} has no attribute {name!r} (it moved to {', '.join(homes)})")
 
@@ -147,7 +197,9 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None):
         if fullname in MOVED_MODULES and fullname not in _PACKAGES:
-            return importlib.util.spec_from_loader(fullname, self)
+            # an old package (zoo.checkpoints.formats) whose old submodules are shims of their own
+            package = any(old.startswith(fullname + ".") for old in MOVED_MODULES)
+            return importlib.util.spec_from_loader(fullname, self, is_package=package)
         return None
 
     def create_module(self, spec):
@@ -155,7 +207,7 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         old = module.__name__
-        module.__doc__ = (f"Deprecated since zoo {DEPRECATED_IN}, removed in {REMOVED_IN}: moved to "
+        module.__doc__ = (f"Deprecated since zoo {since(old)}, removed in {removed_in(since(old))}: moved to "
                           f"{', '.join(MOVED_MODULES[old])}.")
         module.__getattr__, module.__dir__ = moved_module(old)
         vars(module).update(_OWN.get(old, {}))

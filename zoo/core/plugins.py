@@ -25,7 +25,7 @@ ENTRY_POINT_GROUP = "zoo.plugins"
 
 
 # Built-in plugins, loaded by module name the way pytest loads its own: through the same hook.
-BUILTIN_PLUGINS = ("zoo.components", "zoo.families", "zoo.checkpoints.formats")
+BUILTIN_PLUGINS = ("zoo.components", "zoo.families", "zoo.checkpoints.hf.formats")
 
 
 class PluginError(RuntimeError):

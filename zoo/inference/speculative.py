@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Optional
 import torch
 from zoo.core import kinds
-from zoo.core.context import ForwardContext
 from zoo.core.state import DecodeState
+from zoo.model.context import for_tokens
 
 
 @dataclass
@@ -64,8 +64,7 @@ def speculative_generate(model, input_ids: torch.Tensor, max_new_tokens: int, *,
         return h, model.logits_from_hidden(h[:, -last:]).argmax(-1)
 
     def draft(h, nxt_ids, mask=None):
-        slots, key_mask, positions = mstate.advance(1, h.shape[1], device, mask)
-        ctx = ForwardContext(position_ids=positions, slots=slots, key_mask=key_mask, state=mstate)
+        ctx = for_tokens(1, h.shape[1], device, mask, state=mstate)
         out = model.mtp.run(model, 0, h, nxt_ids, ctx)
         return model.mtp.logits(model, 0, out[:, -1]).argmax(-1)
 

@@ -25,9 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.core import kernels as _kernels
 from zoo.core.context import ForwardContext
+from zoo.core import kinds as _kinds
 from zoo.core.parallel import grad_summed
-from zoo.core.state import DecodeState, step_layout
+from zoo.core.state import DecodeState
+from zoo.model.context import for_tokens
+from zoo.model.loss import lm_loss, vocab_parallel_lm_loss
 
 
 def mtp_layer_kinds(spec) -> tuple[str, ...]:
@@ -70,13 +74,11 @@ class MTPModule(nn.Module):
         """Tensor parallelism: the norms and the projection work on this process's slice of the sequence,
         the block states its own plan. The projection's weight is whole on every process and sees only its
         slice, so its gradient is summed over the processes (:func:`~zoo.core.parallel.grad_summed`)."""
-        from zoo.core.kinds import parallelize
-
         for name in ("enorm", "hnorm", "norm"):
-            parallelize(getattr(self, name), tp_mesh, f"{where}.{name}", shard_dim=1)
+            _kinds.parallelize(getattr(self, name), tp_mesh, f"{where}.{name}", shard_dim=1)
         for j, block in enumerate(self.blocks()):
             at = f"{where}.block" if len(self.blocks()) == 1 else f"{where}.block.{j}"
-            parallelize(block, tp_mesh, at, prefix=at)
+            _kinds.parallelize(block, tp_mesh, at, prefix=at)
         self._tp_mesh = tp_mesh
 
     def forward(self, h: torch.Tensor, e: torch.Tensor, ctx: ForwardContext, pos) -> torch.Tensor:
@@ -133,8 +135,6 @@ class MTP(nn.Module):
         not padding) and their positions predict nothing. Attention is causal, so positions 0 .. T-2-d
         compute what they compute on the shorter sequence.
         """
-        from zoo.core import kernels as _kernels
-        from zoo.model.loss import lm_loss, vocab_parallel_lm_loss
 
         B, T = input_ids.shape
         whole = getattr(model, "_tp", 1) > 1  # each depth on the whole (sequence-sharded) length
@@ -150,8 +150,7 @@ class MTP(nn.Module):
                 mask = F.pad(mask, (0, T - n), value=1) if mask is not None else None
             else:
                 h = h[:, :n]
-            slots, key_mask, positions = step_layout(B, ids.shape[1], input_ids.device, mask)
-            sub = ForwardContext(position_ids=positions, slots=slots, key_mask=key_mask)
+            sub = for_tokens(B, ids.shape[1], input_ids.device, mask)
             h = self.run(model, d, h, ids, sub)
             sub.finish()
             target = labels[:, 1 + d + 1: 1 + d + 1 + n]

@@ -76,7 +76,7 @@ def get_spec(name_or_spec: Any, overrides: Optional[dict[str, Any]] = None, **kw
     if isinstance(name_or_spec, (str, Path)) and (Path(name_or_spec).is_dir() or str(name_or_spec).endswith(".json")):
         # a checkpoint directory, a training run or an HF config.json: its spec, read by the checkpoint
         # layer (above this one, hence the lazy import), without its weights
-        from zoo.checkpoints.native import spec_of
+        from zoo.checkpoints.files.native import spec_of
 
         spec = spec_of(name_or_spec)
         if spec is not None:

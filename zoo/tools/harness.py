@@ -72,7 +72,8 @@ class ZooLM(TemplateLM):
         if model is not None and tokenizer is None:
             raise ValueError("ZooLM(model=...) needs its tokenizer= (a zoo.inference.tokenizer.Tokenizer)")
         if pretrained is not None:
-            from zoo.checkpoints import from_pretrained, gguf, resolve
+            from zoo.checkpoints import from_pretrained, resolve
+            from zoo.checkpoints.files import gguf
             from zoo.inference.tokenizer import Tokenizer
 
             source = pretrained if gguf.is_gguf(pretrained) else resolve(pretrained)

@@ -23,7 +23,7 @@ WIDTH = ("d_ff", "d_ff_rule", "multiple_of", "ffn_dim_multiplier")
 
 def upcycle_spec(spec: ModelSpec, *, n_experts: int, top_k: int, shared: bool = False) -> ModelSpec:
     """The MoE spec of a dense ``spec``: each layer kind's FFN replaced by an ``moe`` of copies of it."""
-    from zoo.checkpoints.sizes import ffn_size
+    from zoo.checkpoints.hf.sizes import ffn_size
 
     data = spec.to_dict()
     for kind, layer in spec.layers.items():

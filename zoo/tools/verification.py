@@ -245,10 +245,10 @@ def verify(
     from safetensors.torch import save_file
 
     from zoo.checkpoints import config_to_spec, from_pretrained, ignored_fields, read_config
-    from zoo.checkpoints.hub import resolve
-    from zoo.checkpoints.io import WeightFiles, reading
+    from zoo.checkpoints.files.hub import resolve
+    from zoo.checkpoints.files.io import WeightFiles, reading
 
-    from zoo.checkpoints import gguf
+    from zoo.checkpoints.files import gguf
 
     if gguf.is_gguf(path_or_repo_id):
         directory = gguf.gguf_file(path_or_repo_id)

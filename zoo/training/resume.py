@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from zoo.checkpoints.io import fsync_dir, regular_file
+from zoo.checkpoints.files.io import fsync_dir, regular_file
 
 
 def step_of(path: Path) -> int:

@@ -167,7 +167,9 @@ class ShortConv(nn.Conv1d):
                 bound = 1 / math.sqrt(self.weight[0].numel())
                 nn.init.uniform_(self.bias, -bound, bound, generator=generator)
 
-    def forward(self, x: torch.Tensor, state: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: Optional[torch.Tensor] = None, documents=None) -> torch.Tensor:
+        """``documents`` (B, T): packed documents; an input of another document than the output's is
+        not in its window (as if each document were convolved alone)."""
         K, T = self.kernel_size[0], x.shape[1]
         if state is None:
             window = F.pad(x, (0, 0, K - 1, 0))
@@ -176,9 +178,14 @@ class ShortConv(nn.Conv1d):
             if T:
                 state.copy_(window[:, -self.state_width:].transpose(1, 2))
         w = self.weight[:, 0].t().to(x.dtype)  # (K, channels)
-        out = window[:, :T] * w[0]
+        if documents is not None:
+            theirs = F.pad(documents, (K - 1, 0), value=-1)  # the window's documents
+            window = [window[:, k : k + T] * (theirs[:, k : k + T] == documents)[..., None].to(x.dtype) for k in range(K)]
+        else:
+            window = [window[:, k : k + T] for k in range(K)]
+        out = window[0] * w[0]
         for k in range(1, K):
-            out.addcmul_(window[:, k : k + T], w[k])
+            out.addcmul_(window[k], w[k])
         if self.bias is not None:
             out += self.bias.to(x.dtype)
         return self.act(out)

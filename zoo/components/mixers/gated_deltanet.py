@@ -36,6 +36,7 @@ from torch import nn
 from zoo.core import kernels
 from zoo.core.state import FixedState
 from zoo.components.mixers._recurrent import GatedRMSNorm, ShortConv
+from zoo.core.context import document_starts
 from zoo.core.kinds import Cost, Mixer
 from zoo.core.registry import register
 from zoo.core.spec import SpecError, positive
@@ -86,7 +87,8 @@ def _exp_flushed_(x: torch.Tensor) -> torch.Tensor:
     return x.masked_fill_(x < FLUSH_LOG_DECAY, float("-inf")).exp_()
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state: Optional[torch.Tensor] = None, chunk_size: int = 64):
+def chunk_gated_delta_rule(q, k, v, g, beta, state: Optional[torch.Tensor] = None, chunk_size: int = 64,
+                           resets: Optional[torch.Tensor] = None):
     """The chunked (parallel) form: the same arguments and results as :func:`recurrent_gated_delta_rule`,
     except that ``q`` and ``k`` may have fewer heads than ``v`` (each serving a group of consecutive
     value heads): what depends only on them is computed once per group.
@@ -99,6 +101,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: Optional[torch.Tensor] = Non
     The work is O(T * C); the loop runs over the T / C chunks only. Decay factors below
     ``exp(FLUSH_LOG_DECAY)`` are taken as 0. The outputs come as a (B, H, T, Dv) view of a
     (B, T, H, Dv) tensor.
+
+    ``resets`` (B, T), True at the first token of each packed document: the state is emptied there.
+    Within a chunk the steps are then numbered by segment (the resets so far), ``G`` counts no decay
+    at a reset, and every decay factor between two segments is 0, so nothing crosses a reset and no
+    ``-inf`` is subtracted from another.
     """
     B, Hk, T, Dk = k.shape
     H, Dv = v.shape[1], v.shape[-1]
@@ -111,10 +118,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: Optional[torch.Tensor] = Non
     # (B, key heads, value heads per key head, chunks, C, .): q and k broadcast over the group.
     q, k = (x.reshape(B, Hk, 1, N, C, Dk) for x in (q, k))
     v = v.reshape(B, Hk, H // Hk, N, C, Dv)
+    seg = None
+    if resets is not None:
+        resets = F.pad(resets, (0, pad)) if pad else resets
+        g = g.masked_fill(resets[:, None], 0.0)
+        seg = resets.view(B, 1, 1, N, C).cumsum(-1)  # (B, 1, 1, N, C): resets in the chunk up to each step
     G = g.reshape(B, Hk, H // Hk, N, C).cumsum(-1)
-    eG = _exp_flushed_(G.clone())[..., None]  # decay from the chunk's start
-    to_end = _exp_flushed_(G[..., -1:] - G)[..., None, :]  # from each step to the chunk's end
-    decay = _exp_flushed_(G[..., -1].clone()).flatten(1, 2)[..., None, None]  # over the whole chunk
+    eG = _exp_flushed_(G.clone())  # decay from the chunk's start
+    to_end = _exp_flushed_(G[..., -1:] - G)  # from each step to the chunk's end
+    decay = _exp_flushed_(G[..., -1].clone())  # over the whole chunk
+    if seg is not None:  # nothing decays across a reset: it is 0
+        eG = eG.masked_fill(seg > 0, 0.0)
+        to_end = to_end.masked_fill(seg != seg[..., -1:], 0.0)
+        decay = decay.masked_fill(seg[..., -1] > 0, 0.0)
+    eG, to_end = eG[..., None], to_end[..., None, :]
+    decay = decay.flatten(1, 2)[..., None, None]
     beta = beta.reshape(B, Hk, H // Hk, N, C, 1)
     upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
     S = q.new_zeros(B, H, Dk, Dv) if state is None else state
@@ -124,6 +142,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: Optional[torch.Tensor] = Non
     for n0 in range(0, N, BLOCK):
         qb, kb, vb, Gb, bb, eGb, te = (x[:, :, :, n0 : n0 + BLOCK] for x in (q, k, v, G, beta, eG, to_end))
         D = _exp_flushed_((Gb[..., :, None] - Gb[..., None, :]).masked_fill_(upper, float("-inf")))
+        if seg is not None:
+            sb = seg[:, :, :, n0 : n0 + BLOCK]
+            D = D.masked_fill(sb[..., :, None] != sb[..., None, :], 0.0)
         kt = kb.transpose(-1, -2)
         A = (kb @ kt).mul(bb).mul_(D)  # solve_triangular reads only its strictly lower part
         uw = torch.linalg.solve_triangular(A, torch.cat([vb * bb, kb * (bb * eGb)], -1), upper=False,
@@ -164,6 +185,7 @@ class GatedDeltaNet(Mixer):
     # The chunked form runs Triton kernels on CUDA (zoo/components/kernels/gated_deltanet.py).
     kernel: ClassVar[str] = "gated_delta"
     backends: ClassVar[tuple] = ("triton", "torch")
+    documents: ClassVar[bool] = True  # packed documents: the state and the convolution restart at each
 
     @dataclass(frozen=True)
     class Config:
@@ -188,12 +210,6 @@ class GatedDeltaNet(Mixer):
                 raise SpecError("chunk_size", f"must be a power of two (the chunked kernels work on power-of-two "
                                 f"blocks), got {self.chunk_size}")
 
-    @staticmethod
-    def shrink(cfg, *, head_dim: int = 8, **_) -> dict:
-        """4 value heads of ``head_dim``, 2 key heads when the model groups them."""
-        grouped = cfg.n_key_heads is not None and cfg.n_key_heads != cfg.n_heads
-        return {"n_heads": 4, "n_key_heads": 2 if grouped else None, "key_dim": head_dim, "value_dim": head_dim}
-
     def __init__(self, cfg, *, d_model: int, layer=None, spec=None, index: int = 0):
         super().__init__()
         self.cfg, self.index = cfg, index
@@ -216,13 +232,51 @@ class GatedDeltaNet(Mixer):
             nn.init.ones_(self.dt_bias)
             self.A_log.uniform_(1.0, 16.0, generator=generator).log_()
 
-    # -- what this part states about itself ---------------------------------------------------------
     def new_state(self, batch, max_len, *, dtype, device) -> FixedState:
         """The last ``conv_kernel - 1`` convolution inputs (B, channels, K - 1) and ``S`` (B, value heads,
         key_dim, value_dim): of fixed size whatever the length."""
         cfg = self.cfg
         return FixedState(batch, device, conv=((self.conv_dim, cfg.conv_kernel - 1), dtype),
                           S=((self.n_heads, cfg.key_dim, cfg.value_dim), dtype))
+
+    def forward(self, x, ctx, pos=None):
+        from zoo.core.parallel import local
+
+        x = local(x)  # the whole sequence, this process computing its heads' share
+        B, T, _ = x.shape
+        (Hv, Hk), Dk, Dv = self.here, self.cfg.key_dim, self.cfg.value_dim
+        r = Hv // Hk
+        conv_dim = 2 * Hk * Dk + Hv * Dv
+        f32 = torch.promote_types(x.dtype, torch.float32)  # the recurrence runs in float32 at least
+        if ctx.key_mask is not None:  # padding writes nothing: its inputs are zeros
+            x = x * ctx.key_mask[:, ctx.slots][..., None].to(x.dtype)
+        mixed, z = self.in_proj_qkvz(x).split([conv_dim, Hv * Dv], -1)
+        b, a = self.in_proj_ba(x).split([Hv, Hv], -1)
+        state = ctx.state.layers[self.index] if ctx.state is not None else None
+        mixed = self.conv1d(mixed, state.get(B)[0] if state is not None else None, ctx.documents)  # (B, T, channels)
+        q, k, v = (t.unflatten(-1, (-1, d)).transpose(1, 2).to(f32)  # (B, heads, T, d)
+                   for t, d in zip(mixed.split([Hk * Dk, Hk * Dk, Hv * Dv], -1), (Dk, Dk, Dv)))
+        q, k = l2norm(q) * Dk ** -0.5, l2norm(k)
+        beta = b.transpose(1, 2).to(f32).sigmoid()
+        g = (-local(self.A_log).to(f32).exp() * F.softplus(a.to(f32) + local(self.dt_bias))).transpose(1, 2)
+        S0 = state.get(B)[1].to(f32) if state is not None else None
+        if state is not None and T == 1:  # each key head serves r consecutive value heads
+            y, S = recurrent_gated_delta_rule(q.repeat_interleave(r, 1), k.repeat_interleave(r, 1), v, g, beta, S0)
+        elif ctx.documents is not None:  # packed documents: the reference core, reset at each document's start
+            y, S = chunk_gated_delta_rule(q, k, v, g, beta, S0, self.cfg.chunk_size, document_starts(ctx.documents))
+        else:
+            y, S = (kernels.fast(self, v) or chunk_gated_delta_rule)(q, k, v, g, beta, S0, self.cfg.chunk_size)
+        if state is not None:
+            state.S.copy_(S)
+        y = self.norm(y.transpose(1, 2).to(x.dtype), z.view(B, T, Hv, Dv))
+        return self.out_proj(y.reshape(B, T, Hv * Dv))
+
+    # -- what this part states about itself ---------------------------------------------------------
+    @staticmethod
+    def shrink(cfg, *, head_dim: int = 8, **_) -> dict:
+        """4 value heads of ``head_dim``, 2 key heads when the model groups them."""
+        grouped = cfg.n_key_heads is not None and cfg.n_key_heads != cfg.n_heads
+        return {"n_heads": 4, "n_key_heads": 2 if grouped else None, "key_dim": head_dim, "value_dim": head_dim}
 
     def cost(self, context: int) -> Cost:
         """Per token the state is decayed, read by the key, written and read by the query:
@@ -282,34 +336,3 @@ class GatedDeltaNet(Mixer):
         shard_rows(self, tp_mesh)  # dt_bias, A_log: one per value head
         self.norm.parallelize(tp_mesh, sharded=False)
         self.here = (heads, max(Hk // tp, 1))
-
-    # -- forward -------------------------------------------------------------------------------------
-    def forward(self, x, ctx, pos=None):
-        from zoo.core.parallel import local
-
-        x = local(x)  # the whole sequence, this process computing its heads' share
-        B, T, _ = x.shape
-        (Hv, Hk), Dk, Dv = self.here, self.cfg.key_dim, self.cfg.value_dim
-        r = Hv // Hk
-        conv_dim = 2 * Hk * Dk + Hv * Dv
-        f32 = torch.promote_types(x.dtype, torch.float32)  # the recurrence runs in float32 at least
-        if ctx.key_mask is not None:  # padding writes nothing: its inputs are zeros
-            x = x * ctx.key_mask[:, ctx.slots][..., None].to(x.dtype)
-        mixed, z = self.in_proj_qkvz(x).split([conv_dim, Hv * Dv], -1)
-        b, a = self.in_proj_ba(x).split([Hv, Hv], -1)
-        state = ctx.state.layers[self.index] if ctx.state is not None else None
-        mixed = self.conv1d(mixed, state.get(B)[0] if state is not None else None)  # (B, T, channels)
-        q, k, v = (t.unflatten(-1, (-1, d)).transpose(1, 2).to(f32)  # (B, heads, T, d)
-                   for t, d in zip(mixed.split([Hk * Dk, Hk * Dk, Hv * Dv], -1), (Dk, Dk, Dv)))
-        q, k = l2norm(q) * Dk ** -0.5, l2norm(k)
-        beta = b.transpose(1, 2).to(f32).sigmoid()
-        g = (-local(self.A_log).to(f32).exp() * F.softplus(a.to(f32) + local(self.dt_bias))).transpose(1, 2)
-        S0 = state.get(B)[1].to(f32) if state is not None else None
-        if state is not None and T == 1:  # each key head serves r consecutive value heads
-            y, S = recurrent_gated_delta_rule(q.repeat_interleave(r, 1), k.repeat_interleave(r, 1), v, g, beta, S0)
-        else:
-            y, S = (kernels.fast(self, v) or chunk_gated_delta_rule)(q, k, v, g, beta, S0, self.cfg.chunk_size)
-        if state is not None:
-            state.S.copy_(S)
-        y = self.norm(y.transpose(1, 2).to(x.dtype), z.view(B, T, Hv, Dv))
-        return self.out_proj(y.reshape(B, T, Hv * Dv))

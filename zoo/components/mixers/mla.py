@@ -25,7 +25,7 @@ a full forward) the plain path up-projects the latents and attends per head, as 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,8 @@ class MLA(Mixer):
     """Multi-head latent attention: keys and values from a compressed latent, a decoupled rotary
     key shared by the heads; the decode state is the latent and the rotated key part."""
 
+    documents: ClassVar[bool] = True  # packed documents: a mask keeps attention inside each
+
     @dataclass(frozen=True)
     class Config:
         n_heads: int
@@ -73,31 +75,6 @@ class MLA(Mixer):
             positive("q_lora_rank", self.q_lora_rank)
             if self.qk_rope_head_dim % 2:
                 raise SpecError("qk_rope_head_dim", f"is rotated in pairs and must be even, got {self.qk_rope_head_dim}")
-
-    @classmethod
-    def rotary_dim(cls, cfg, d_model: int) -> int:
-        """RoPE rotates only the decoupled part of each query head and the shared key part."""
-        return cfg.qk_rope_head_dim
-
-    @classmethod
-    def check_in_model(cls, cfg, *, spec, layer):
-        position = layer.position if layer.position is not None else spec.position
-        if position is None or position.cls.applies_to != "qk":
-            return
-        rd = getattr(position.config, "rotary_dim", None)
-        fraction = getattr(position.config, "rotary_fraction", 1.0)
-        if (rd is not None and rd != cfg.qk_rope_head_dim) or fraction != 1.0:
-            raise SpecError("qk_rope_head_dim", f"{cfg.qk_rope_head_dim} is the width RoPE rotates in MLA; the position "
-                            f"encoding asks for rotary_dim {rd} / rotary_fraction {fraction}: drop them")
-
-    @staticmethod
-    def shrink(cfg, *, head_dim: int = 8, **_) -> dict:
-        """A tiny copy: 4 heads, a 16-wide kv latent, the nope/rope/value widths from ``head_dim``."""
-        out = {"n_heads": 4, "kv_lora_rank": 2 * head_dim, "qk_nope_head_dim": head_dim,
-               "qk_rope_head_dim": max(2, head_dim // 2), "v_head_dim": head_dim + head_dim // 2}
-        if cfg.q_lora_rank is not None:
-            out["q_lora_rank"] = 3 * head_dim // 2
-        return out
 
     def __init__(self, cfg, *, d_model: int, layer, spec, index: int = 0):
         super().__init__()
@@ -119,64 +96,11 @@ class MLA(Mixer):
         self.kv_b_proj = nn.Linear(C, H * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, d_model, bias=cfg.bias)
 
-    # -- what this part states about itself ---------------------------------------------------------
     def new_state(self, batch, max_len, *, dtype=None, device=None) -> KVState:
         """One single-"head" KV state: keys are the normed latent (kv_lora_rank), values the rotated
         key part (qk_rope_head_dim)."""
         return KVState(window=None, max_len=max_len)
 
-    def cost(self, context: int) -> Cost:
-        """The plain path's scores and weighted sum (``2 H (nope + rope) + 2 H v`` FLOPs per key);
-        the decode state is ``kv_lora_rank + qk_rope_head_dim`` values per token."""
-        per_key = 2 * self.n_heads * (self.qk_dim + self.v_dim)
-        state = self.kv_lora_rank + self.rope
-        return Cost(flops=per_key * context, flops_mean=per_key * (context + 1) / 2,
-                    state_per_token=state, state_at_context=state * context)
-
-    def facts(self) -> dict:
-        return {"attention": "MLA", "n_heads": self.n_heads, "q_lora_rank": self.cfg.q_lora_rank,
-                "kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.nope, "qk_rope_head_dim": self.rope,
-                "v_head_dim": self.v_dim, "state_per_token": self.kv_lora_rank + self.rope,
-                "mha_state_per_token": self.n_heads * (self.qk_dim + self.v_dim), "decode": self.cfg.decode}
-
-    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
-        """Per token (the plain path training takes): the input the projections read (gathered under
-        tensor parallelism) and, whole on every process, the query latent and the key-value latent, each
-        with its norm's own; of this process's heads, the projected queries, the up-projected keys and
-        values, the concatenated queries and keys attention reads, its output and float32 log-sum-exp."""
-        c = dtype.itemsize
-        H = self.n_heads / tp
-        return self._latent_activation_bytes(seq_len, dtype, device=device) \
-            + H * (c * (3 * self.qk_dim + self.nope + 2 * self.v_dim) + 4)
-
-    def _latent_activation_bytes(self, seq_len, dtype, *, device="cuda"):
-        """Of :meth:`activation_bytes`, what every process keeps whole: the input the projections read and
-        the latents with their norms'."""
-        c = dtype.itemsize
-        out = self.kv_a_proj.in_features * c + self.kv_lora_rank * c \
-            + self.kv_a_norm.activation_bytes(seq_len, dtype, device=device)
-        if self.cfg.q_lora_rank is not None:
-            out += self.cfg.q_lora_rank * c + self.q_a_norm.activation_bytes(seq_len, dtype, device=device)
-        return out
-
-    def parallelize(self, tp_mesh) -> None:
-        """Tensor parallelism by heads: the sequence gathered; the per-head projections (``q_proj`` or
-        ``q_b_proj``, ``kv_b_proj``) sharded by their heads' rows, ``o_proj`` by its columns and
-        reduce-scattered back onto the sequence slice. The latents (``q_a_proj``, ``kv_a_proj`` and their
-        norms) are small and stay whole on every process: their gradients arrive summed over the
-        processes through the head projections they feed, and through :func:`~zoo.core.parallel.grad_summed`
-        for the rotary key part every local head shares."""
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        from zoo.core.parallel import heads_in, heads_out, local_count, sequence_input
-
-        local_count(self.n_heads, tp_mesh, "n_heads", self)
-        parallelize_module(self, tp_mesh, sequence_input(tp_mesh, local=True))
-        q = "q_proj" if self.cfg.q_lora_rank is None else "q_b_proj"
-        parallelize_module(self, tp_mesh, {q: heads_in(), "kv_b_proj": heads_in(), "o_proj": heads_out()})
-        self._tp_mesh = tp_mesh
-
-    # -- forward -------------------------------------------------------------------------------------
     def queries(self, x):
         """(B, H, T, nope) and (B, H, T, rope) query parts, before rotation."""
         B, T, _ = x.shape
@@ -216,18 +140,18 @@ class MLA(Mixer):
         if key_mask is not None and k_idx is not q_idx:
             key_mask = key_mask[:, k_idx]
         if ctx.state is not None and self.cfg.decode == "absorbed":
-            out = self.attend_absorbed(q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask)
+            out = self.attend_absorbed(q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask, ctx.documents)
         else:
-            out = self.attend_plain(q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask)
+            out = self.attend_plain(q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask, ctx.documents)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
-    def _mask(self, q_idx, k_idx, key_mask):
+    def _mask(self, q_idx, k_idx, key_mask, documents=None):
         """(None, True) for a plain causal forward over its own slots, else (boolean mask, False)."""
-        if key_mask is None and k_idx is q_idx:
+        if key_mask is None and documents is None and k_idx is q_idx:
             return None, True
-        return dense_mask(q_idx, k_idx, None, key_mask), False
+        return dense_mask(q_idx, k_idx, None, key_mask, documents), False
 
-    def attend_plain(self, q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask):
+    def attend_plain(self, q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask, documents=None):
         """Up-project every latent into per-head keys and values, then attend per head."""
         B, H, _, _ = q_nope.shape
         Tk = c.shape[2]
@@ -235,11 +159,11 @@ class MLA(Mixer):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(B, H, Tk, self.rope)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
-        mask, causal = self._mask(q_idx, k_idx, key_mask)
+        mask, causal = self._mask(q_idx, k_idx, key_mask, documents)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
                                               dropout_p=self.dropout if self.training else 0.0)
 
-    def attend_absorbed(self, q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask):
+    def attend_absorbed(self, q_nope, q_rope, c, k_rope, q_idx, k_idx, key_mask, documents=None):
         """Attend over the latents themselves: ``W_UK`` folded into the queries, ``W_UV`` applied
         to the weighted sum of latents. Every head meets the same key ``[c ; k_rope]`` (multi-query
         attention), so the heads are folded into the rows of one matrix product per batch row; the
@@ -250,9 +174,86 @@ class MLA(Mixer):
         c, k_rope = c[:, 0], k_rope[:, 0]  # (B, Tk, kv_lora_rank), (B, Tk, rope)
         scores = q_lat.reshape(B, H * T, -1) @ c.transpose(1, 2) + q_rope.reshape(B, H * T, -1) @ k_rope.transpose(1, 2)
         scores = (scores * self.scale).view(B, H, T, -1)
-        mask = dense_mask(q_idx, k_idx, None, key_mask)
+        mask = dense_mask(q_idx, k_idx, None, key_mask, documents)
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(c.dtype)
         probs = F.dropout(probs, self.dropout, self.training)
         o_lat = (probs.view(B, H * T, -1) @ c).view(B, H, T, -1)  # (B, H, T, kv_lora_rank)
         return torch.einsum("bhtc,hvc->bhtv", o_lat, w_uv.to(o_lat.dtype))
+
+    # -- what this part states about itself ---------------------------------------------------------
+    @classmethod
+    def rotary_dim(cls, cfg, d_model: int) -> int:
+        """RoPE rotates only the decoupled part of each query head and the shared key part."""
+        return cfg.qk_rope_head_dim
+
+    @classmethod
+    def check_in_model(cls, cfg, *, spec, layer):
+        position = layer.position if layer.position is not None else spec.position
+        if position is None or position.cls.applies_to != "qk":
+            return
+        rd = getattr(position.config, "rotary_dim", None)
+        fraction = getattr(position.config, "rotary_fraction", 1.0)
+        if (rd is not None and rd != cfg.qk_rope_head_dim) or fraction != 1.0:
+            raise SpecError("qk_rope_head_dim", f"{cfg.qk_rope_head_dim} is the width RoPE rotates in MLA; the position "
+                            f"encoding asks for rotary_dim {rd} / rotary_fraction {fraction}: drop them")
+
+    @staticmethod
+    def shrink(cfg, *, head_dim: int = 8, **_) -> dict:
+        """A tiny copy: 4 heads, a 16-wide kv latent, the nope/rope/value widths from ``head_dim``."""
+        out = {"n_heads": 4, "kv_lora_rank": 2 * head_dim, "qk_nope_head_dim": head_dim,
+               "qk_rope_head_dim": max(2, head_dim // 2), "v_head_dim": head_dim + head_dim // 2}
+        if cfg.q_lora_rank is not None:
+            out["q_lora_rank"] = 3 * head_dim // 2
+        return out
+
+    def cost(self, context: int) -> Cost:
+        """The plain path's scores and weighted sum (``2 H (nope + rope) + 2 H v`` FLOPs per key);
+        the decode state is ``kv_lora_rank + qk_rope_head_dim`` values per token."""
+        per_key = 2 * self.n_heads * (self.qk_dim + self.v_dim)
+        state = self.kv_lora_rank + self.rope
+        return Cost(flops=per_key * context, flops_mean=per_key * (context + 1) / 2,
+                    state_per_token=state, state_at_context=state * context)
+
+    def facts(self) -> dict:
+        return {"attention": "MLA", "n_heads": self.n_heads, "q_lora_rank": self.cfg.q_lora_rank,
+                "kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.nope, "qk_rope_head_dim": self.rope,
+                "v_head_dim": self.v_dim, "state_per_token": self.kv_lora_rank + self.rope,
+                "mha_state_per_token": self.n_heads * (self.qk_dim + self.v_dim), "decode": self.cfg.decode}
+
+    def _latent_activation_bytes(self, seq_len, dtype, *, device="cuda"):
+        """Of :meth:`activation_bytes`, what every process keeps whole: the input the projections read and
+        the latents with their norms'."""
+        c = dtype.itemsize
+        out = self.kv_a_proj.in_features * c + self.kv_lora_rank * c \
+            + self.kv_a_norm.activation_bytes(seq_len, dtype, device=device)
+        if self.cfg.q_lora_rank is not None:
+            out += self.cfg.q_lora_rank * c + self.q_a_norm.activation_bytes(seq_len, dtype, device=device)
+        return out
+
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token (the plain path training takes): the input the projections read (gathered under
+        tensor parallelism) and, whole on every process, the query latent and the key-value latent, each
+        with its norm's own; of this process's heads, the projected queries, the up-projected keys and
+        values, the concatenated queries and keys attention reads, its output and float32 log-sum-exp."""
+        c = dtype.itemsize
+        H = self.n_heads / tp
+        return self._latent_activation_bytes(seq_len, dtype, device=device) \
+            + H * (c * (3 * self.qk_dim + self.nope + 2 * self.v_dim) + 4)
+
+    def parallelize(self, tp_mesh) -> None:
+        """Tensor parallelism by heads: the sequence gathered; the per-head projections (``q_proj`` or
+        ``q_b_proj``, ``kv_b_proj``) sharded by their heads' rows, ``o_proj`` by its columns and
+        reduce-scattered back onto the sequence slice. The latents (``q_a_proj``, ``kv_a_proj`` and their
+        norms) are small and stay whole on every process: their gradients arrive summed over the
+        processes through the head projections they feed, and through :func:`~zoo.core.parallel.grad_summed`
+        for the rotary key part every local head shares."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from zoo.core.parallel import heads_in, heads_out, local_count, sequence_input
+
+        local_count(self.n_heads, tp_mesh, "n_heads", self)
+        parallelize_module(self, tp_mesh, sequence_input(tp_mesh, local=True))
+        q = "q_proj" if self.cfg.q_lora_rank is None else "q_b_proj"
+        parallelize_module(self, tp_mesh, {q: heads_in(), "kv_b_proj": heads_in(), "o_proj": heads_out()})
+        self._tp_mesh = tp_mesh

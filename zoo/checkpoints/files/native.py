@@ -1,0 +1,134 @@
+"""zoo's own checkpoint layout, for a model no Hugging Face format describes (a Llama with
+multi-token prediction, GPT-3, PaLM): the spec as ``spec.toml`` beside ``model.safetensors`` under
+zoo's own parameter names, with the tokenizer files where known. ``zoo train`` exports such a model
+this way to ``out_dir/final``; :func:`zoo.from_pretrained` loads it (or the run directory holding
+it), and :func:`spec_of` reads the spec of it or of any other checkpoint without its weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+
+from zoo.core.spec import ModelSpec
+
+SPEC_FILE = "spec.toml"
+WEIGHTS_FILE = "model.safetensors"
+RUN_EXPORT = "final"  # where zoo train writes a run's weights
+
+
+def checkpoint_dir(directory: str | Path) -> Path:
+    """``directory``, or the export of a training run (``out_dir/final``) when it is a run directory."""
+    directory = Path(directory)
+    final = directory / RUN_EXPORT
+    if not (directory / "config.json").exists() and not (directory / SPEC_FILE).exists() and final.is_dir():
+        return final
+    return directory
+
+
+def unfinished_run(directory: Path) -> str:
+    """What to say about a training run directory that has checkpoints but no export yet."""
+    if (directory / "adapter" / "adapter_config.json").is_file():  # a LoRA run that wrote no merged model
+        return (f"{directory} is a LoRA run that wrote its adapter ({directory / 'adapter'}) and no merged "
+                f"{RUN_EXPORT}/ export (lora.merge = false): load the base with the adapter, "
+                f"zoo.from_pretrained(BASE, adapter={str(directory / 'adapter')!r})")
+    return (f"{directory} is a training run without its {RUN_EXPORT}/ export yet (the run has not finished): "
+            f"finish it with the same zoo train command (it resumes from {directory / 'checkpoints'}), which "
+            f"exports at the end")
+
+
+def is_native(directory: str | Path) -> bool:
+    """Whether ``directory`` holds zoo's own layout (a spec.toml and no HF config.json)."""
+    directory = Path(directory)
+    return directory.is_dir() and (directory / SPEC_FILE).is_file() and not (directory / "config.json").exists()
+
+
+def save_native(model, directory: str | Path, *, state: Optional[Mapping[str, torch.Tensor]] = None) -> Path:
+    """Write ``model`` in zoo's own layout: ``spec.toml`` and ``model.safetensors`` (replacing only
+    those, atomically, as :func:`zoo.save_pretrained` replaces its own files).
+
+    The tensors are written one at a time (:func:`zoo.checkpoints.files.io.stream_shards`), so a save holds
+    about one tensor beyond the weights. ``state`` gives the weights by name when they are not
+    ``model``'s own (``model`` may then be on the meta device), as for :func:`zoo.save_pretrained`: a
+    training checkpoint's :class:`zoo.training.checkpointer.CheckpointWeights` is read tensor by tensor,
+    never gathered whole. Tied parameters are stored once, under the name safetensors' ``save_model``
+    keeps (the first in sorted order), so that ``load_model`` reads the file either way."""
+    from zoo.checkpoints.files.io import replace_checkpoint, stream_shards
+
+    groups: dict[int, list[str]] = {}  # one entry per distinct tensor: the names it goes by
+    for name, t in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), []).append(name)
+    kept = {min(names): sorted(names)[1:] for names in groups.values()}
+    if state is None:
+        state = {name: t.detach() for name, t in model.state_dict().items()}
+    meta = getattr(state, "meta", lambda name: state[name].to("meta"))  # dtype and shape, not the data
+    layout = [(name, meta(name).dtype, tuple(meta(name).shape)) for name in kept]
+    tied = {alias: name for name, aliases in kept.items() for alias in aliases}
+    with replace_checkpoint(Path(directory)) as tmp:
+        stream_shards(layout, ((name, state[name]) for name in kept), tmp, max_shard_size=None, metadata=tied)
+        (tmp / SPEC_FILE).write_text(model.spec.to_toml())
+    return Path(directory)
+
+
+def load_native(directory: str | Path, *, dtype: Optional[torch.dtype] = None,
+                device: Optional[torch.device | str] = None):
+    """The model a :func:`save_native` directory holds."""
+    from safetensors.torch import load_model
+
+    from zoo.model.decoder import build_model
+
+    directory = Path(directory)
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(f"{directory} has {SPEC_FILE} but no {WEIGHTS_FILE}; it holds a spec, not weights "
+                                "(zoo.build builds it with fresh weights)")
+    spec = ModelSpec.from_file(directory / SPEC_FILE)
+    model = build_model(spec, device="meta").to_empty(device="cpu")
+    try:
+        load_model(model, str(weights), strict=True)
+    except RuntimeError as exc:  # missing, unexpected or misshapen tensors
+        raise ValueError(f"{weights} does not hold the weights {directory / SPEC_FILE} describes ({exc})") from None
+    if dtype is not None:
+        model = model.to(dtype)
+    if device is not None:
+        model = model.to(device)
+    return model.eval()
+
+
+def _is_hf_config(path: Path) -> bool:
+    if path.suffix != ".json" or not path.is_file():
+        return False
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # not a config: the recipe reader names why
+        return False
+    return isinstance(data, dict) and "model_type" in data
+
+
+def spec_of(source: Any) -> Optional[ModelSpec]:
+    """The spec of a checkpoint named by path, without its weights: a GGUF file, an HF checkpoint
+    directory or its ``config.json`` (read as transformers reads it), zoo's own layout, or a training
+    run directory (its export). None when ``source`` is none of these (a preset name, a recipe file)."""
+    from zoo.checkpoints import config_to_spec, read_config
+    from zoo.checkpoints.files import gguf
+
+    if not isinstance(source, (str, Path)):
+        return None
+    if gguf.is_gguf(source):
+        return config_to_spec(gguf.GGUFFile(gguf.gguf_file(source)).config())
+    path = Path(source)
+    if path.is_dir():
+        path = checkpoint_dir(path)
+        if is_native(path):
+            return ModelSpec.from_file(path / SPEC_FILE)
+        if (path / "config.json").exists():
+            return config_to_spec(read_config(path))
+        if (path / "checkpoints").is_dir():
+            raise FileNotFoundError(unfinished_run(path))
+        return None  # a folder that happens to share a preset's name, say
+    if _is_hf_config(path):
+        return config_to_spec(read_config(path.parent) if path.name == "config.json" else json.loads(path.read_text()))
+    return None
