@@ -7,9 +7,9 @@ tokenizer's own batch encoding.
     python benchmarks/data_loader.py --only prepare --tokenizer SmolLM2-135M-Instruct.Q4_1.gguf
 
 - loader: shards of random uint16 tokens in documents of 50-2000 tokens are written directly (a
-  manifest like prepare's), then a fresh process reads 200 batches of (8, 1024) with packing =
+  manifest like prepare's), then a fresh process reads 200 batches of (4, 512) with packing =
   "documents" at random positions. Reported: samples/s of the loader, and the ratio to the samples/s
-  one training step of a SmolLM2-135M-shaped model (d 576, 30 layers) consumes on this machine, both
+  one training step of a SmolLM2-135M-shaped model (d 576, 30 layers; batch 4 x 512) consumes on this machine, both
   measured here; the process's peak RSS for each corpus size (the loader memory-maps, so it should not
   grow with the corpus).
 - prepare: the Python standard-library sources as JSONL documents, through prepare with 2 worker
@@ -58,7 +58,7 @@ def write_corpus(out: Path, n_bytes: float, vocab: int = 49152, shard_tokens: in
     (out / "manifest.json").write_text(json.dumps(manifest))
 
 
-def read_batches(path: str, seq_len: int = 1024, batch: int = 8, batches: int = 200) -> dict:
+def read_batches(path: str, seq_len: int = 512, batch: int = 4, batches: int = 200) -> dict:
     """In a fresh process: the loader's samples/s and this process's peak RSS."""
     from zoo.training.loader import open_sources
 
@@ -71,7 +71,7 @@ def read_batches(path: str, seq_len: int = 1024, batch: int = 8, batches: int = 
     return {"samples_per_s": batches * batch / dt, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def step_samples_per_s(seq_len: int = 1024, batch: int = 8) -> float:
+def step_samples_per_s(seq_len: int = 512, batch: int = 4) -> float:
     """Samples/s one training step (forward, backward, AdamW) of a SmolLM2-135M-shaped model consumes here."""
     import torch
 
@@ -86,14 +86,14 @@ def step_samples_per_s(seq_len: int = 1024, batch: int = 8) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 49152, (batch, seq_len))
     times = []
-    for _ in range(3):
+    for _ in range(2):
         t0 = time.perf_counter()
         model(ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
     del zoo
-    return batch / min(times[1:])
+    return batch / times[-1]
 
 
 def prepare_ratio(tokenizer: str | None, workers: int = 2) -> dict:
@@ -133,7 +133,7 @@ def main() -> None:
         return
     if args.only != "prepare":
         step = step_samples_per_s()
-        print(f"one training step (SmolLM2-135M shape, 8 x 1024): {step:.2f} samples/s")
+        print(f"one training step (SmolLM2-135M shape, 4 x 512): {step:.2f} samples/s", flush=True)
         with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as d:
             for size in args.sizes:
                 path = Path(d) / f"c{int(size)}"
@@ -142,7 +142,7 @@ def main() -> None:
                                      check=True).stdout
                 r = json.loads(out.strip().splitlines()[-1])
                 print(f"corpus {size / 1e6:,.0f} MB: loader {r['samples_per_s']:,.0f} samples/s = "
-                      f"{r['samples_per_s'] / step:,.0f}x a training step; peak RSS {r['peak_rss_mb']:,.0f} MB")
+                      f"{r['samples_per_s'] / step:,.0f}x a training step; peak RSS {r['peak_rss_mb']:,.0f} MB", flush=True)
                 for f in path.iterdir():
                     f.unlink()
     if args.only != "loader":

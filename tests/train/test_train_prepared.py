@@ -93,3 +93,16 @@ def test_a_run_resumed_on_four_processes_reads_what_two_would_have(tmp_path):
     assert [r["step"] for r in moved] == [1, 2, 3, 4]
     # The same samples each step: the losses agree up to the order of the processes' float32 sums.
     assert [r["loss"] for r in moved] == pytest.approx([r["loss"] for r in two], rel=1e-5)
+
+
+def test_zoo_data_prepare_and_zoo_eval_on_the_prepared_corpus(tmp_path, capsys):
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"text {i} " * (i % 9 + 2)}) + "\n" for i in range(60)))
+    run = zoo.train("llama3-8b", out_dir=str(tmp_path / "run"), plot=False, **{**KW, "steps": 1, "export": True})
+    final = str(run.export)
+    assert cli(["data", "prepare", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "p"), "--tokenizer", final,
+                "--workers", "1", "--no-progress"]) == 0
+    assert "60 documents" in capsys.readouterr().out
+    assert cli(["eval", final, "--data", str(tmp_path / "p"), "--window", "32", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["packing"] == "documents" and summary["sequences"] > 10 and 0 < summary["loss"] < 10
+    assert cli(["eval", final, "--data", str(tmp_path / "p"), "--text", "x.txt"]) == 2  # one of the two

@@ -88,7 +88,8 @@ def _run_prepared(args):
     import torch
     from tqdm.auto import tqdm
 
-    from zoo.checkpoints import from_pretrained, gguf, resolve
+    from zoo.checkpoints import from_pretrained, resolve
+    from zoo.checkpoints.files import gguf
     from zoo.inference.tokenizer import Tokenizer
     from zoo.training.loader import Ordered, Source
     from zoo.training.shards import Prepared
