@@ -273,3 +273,18 @@ def test_a_loss_pooled_over_layers_is_computed_once_at_the_end(toy):
         h.remove()
     assert set(out.aux) == {"pooled"}
     torch.testing.assert_close(out.aux["pooled"], torch.stack(means).mean())
+
+
+def test_a_context_slot_is_one_instance_of_its_kind_for_the_whole_forward():
+    """``ctx.slot(kind)``: what the layers of one forward share of a kind its producer defines (the
+    mixture of experts' layer count and pooled statistics), typed where ``ctx.shared`` takes strings."""
+    from zoo.components.ffn.moe import MoEForward
+    from zoo.components.mixers.dsa import Selections
+    from zoo.core.context import ForwardContext
+
+    ctx = ForwardContext(torch.zeros(1, 2, dtype=torch.long), torch.arange(2))
+    seen = ctx.slot(MoEForward)
+    seen.layers += 1
+    assert ctx.slot(MoEForward) is seen and ctx.slot(MoEForward).layers == 1
+    assert isinstance(ctx.slot(Selections), Selections) and ctx.slot(Selections).by_layer == {}
+    assert ForwardContext(torch.zeros(1, 2, dtype=torch.long), torch.arange(2)).slot(MoEForward).layers == 0

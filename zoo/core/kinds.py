@@ -250,6 +250,14 @@ class Mixer(Part):
         Position modules are built per (position, this width)."""
         return None
 
+    @classmethod
+    def reads_from(cls, cfg: Any, *, spec: Any, index: int) -> Optional[int]:
+        """Called once per layer when a ``ModelSpec`` is checked (:attr:`zoo.core.spec.ModelSpec.sources`):
+        the earlier layer whose output of the same forward this layer's mixer reads (DSA's shared
+        indexer: the nearest full layer's selection, which that layer leaves in a ``ctx.slot``), or None;
+        raise ``SpecError`` when there is none to read. Default: None, the layer reads no other."""
+        return None
+
     def new_state(self, batch: int, max_len: Optional[int], *, dtype: torch.dtype, device: Any) -> Optional["LayerState"]:
         """Called by ``Decoder.new_state``: this layer's decode state for ``batch`` rows of up to
         ``max_len`` tokens (None: unknown), or None when the mixer cannot decode incrementally
@@ -481,7 +489,7 @@ def implements(obj: Any, hook: str) -> bool:
 #: accounting, memory, checkpoint transforms, parallel plans) rather than computes. In a part file they
 #: follow the mechanism, below one line, :data:`FACTS_DIVIDER` (tests/parts/test_part_files.py checks
 #: zoo's own). ``check_experts`` is a router's, read by the mixture of experts' spec check.
-FACT_HOOKS = ("shrink", "shrink_to", "resolved", "check_in_model", "check_experts", "rotary_dim", "max_positions",
+FACT_HOOKS = ("shrink", "shrink_to", "resolved", "check_in_model", "check_experts", "reads_from", "rotary_dim", "max_positions",
               "heads", "cost", "facts", "activation_bytes", "tp_plan", "tp_divides", "parallelize",
               "parallelize_experts", "expert_parameters")
 FACTS_DIVIDER = "# -- what this part states about itself --"
