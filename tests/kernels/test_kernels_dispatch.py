@@ -158,7 +158,7 @@ def test_kernel_backends_are_registered_parts():
     assert {"rmsnorm.triton", "layernorm.triton", "rope.triton", "glu.triton", "loss.triton",
             "attention.flex"} <= set(zoo.list_components("kernel"))
     for cls in (zoo.get("norm", "rmsnorm"), zoo.get("ffn", "swiglu"), zoo.get("position", "rope"),
-                zoo.get("attention", "attention")):
+                zoo.get("mixer", "attention")):
         fast = set(kernels.components()[cls.kernel])
         assert fast and fast <= set(cls.backends)
 

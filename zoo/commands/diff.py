@@ -34,7 +34,7 @@ def run(args):
     rows += [
         ("parameters", f"{fig_a['params']['total']:,}", f"{fig_b['params']['total']:,}"),
         ("aspect ratio", f"{fig_a['shape']['aspect_ratio']:.1f}", f"{fig_b['shape']['aspect_ratio']:.1f}"),
-        ("KV cache/token (bf16)", f"{fig_a['kv_cache']['bytes_per_token']:,} B", f"{fig_b['kv_cache']['bytes_per_token']:,} B"),
+        ("KV cache/token (bf16)", f"{fig_a['decode_state']['bytes_per_token']:,} B", f"{fig_b['decode_state']['bytes_per_token']:,} B"),
     ]
     if args.json:
         print(json.dumps([{"row": k, "a": va, "b": vb, "differs": va != vb} for k, va, vb in rows], indent=2))
