@@ -25,8 +25,7 @@ def add_parser(sub):
 def run(args):
     import torch
 
-    from zoo.checkpoints import from_pretrained, resolve
-    from zoo.checkpoints.files import gguf
+    from zoo.checkpoints import from_pretrained, open_source
     from zoo.tools.evaluation import perplexity
     from zoo.inference.tokenizer import Tokenizer
 
@@ -39,7 +38,7 @@ def run(args):
     for f in files:
         if not f.is_file():
             raise FileNotFoundError(f"--text {f}: no such file")
-    source = args.checkpoint if gguf.is_gguf(args.checkpoint) else resolve(args.checkpoint)
+    source = open_source(args.checkpoint)
     tokenizer = Tokenizer(source)
     model = from_pretrained(source, dtype=args.dtype, progress=False)
     window = args.window or min(1024, model.spec.max_seq_len)
