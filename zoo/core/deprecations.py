@@ -34,6 +34,10 @@ ALIASES: dict[str, str] = {
     "Decoder.hidden_states_in": "Decoder.run_layers",
     "Decoder.generate(...)": "zoo.generate(model, ...)",
     "the cache= keyword": "state=",
+    "generate(do_sample=)": "temperature= (0: greedy), or Generation.from_transformers(do_sample=...) where "
+                            "transformers' keywords come in",
+    "generate(eos_token_id=)": "stop=",
+    "generate(streamer=)": "callback=streamer.put (and streamer.end() after)",
     "PluginManager.add_attention": "PluginManager.add_mixer",
     "kind 'attention'": "kind 'mixer'",
     "spec key 'attention'": "spec key 'mixer' (layers.*.mixer.*)",
