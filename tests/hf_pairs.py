@@ -77,6 +77,18 @@ def assert_within_reference_error(got, ref, exact, *, factor: float = 2.0, floor
 
 
 @torch.no_grad()
+def assert_same_model(model, loaded, vocab_size: int) -> None:
+    """``loaded`` (a checkpoint of ``model`` read back) has ``model``'s tensors, buffers included, bit
+    for bit, and computes its logits and greedy tokens."""
+    a, b = model.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    ids = torch.randint(0, vocab_size, (2, 9))
+    assert torch.equal(model(ids), loaded(ids))
+    assert torch.equal(zoo.generate(model, ids, 4), zoo.generate(loaded, ids, 4))
+
+
 def assert_logits_equal_with_a_left_padded_row(hf, ours, *, atol: float = 1e-5) -> None:
     """Two rows of 20 tokens, the second left-padded by 6: zoo's logits at the real tokens equal
     transformers' (given the position ids that skip the padding)."""

@@ -215,11 +215,11 @@ class ToyHybrid(CheckpointFormat):
             "num_key_value_heads": 2, "num_experts": 4, "intermediate_size": 32}
 
     def rules(self, spec):
-        rec = [rule(f"{H}mixer.{p}_proj.weight", f"{Z}attention.{p}_proj.weight") for p in "qkvo"]
+        rec = [rule(f"{H}mixer.{p}_proj.weight", f"{Z}mixer.{p}_proj.weight") for p in "qkvo"]
         return [
             rule("model.embed_tokens.weight", "embed.weight"),
             *rec,
-            rule(f"{H}mixer.decay", f"{Z}attention.decay"),
+            rule(f"{H}mixer.decay", f"{Z}mixer.decay"),
             *[rule(f"{H}mlp.{w}", f"{Z}ffn.{w}") for w in ("router.weight", "w_gate", "w_up", "w_down",
                                                              "expert_bias")],
             rule(f"{H}input_layernorm.weight", f"{Z}attn_norm.weight"),

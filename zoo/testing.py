@@ -547,6 +547,8 @@ def shrink(spec: ModelSpec, *, n_layers: int = 2, d_model: int = 32, vocab_size:
                 if isinstance(table, str):
                     table = data["layers"][kind][slot] = {"name": table}
                 table.update(fn(part.config, **sizes))
+    if spec.position is not None and _kinds.implements(spec.position.cls, "shrink") and isinstance(data.get("position"), dict):
+        data["position"].update(spec.position.cls.shrink(spec.position.config, **sizes))
     return ModelSpec.from_dict(data)
 
 

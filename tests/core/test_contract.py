@@ -113,7 +113,7 @@ def test_zoo_list_shows_the_hooks_a_part_overrides():
     attention = rows("mixer", "attention")[0]["hooks"]
     assert {"new_state", "rotary_dim", "heads", "cost", "facts", "shrink"} <= set(attention)
     assert rows("norm", "rmsnorm")[0]["hooks"] == ["kernel", "backends", "kernel_problem", "kernel_on_shards",
-                                                  "reset_parameters", "activation_bytes", "parallelize"]
+                                                  "reset_parameters", "activation_bytes", "tp_plan"]  # its plan is data
     assert rows("block", "serial")[0]["hooks"] == []  # its tensor-parallel plan is the Block default: each part's own
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import zoo
 import zoo.testing as zt
-from zoo.core.deprecations import ALIASES, MOVED_MODULES, REMOVED_IN
+from zoo.core.deprecations import ALIASES, MOVED_MODULES, SINCE, removed_in, since
 
 # zoo 0.1's module paths, each with names code written against it imports from there. Written out
 # by hand, not read from the table.
@@ -60,6 +60,7 @@ OLD_IMPORTS = {
     "zoo.train.checkpointer": ["Checkpointer", "checkpoints", "read_checkpoint_state"],
     "zoo.train.data": ["TokenData", "get_tokenizer"],
     "zoo.train.resume": ["step_of", "resume_point"],
+    "zoo.components.kernels.fit": ["recording", "compile_launch", "preset_problems"],
     # the checkpoints wing by concern (hf/: configs and names; files/: containers)
     **{f"zoo.checkpoints.{m}": [] for m in ("fields", "common", "sizes", "mtp", "formats")},
     "zoo.checkpoints.format": ["CheckpointFormat", "get_format"],
@@ -88,8 +89,8 @@ def test_an_old_import_path_hands_over_each_name_and_warns_naming_its_new_home(o
     assert names, f"{old} hands over no names"
     for name in names:
         home = next(h for h in MOVED_MODULES[old] if hasattr(importlib.import_module(h), name))
-        with pytest.warns(DeprecationWarning, match=rf"{re.escape(old)}\.{name} is deprecated .* removed in "
-                                                    rf"{REMOVED_IN}: use {re.escape(home)}\.{name}$"):
+        with pytest.warns(DeprecationWarning, match=rf"{re.escape(old)}\.{name} is deprecated since zoo {since(old)} and "
+                                                    rf"will be removed in {removed_in(since(old))}: use {re.escape(home)}\.{name}$"):
             got = getattr(shim, name)
         assert got is getattr(importlib.import_module(home), name)
 
@@ -265,7 +266,9 @@ def _block_attention():
 
 
 def _head_dim_for():
-    _add_attention()
+    manager = zoo.manager()
+    with manager.providing("old_plugin"):
+        manager.add_mixer("old_mixer", OldMixer, override=True)
     spec = zoo.get_spec({**zt.TINY, "layers": {"default": {"mixer": {"name": "old_mixer", "n_heads": 2}}}})
     assert zoo.build(spec, seed=0).positions["0"].dim == spec.d_model // 2  # RoPE sized by head_dim_for
 
@@ -291,11 +294,14 @@ def _decoder_generate():
 
 
 def _old_parameter_names():
-    from zoo.checkpoints.hf.maps import rule
+    from zoo.checkpoints.hf.maps import bind, rule
 
-    r = rule("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.attention.q_proj.weight")
-    assert r.zoo == ("layers.{i}.mixer.q_proj.weight",)
-    assert rule("mtp.0", "mtp.layers.0.block.attention.o_proj.weight").zoo == ("mtp.layers.0.block.mixer.o_proj.weight",)
+    model = _model()
+    bound = list(bind([rule("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.attention.q_proj.weight")], model))
+    assert [b.zoo for b in bound] == [(f"layers.{i}.mixer.q_proj.weight",) for i in range(len(model.layers))]
+    mtp = zoo.build(zt.TINY, overrides={"mtp": {"depth": 1}}, seed=0)
+    bound = list(bind([rule("mtp.0.o_proj.weight", "mtp.layers.0.block.attention.o_proj.weight")], mtp))
+    assert [b.zoo for b in bound] == [("mtp.layers.0.block.mixer.o_proj.weight",)]
 
 
 def _moe_expert_attributes():
@@ -362,8 +368,8 @@ def test_every_alias_of_the_table_is_exercised_here():
 
 @pytest.mark.parametrize("old", sorted(ALIASES))
 def test_an_old_spelling_still_works_and_warns_naming_the_new_one(old):
-    with pytest.warns(DeprecationWarning, match=rf"^{re.escape(old)} is deprecated since zoo 0\.2 and will be removed "
-                                                rf"in {REMOVED_IN}: use {re.escape(ALIASES[old])}$"):
+    with pytest.warns(DeprecationWarning, match=rf"^{re.escape(old)} is deprecated since zoo {since(old)} and will be "
+                                                rf"removed in {removed_in(since(old))}: use {re.escape(ALIASES[old])}$"):
         EXERCISES[old]()
 
 
@@ -378,3 +384,27 @@ def test_the_new_spellings_do_not_warn(recwarn):
         model(ids[:, :4], state=state)
     zoo.generate(model, ids, 2)
     assert spec.layer(0).mixer.n_heads == 2 and "layers.0.mixer.q_proj.weight" in model.state_dict()
+
+
+def test_a_name_deprecated_in_release_n_may_go_in_n_plus_2():
+    assert (removed_in("0.2"), removed_in("0.3"), removed_in("1.9")) == ("0.4", "0.5", "1.11")
+    assert since("zoo.train.loop") == "0.3" and since("zoo.spec") == since("spec key 'attention'") == "0.2"
+    assert set(SINCE) <= set(ALIASES) | set(MOVED_MODULES)
+
+
+def _warn_from(module: str) -> None:
+    exec("import warnings\nwarnings.warn('an old name', DeprecationWarning, stacklevel=1)", {"__name__": module})
+
+
+def test_the_suite_fails_on_our_deprecations_and_leaves_third_party_ones_to_them():
+    """pyproject.toml's filterwarnings: a DeprecationWarning from zoo's code (or a test's) is an error;
+    one raised within torch or transformers is shown, not failed."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # the suite's filters, kept
+        for ours in ("zoo.core.spec", "test_deprecations", "torchvisionish"):
+            with pytest.raises(DeprecationWarning, match="an old name"):
+                _warn_from(ours)
+        _warn_from("transformers.modeling_utils")
+        _warn_from("torch")
+    assert len(caught) == 2

@@ -86,6 +86,8 @@ def shrink(name: str) -> zoo.Decoder:
             over[f"{base}.scale_dim"] = 20.0
     if spec.embedding.padded_vocab_size is not None:
         over["embedding.padded_vocab_size"] = 136
+    if spec.position is not None:  # a fixed rotary width shrinks with the heads (the part says how)
+        over.update({f"position.{k}": v for k, v in spec.position.cls.shrink(spec.position.config, head_dim=24).items()})
     return zoo.build(name, overrides=over, seed=0)
 
 

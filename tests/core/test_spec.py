@@ -117,7 +117,7 @@ def test_overrides_top_level_one_part_and_every_layer_kind():
     every = zoo.get_spec("gemma2-2b", overrides={"layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 2})
     assert {layer.mixer.n_heads for layer in every.layers.values()} == {4}
     # double underscores spell dots, so overrides can be keyword arguments
-    kw = zoo.get_spec("gemma2-2b", layers__local__attention__window=32)
+    kw = zoo.get_spec("gemma2-2b", layers__local__mixer__window=32)
     assert kw.layers["local"].mixer.window == 32
 
 

@@ -101,8 +101,8 @@ def test_the_fused_tensors_map_both_ways(pair, tmp_path):
     mlp = hf.transformer.blocks[1].ffn.experts.mlp
     E, Fd, d = 4, 24, 64
     ffn = ours.layers[1].ffn
-    assert torch.equal(ffn.w_gate, mlp.w1.view(E, Fd, d)) and torch.equal(ffn.w_up, mlp.v1.view(E, Fd, d))
-    assert torch.equal(ffn.w_down, mlp.w2.view(E, Fd, d).transpose(1, 2))
+    assert torch.equal(ffn.experts.w_gate, mlp.w1.view(E, Fd, d)) and torch.equal(ffn.experts.w_up, mlp.v1.view(E, Fd, d))
+    assert torch.equal(ffn.experts.w_down, mlp.w2.view(E, Fd, d).transpose(1, 2))
     att = ours.layers[1].mixer
     assert torch.equal(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]),
                        hf.transformer.blocks[1].norm_attn_norm.attn.Wqkv.weight)
@@ -146,12 +146,23 @@ def test_unnormalised_expert_weights_match_transformers(hf_pair):
     assert_within_reference_error(ours(ids), hf(ids).logits, float64_twin(hf)(ids).logits)
 
 
+@torch.no_grad()
+def test_router_jitter_is_training_noise_that_inference_ignores(hf_pair):
+    """``ffn_config.moe_jitter_eps`` scales the router's input by U(1 - eps, 1 + eps) in training
+    only (transformers' DbrxRouter, ``if self.training``): a config with jitter loads, and the eval
+    logits are transformers' eval logits."""
+    hf, ours, _ = hf_pair("dbrx", ffn_config={**tiny_config("dbrx")["ffn_config"], "moe_jitter_eps": 0.01})
+    assert hf.config.ffn_config.moe_jitter_eps == 0.01
+    ids = ids_of(2, 16, seed=5)
+    assert_within_reference_error(ours(ids), hf(ids).logits, float64_twin(hf)(ids).logits)
+
+
 @pytest.mark.parametrize("key, value, match", [
     ("attn_config__clip_qkv", 0, r"clip_qkv.*must be positive"),
     ("attn_config__clip_qkv", -8.0, r"clip_qkv.*must be positive"),
     ("attn_config__clip_qkv", "8", r"'attn_config\.clip_qkv'.*must be a number"),
     ("attn_config__kv_n_heads", 3, r"n_kv_heads"),
-    ("ffn_config__moe_jitter_eps", 0.01, r"'ffn_config\.moe_jitter_eps'.*noise"),
+    ("ffn_config__moe_jitter_eps", "0.01", r"'ffn_config\.moe_jitter_eps'.*must be a number"),
     ("ffn_config__ffn_act_fn", "silu", r"'ffn_config\.ffn_act_fn'.*object"),
     ("ffn_config__ffn_act_fn", {"name": "mish"}, r"'ffn_config\.ffn_act_fn'.*mish"),
     ("tie_word_embeddings", True, r"'tie_word_embeddings'"),

@@ -108,7 +108,7 @@ def test_zoo_list_kind_name_shows_a_parts_settings_types_and_defaults(capsys):
     assert "GLU with SiLU" in out  # the part's own description
     assert re.search(r"d_ff_rule\s+Literal\['4x', '8/3', '8/3_scaled'\]\s+= '8/3'", out)
     assert re.search(r"activation\s+activation part\s+= 'silu'", out)
-    assert main(["list", "attention", "attention", "--json"]) == 0
+    assert main(["list", "mixer", "attention", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     settings = {s["name"]: s for s in row["settings"]}
     assert settings["n_heads"] == {"name": "n_heads", "type": "int", "default": "(required)"}

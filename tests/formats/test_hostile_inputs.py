@@ -352,3 +352,116 @@ def test_an_exported_gguf_file_has_the_mode_the_umask_gives(tmp_path, umask):
         os.umask(old)
     for written in (path, tmp_path / "hf" / "model.safetensors", tmp_path / "hf" / "config.json"):
         assert stat.S_IMODE(os.stat(written).st_mode) == 0o666 & ~umask, written
+
+
+# -- GGUF headers whose counts outrun the file ----------------------------------------------------
+
+def gguf_header(*entries, n_tensors=0, tail=b""):
+    """A GGUF v3 header (little-endian) holding the metadata ``entries`` (raw bytes each), padded to 128."""
+    import struct
+
+    body = b"GGUF" + struct.pack("<IQQ", 3, n_tensors, len(entries)) + b"".join(entries) + tail
+    return body + b"\0" * max(0, 128 - len(body))
+
+
+def gguf_key(key: str) -> bytes:
+    import struct
+
+    return struct.pack("<Q", len(key)) + key.encode()
+
+
+def test_a_gguf_array_claiming_2_62_items_is_refused_at_once(tmp_path):
+    """128 bytes: an array of UINT32 claiming 2**62 items. gguf's reader loops over the claimed count
+    (reading past the end as empty, its memory growing); zoo checks the count against the bytes left."""
+    import struct
+
+    pytest.importorskip("gguf")
+    from zoo.checkpoints.files.gguf import GGUFFile
+
+    path = tmp_path / "bomb.gguf"
+    path.write_bytes(gguf_header(gguf_key("general.xxxx") + struct.pack("<IIQ", 9, 4, 2 ** 62)))
+    assert path.stat().st_size == 128
+    with finishes_within(20), pytest.raises(CheckpointError, match=r"bomb\.gguf: metadata key 'general\.xxxx' claims "
+                                                                    r"an array of 4,611,686,018,427,387,904 items"):
+        GGUFFile(path)
+
+
+@pytest.mark.parametrize("entry, tensors, match", [
+    (lambda s: gguf_key("k") + s.pack("<IIQ", 9, 8, 1000), 0, r"'k' claims an array of 1,000 items, but only"),
+    (lambda s: gguf_key("k") + s.pack("<IQ", 8, 2 ** 40), 0, r"'k' \(a string\) claims 1,099,511,627,776 bytes"),
+    (lambda s: gguf_key("k") + s.pack("<IIQ", 9, 4, 2000), 0, r"'k' \(an array of 2,000 items\) claims 8,000 bytes"),
+    (lambda s: s.pack("<Q", 2 ** 63), 0, r"metadata entry 0's key \(a string\) claims"),
+    (lambda s: gguf_key("k") + s.pack("<I", 99), 0, r"'k' has value type 99"),
+    (lambda s: gguf_key("k") + s.pack("<IIQ", 9, 9, 1) + s.pack("<IQ", 9, 1) * 5, 0, r"'k' nests arrays deeper"),
+    (lambda s: gguf_key("k") + s.pack("<IB", 0, 1), 2 ** 50, r"claims 1,125,899,906,842,624 tensors"),
+    (lambda s: gguf_key("k") + s.pack("<IB", 0, 1) + gguf_key("t") + s.pack("<I", 2 ** 31), 1,
+     r"tensor 't' claims 2,147,483,648 dimensions"),
+])
+def test_every_gguf_count_and_length_is_checked_against_the_bytes_left(tmp_path, entry, tensors, match):
+    import struct
+
+    pytest.importorskip("gguf")
+    from zoo.checkpoints.files.gguf import GGUFFile
+
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(gguf_header(entry(struct), n_tensors=tensors))
+    with finishes_within(20), pytest.raises(CheckpointError, match=r"bad\.gguf: .*" + match):
+        GGUFFile(path)
+
+
+# -- layer counts bounded as they are read ---------------------------------------------------------
+
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+
+
+def layer_count_cases():
+    from zoo.core import registry
+
+    cases = [("mamba_ssm", {**SSM}, "n_layer")]
+    for model_type in sorted(registry.registry("checkpoint_format").names()):
+        try:
+            config = tiny_config(model_type)
+        except Exception:  # a format without a tiny config (a wrapper of another's)
+            continue
+        cases += [(model_type, {"model_type": model_type, **config}, k) for k in LAYER_KEYS if k in config]
+    return cases
+
+
+@contextmanager
+def allocates_at_most(mib):
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        yield
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < mib * 2 ** 20, f"allocated {peak / 2 ** 20:.0f} MiB"
+
+
+@pytest.mark.parametrize("model_type, config, key", layer_count_cases(), ids=lambda v: v if isinstance(v, str) else "")
+def test_a_layer_count_of_ten_million_is_refused_when_read(model_type, config, key):
+    """``[FULL] * n_layers`` and per-layer loops ran before the spec's bound (16 GB at 2e9): the count
+    is bounded when the field is read, before anything is made of it."""
+    with finishes_within(20), allocates_at_most(16), pytest.raises(ConfigError) as info:
+        config_to_spec({**config, key: 10 ** 7})
+    assert info.value.field == key and "10000000 is beyond zoo's limit of 4,096" in str(info.value)
+
+
+def test_a_gguf_block_count_of_a_hundred_million_is_refused_when_read(tmp_path):
+    pytest.importorskip("gguf")
+    from zoo.checkpoints.files.gguf import GGUFFile
+
+    model = zoo.build("llama3.2-1b", overrides={"n_layers": 1, "d_model": 32, "vocab_size": 64, "layers.*.mixer.n_heads": 2,
+                                                 "layers.*.mixer.n_kv_heads": 1, "layers.*.ffn.d_ff": 64,
+                                                 "position.scaling": None}, seed=0)
+    path = zoo.save_gguf(model, tmp_path / "model.gguf", model_type="llama")
+    data = bytearray(path.read_bytes())
+    at = bytes(data).find(b"llama.block_count") + len("llama.block_count") + 4  # after the key and its type (UINT32)
+    assert int.from_bytes(data[at:at + 4], "little") == 1
+    data[at:at + 4] = (10 ** 8).to_bytes(4, "little")
+    (tmp_path / "deep.gguf").write_bytes(bytes(data))
+    with finishes_within(20), allocates_at_most(64), \
+            pytest.raises(CheckpointError, match=r"deep\.gguf: metadata key 'llama\.block_count' = 100000000 is not a size"):
+        GGUFFile(tmp_path / "deep.gguf").config()

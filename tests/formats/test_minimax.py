@@ -2,6 +2,8 @@
 transformers writes itself: logits, greedy tokens, decode states against its cache, several tokens
 onto a state (where transformers raises), the alpha/beta residual scales and the layer schedule."""
 
+import json
+
 import pytest
 import torch
 
@@ -171,3 +173,59 @@ def test_minimax_m1_is_text_01s_architecture_at_its_size(preset):
     attn_type_list = ([0] * 7 + [1]) * 10  # the release's schedule: 0 lightning, 1 softmax
     assert config["layer_types"] == [["linear_attention", "full_attention"][t] for t in attn_type_list]
     assert config["rope_parameters"]["rope_theta"] == 1e7
+
+
+def release_rope(hf, rotary_dim: int):
+    """The release's RoPE on transformers' model (MiniMax-Text-01's own modelling code, as vLLM also
+    runs it): frequencies over ``rotary_dim`` channels, the first ``rotary_dim`` channels of each
+    head rotated half-split, the rest passed through. Returns the context that applies it."""
+    import contextlib
+    from transformers.models.minimax import modeling_minimax as mm
+
+    theta = hf.config.rope_parameters["rope_theta"]
+    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)
+
+    def apply(q, k, cos, sin, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        out = []
+        for x in (q, k):
+            rot, kept = x[..., :rotary_dim], x[..., rotary_dim:]
+            out.append(torch.cat([rot * cos + mm.rotate_half(rot) * sin, kept], -1))
+        return tuple(out)
+
+    @contextlib.contextmanager
+    def applied():
+        saved = hf.model.rotary_emb.inv_freq
+        hf.model.rotary_emb.inv_freq = inv_freq
+        original, mm.apply_rotary_pos_emb = mm.apply_rotary_pos_emb, apply
+        try:
+            yield
+        finally:
+            mm.apply_rotary_pos_emb, hf.model.rotary_emb.inv_freq = original, saved
+
+    return applied()
+
+
+@torch.no_grad()
+def test_the_release_rotates_rotary_dim_channels_and_transformers_the_whole_head(tmp_path):
+    """MiniMax-Text-01 and M1 rotate half of each head: their config.json says ``rotary_dim: 64`` of
+    ``head_dim`` 128, and their own code and vLLM rotate ``rotary_dim`` channels. zoo follows the
+    release (checked against transformers' model with the release's RoPE put in, everything else
+    left as it is). transformers 5.23's ``minimax`` does not read ``rotary_dim`` and rotates the whole
+    head; that reading is pinned here, so that a fix in transformers shows."""
+    hf = make_tiny("minimax", tmp_path / "hf", std=0.1, overrides={"rotary_dim": 12})  # half of head_dim 24
+    ours = zoo.from_pretrained(tmp_path / "hf")
+    assert ours.spec.position.rotary_dim == 12
+    ids = ids_batch(T=21)
+    got = ours(ids)
+    with release_rope(hf, 12):
+        release = hf(ids).logits
+    torch.testing.assert_close(got, release, atol=1e-5, rtol=0)
+    # transformers' reading: the whole head (its rotary has head_dim / 2 frequencies), other logits
+    assert hf.model.rotary_emb.inv_freq.numel() == 12
+    assert (hf(ids).logits - got).abs().max() > 1e-2
+    # saved, rotary_dim goes back into config.json, and zoo reads its own save as it read the release
+    zoo.save_pretrained(ours, tmp_path / "zoo")
+    saved = json.loads((tmp_path / "zoo" / "config.json").read_text())
+    assert saved["rotary_dim"] == 12 and "partial_rotary_factor" not in saved["rope_parameters"]
+    torch.testing.assert_close(zoo.from_pretrained(tmp_path / "zoo")(ids), got, atol=0, rtol=0)

@@ -71,3 +71,26 @@ def test_bad_input_is_named(pair):
     with pytest.raises(ValueError, match="norm_topk_prob"):
         zoo.checkpoints.hf.format.get_format("minimax_m2").spec_to_config(
             ours.spec.with_overrides({"layers.*.ffn.norm_topk_prob": False}))
+
+
+def test_the_releases_rotary_dim_is_read(tmp_path):
+    """Released MiniMax-M2 config.json files state partial RoPE as ``rotary_dim`` alone (beside a
+    top-level ``rope_theta``); transformers reads it as ``partial_rotary_factor = rotary_dim /
+    head_dim``. A checkpoint in that spelling gives transformers' logits, and strict reading accepts it."""
+    import json
+
+    hf = zoo.checkpoints.tiny.make_tiny("minimax_m2", tmp_path, overrides={
+        "rope_parameters": None, "rope_theta": 10000.0, "rotary_dim": 12})
+    assert hf.config.rope_parameters["partial_rotary_factor"] == 0.5  # 12 of head_dim 24
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.pop("rope_parameters")
+    cfg.update(rope_theta=10000.0, rotary_dim=12)  # the release's spelling
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = config_to_spec(cfg, strict=True)
+    assert spec.position.rotary_fraction == 0.5 or spec.position.rotary_dim == 12
+    ours = zoo.from_pretrained(tmp_path)
+    assert_logits_equal_with_a_left_padded_row(hf, ours, atol=1e-5)
+    # rope_parameters' own factor wins over rotary_dim, as transformers' setdefault gives it
+    spec = config_to_spec({**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                      "partial_rotary_factor": 0.25}})
+    assert spec.position.rotary_fraction == 0.25

@@ -35,7 +35,7 @@ def pair(hf_pair):
 def test_the_moe_layers_are_latent_moes_as_transformers_builds_them(pair):
     hf, ours, _ = pair
     moe = ours.layers[1].ffn
-    assert (moe.latent_down.weight.shape, moe.w_up.shape, moe.shared.up.weight.shape) == ((24, 32), (8, 20, 24), (28, 32))
+    assert (moe.latent_down.weight.shape, moe.experts.w_up.shape, moe.shared.up.weight.shape) == ((24, 32), (8, 20, 24), (28, 32))
     assert hf.model.layers[1].mixer.fc1_latent_proj.weight.shape == (24, 32)
     assert moe.router.bias.abs().sum() > 0  # the selection bias was drawn at random
     assert ours.num_parameters() == sum(p.numel() for p in hf.parameters())

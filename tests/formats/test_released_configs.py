@@ -58,6 +58,8 @@ def hf_text_config(config: dict):
 NOT_STORED_YET = {"minimax": "MiniMaxAI/MiniMax-Text-01-hf", "nemotron_h": "nvidia/Nemotron-H-8B-Base-8K"}
 NOT_STORED_YET["minimax_m2"] = "MiniMaxAI/MiniMax-M2"
 NOT_STORED_YET["glm_moe_dsa"] = "zai-org/GLM-5"  # no whole copy of its config.json was found (SOURCES.md)
+NOT_STORED_YET.update({"smollm3": "HuggingFaceTB/SmolLM3-3B", "olmo3": "allenai/Olmo-3-1025-7B",
+                       "cohere": "CohereLabs/c4ai-command-r-v01", "cohere2": "CohereLabs/c4ai-command-r7b-12-2024"})  # (SOURCES.md)
 
 
 def test_every_supported_model_type_has_a_released_config():
@@ -83,6 +85,10 @@ ROPE_BASE_DROPPED = {"dbrx"}
 ROPE_TYPES = {"default": "default", "linear": "linear", "dynamic": "dynamic_ntk", "yarn": "yarn", "llama3": "llama3"}
 
 
+# Whose full-attention layers have no position encoding (transformers rotates only where they slide).
+NOPE_ON_FULL = {"cohere2"}
+
+
 def same_as_transformers(config: dict) -> None:
     """zoo builds, on the meta device, what transformers builds from ``config``: the parameter count,
     the context length, which layers slide and how far, each layer's RoPE, the score scale and soft-caps."""
@@ -105,9 +111,13 @@ def same_as_transformers(config: dict) -> None:
     params = getattr(hc, "rope_parameters", None)
     if model_type_of(config) in ROPE_BASE_DROPPED and "rope_parameters" not in config:
         params = None
+    no_rope = getattr(hc, "no_rope_layers", None)  # SmolLM3: 0 where a layer has no position (NoPE)
     for i, t in enumerate(types if params else []):  # each layer's RoPE as transformers sets it up
         p = params[t] if isinstance(params.get(t), dict) else params
         pos = spec.position_for(i)
+        if (no_rope is not None and not no_rope[i]) or (t == "full_attention" and model_type_of(config) in NOPE_ON_FULL):
+            assert pos.name == "nope", f"layer {i} is NoPE in transformers"
+            continue
         assert pos.theta == p["rope_theta"]
         assert (pos.scaling.name if pos.scaling else "default") == ROPE_TYPES[p.get("rope_type", "default")]
         if pos.scaling is not None and p.get("factor") is not None:
@@ -160,6 +170,14 @@ def test_fields_transformers_declares_are_read_and_the_rest_kept(path):
     if ignored:  # strict=True is the way to hear of them
         with pytest.raises(ConfigError, match=repr(ignored[0])):
             config_to_spec(config, strict=True)
+
+
+@pytest.mark.parametrize("model_type", sorted(NOT_STORED_YET))
+def test_fields_transformers_declares_are_read_where_no_released_config_is_stored(model_type):
+    """Without a released file, the whole config transformers' config class writes (every field it
+    declares, at its default) is read: none is left unread."""
+    declared = {f.name for f in dataclasses.fields(transformers.CONFIG_MAPPING[model_type])}
+    assert not set(ignored_fields(transformers.AutoConfig.for_model(model_type).to_dict())) & declared
 
 
 def test_vendor_extras_are_ignored_as_transformers_ignores_them():

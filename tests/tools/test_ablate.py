@@ -102,7 +102,7 @@ def test_kv_bytes_per_token_come_from_the_accounting(swept):
     summary = json.loads((out / "summary.json").read_text())
     mha, gqa = summary["variants"]["mha"], summary["variants"]["gqa"]
     expected = account(zoo.get_spec(ab.base, ab.overrides("gqa")), dtype="bf16")
-    assert gqa["kv_bytes_per_token"] == expected["kv_cache"]["bytes_per_token"]
+    assert gqa["kv_bytes_per_token"] == expected["decode_state"]["bytes_per_token"]
     assert mha["kv_bytes_per_token"] == 2 * gqa["kv_bytes_per_token"]  # 4 kv heads against 2
     assert mha["params"] > gqa["params"]
 

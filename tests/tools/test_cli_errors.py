@@ -120,3 +120,53 @@ def test_lm_eval_without_the_harness_installed_names_the_extra(capsys, monkeypat
     for name in ["lm_eval"] + [m for m in sys.modules if m.startswith("lm_eval.")]:
         monkeypatch.setitem(sys.modules, name, None)  # as if the lmeval extra were not installed
     one_line_error(capsys, ["lm-eval", "--model", "zoo", "--tasks", "x"], "pip install 'zoo-lm[lmeval]'")
+
+
+# -- zoo export of a training checkpoint that is not what its state.json says ---------------------
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A training checkpoint of one step of a tiny Llama (the CLI's own run)."""
+    out = tmp_path_factory.mktemp("run")
+    assert main(TRAIN + ["--steps", "1", "--seq-len", "8", "--global-batch", "2", "--micro-batch", "2", "--out-dir",
+                         str(out), "--no-plot", "--no-export"]) == 0
+    (step,) = sorted((out / "checkpoints").iterdir())
+    return step
+
+
+def copy_of(step, tmp_path):
+    import shutil
+
+    dst = tmp_path / step.name
+    shutil.copytree(step, dst)
+    return dst
+
+
+def test_export_of_a_checkpoint_whose_state_describes_another_model(trained, tmp_path, capsys):
+    """Exported with exit 0 into a directory that could not load; the stored shapes are compared with the
+    spec first, as resume compares them."""
+    step = copy_of(trained, tmp_path)
+    state = json.loads((step / "state.json").read_text())
+    state["spec"]["d_model"] = 64
+    (step / "state.json").write_text(json.dumps(state))
+    one_line_error(capsys, ["export", str(step), str(tmp_path / "out")],
+                   "its weights are not those of the model its state.json describes (embed.weight is (256, 32), "
+                   "the spec's model has (256, 64)")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text, match", [("not json", "state.json: not valid JSON"),
+                                         ("[1, 2]", "state.json: is a JSON list, not an object"),
+                                         ('{"step": 1}', "state.json: has no spec")])
+def test_export_of_a_checkpoint_whose_state_json_is_damaged(trained, tmp_path, capsys, text, match):
+    step = copy_of(trained, tmp_path)
+    (step / "state.json").write_text(text)
+    one_line_error(capsys, ["export", str(step), str(tmp_path / "out")], match)
+
+
+def test_export_of_a_checkpoint_with_a_truncated_shard(trained, tmp_path, capsys):
+    step = copy_of(trained, tmp_path)
+    shard = max((p for p in step.rglob("*.safetensors") if "optim" not in str(p) and "rng" not in p.name),
+                key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:-100])
+    one_line_error(capsys, ["export", str(step), str(tmp_path / "out")], "cut short")

@@ -280,8 +280,8 @@ def test_an_adapter_zoo_cannot_apply_is_refused_by_field(base, tmp_path):
         zoo.from_pretrained(d / "base", adapter=tmp_path / "dora")
     other = make_tiny("llama", tmp_path / "wide", overrides={"vocab_size": 256, "hidden_size": 128})
     peft.get_peft_model(other, peft.LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "wide_adapter")
-    with pytest.raises(CheckpointError, match=r"layers\.0\.mixer\.q_proj\.lora_A is \(2, 128\), but rank 2 on this model "
-                                              r"needs \(2, 64\)"):
+    with pytest.raises(CheckpointError, match=r"layers\.0\.mixer\.q_proj\.lora_A is \(2, 128\), but on this model it "
+                                              r"must be \(2, 64\)"):
         zoo.from_pretrained(d / "base", adapter=tmp_path / "wide_adapter")
 
 

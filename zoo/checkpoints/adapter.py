@@ -287,32 +287,92 @@ def load_adapter(model: nn.Module, directory: str | Path, *, model_type: Optiona
     if not weights_file.is_file():
         raise CheckpointError(f"{directory} has no {WEIGHTS_FILE} (an adapter_model.bin is not read: "
                               "save the adapter with safe_serialization)")
+    settings = adapter_settings(cfg, config_file)
     stored = load_file(str(weights_file))
     model_type = _format_of(model, model_type)
     to_zoo = {hf: z for z, (hf, t) in _module_map(model, model_type).items() if t == "identity"} if model_type else {}
-    linears = {n.replace(WRAPPED, "") for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    linears = {n.replace(WRAPPED, ""): m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     pattern = re.compile(r"^(?:" + re.escape(PREFIX) + r")?(.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight$")
     found: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in stored.items():
         m = pattern.match(key)
-        module = m and (to_zoo.get(m.group(1)) or (m.group(1) if m.group(1) in linears else None))
-        if not module:
+        module = m and (to_zoo.get(m.group(1)) or m.group(1))
+        if not module or module not in linears:
             raise CheckpointError(f"{weights_file}: tensor {key!r} is for no linear module of this "
                                   f"{model_type or 'zoo'} model; the adapter was trained on another base")
+        if not _targeted(settings["target_modules"], m.group(1)):
+            raise CheckpointError(f"{weights_file}: tensor {key!r} is for {m.group(1)}, which {config_file.name}'s "
+                                  f"target_modules {settings['target_modules']!r} does not name: PEFT would not apply "
+                                  "it, so neither does zoo (add the module to target_modules, or drop the tensor)")
         found.setdefault(module, {})[m.group(2)] = t
+    ranks = set()
     for module, parts in found.items():
         if set(parts) != {"lora_A", "lora_B"}:
             raise CheckpointError(f"{weights_file}: module {module} has {sorted(parts)} but needs lora_A and lora_B")
-    r = int(cfg.get("r", 8))
-    add_lora(model, r=r, alpha=cfg.get("lora_alpha", 8), dropout=cfg.get("lora_dropout", 0.0),
-             rslora=bool(cfg.get("use_rslora")), targets=sorted(found), exact=True)
+        a, b, base = parts["lora_A"], parts["lora_B"], linears[module]
+        rank = a.shape[0] if a.ndim == 2 else "r"
+        for part, t, want in (("lora_A", a, (rank, base.in_features)), ("lora_B", b, (base.out_features, rank))):
+            if tuple(t.shape) != want:
+                raise CheckpointError(f"{weights_file}: {module}.{part} is {tuple(t.shape)}, but on this model it "
+                                      f"must be {want} (the rank from lora_A); the adapter is for another base")
+        ranks.add(rank)
+    if len(ranks) > 1:
+        raise CheckpointError(f"{weights_file}: its lora_A tensors have ranks {sorted(ranks)}; zoo applies one rank "
+                              "to every module (per-module ranks are rank_pattern's, which zoo does not read)")
+    r = ranks.pop() if ranks else settings["r"]
+    if r != settings["r"]:  # compared before peft allocates anything of rank r
+        raise CheckpointError(f"{config_file}: r = {settings['r']}, but the lora_A tensors of {WEIGHTS_FILE} have "
+                              f"rank {r}; the config does not describe these weights")
+    add_lora(model, r=r, alpha=settings["lora_alpha"], dropout=settings["lora_dropout"], rslora=settings["use_rslora"],
+             targets=sorted(found), exact=True)
     layers = lora_layers(model)
     with torch.no_grad():
         for module, parts in found.items():
             for part, t in parts.items():
-                w = getattr(layers[module], part)[ADAPTER].weight
-                if tuple(t.shape) != tuple(w.shape):
-                    raise CheckpointError(f"{weights_file}: {module}.{part} is {tuple(t.shape)}, but rank {r} "
-                                          f"on this model needs {tuple(w.shape)}; the adapter is for another base")
-                w.copy_(t)
+                getattr(layers[module], part)[ADAPTER].weight.copy_(t)
     return model
+
+
+def adapter_settings(cfg: dict, config_file: Path) -> dict[str, Any]:
+    """The LoRA settings of an ``adapter_config.json``, each checked as PEFT's ``LoraConfig`` would
+    have it (and with the defaults it has): ``r`` a positive integer, ``lora_alpha`` a positive finite
+    number, ``lora_dropout`` in [0, 1), ``use_rslora`` a boolean, ``target_modules`` null, a regular
+    expression or a list of module names. A wrong one is a CheckpointError naming the file and field."""
+    import math
+
+    def bad(field, must):
+        return CheckpointError(f"{config_file}: {field} = {cfg[field]!r}: must be {must}")
+
+    out = {"r": cfg.get("r", 8), "lora_alpha": cfg.get("lora_alpha", 8), "lora_dropout": cfg.get("lora_dropout", 0.0),
+           "use_rslora": cfg.get("use_rslora", False), "target_modules": cfg.get("target_modules")}
+    r = out["r"]
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise bad("r", "a positive integer (the rank)")
+    for field, ok, must in (
+            ("lora_alpha", lambda v: math.isfinite(v) and v > 0, "a positive finite number"),
+            ("lora_dropout", lambda v: 0 <= v < 1, "a number in [0, 1)")):
+        v = out[field]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+            raise bad(field, must)
+    if not isinstance(out["use_rslora"], bool):
+        raise bad("use_rslora", "true or false")
+    targets = out["target_modules"]
+    if isinstance(targets, str):
+        try:
+            re.compile(targets)
+        except re.error as exc:
+            raise bad("target_modules", f"a regular expression ({exc})") from None
+    elif targets is not None and (not isinstance(targets, list) or not all(isinstance(t, str) and t for t in targets)):
+        raise bad("target_modules", "a list of module names, or a regular expression")
+    return out
+
+
+def _targeted(targets, name: str) -> bool:
+    """Whether PEFT's ``target_modules`` picks the module ``name``: a string is a regular expression the
+    whole name must match, a list holds names the module's is or ends with (after a dot); none: the
+    adapter's own tensors say (zoo's adapters from before ``target_modules`` was written)."""
+    if targets is None:
+        return True
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return any(name == t or name.endswith("." + t) for t in targets)

@@ -26,17 +26,17 @@ def add_parser(sub):
 def _training_checkpoint(args) -> int:
     """A training checkpoint (``state.json`` beside the weights): written tensor by tensor, each
     assembled from the pieces the processes wrote, never the whole model at once."""
-    import json
     from pathlib import Path
 
     import torch
 
+    from zoo.training.checkpointer import read_state
     from zoo.training.loop import export
 
     if args.gguf:
         raise ValueError(f"{args.source} is a training checkpoint: export it as an HF directory first "
                          "(zoo export SRC DIR), then write that as GGUF")
-    config = json.loads((Path(args.source) / "state.json").read_text()).get("config", {})
+    config = read_state(Path(args.source)).get("config") or {}
     dtype = getattr(torch, args.dtype) if args.dtype else None
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ValueError(f"--dtype {args.dtype!r} is not a torch dtype (float32, bfloat16, float16)")

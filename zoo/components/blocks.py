@@ -39,7 +39,6 @@ class _Block(Block):
         self.drop = nn.Dropout(spec.dropout)
         self._norm_part, self._d = layer.norm, d
 
-
     @property
     def attention(self) -> nn.Module:
         """The mixer's name before mixers (deprecated): :attr:`mixer`."""
@@ -121,7 +120,6 @@ class FFNOnly(Block):
         self.ffn_norm = layer.norm.build(dim=spec.d_model)
         self.drop = nn.Dropout(spec.dropout)
 
-
     def forward(self, x, ctx, pos):
         h = self.ffn_norm(x)
         return x + self.drop(self.ffn(h, ctx) if self._ffn_ctx else self.ffn(h))
@@ -143,7 +141,6 @@ class MixerOnly(Block):
         self.ffn = None
         self.attn_norm = layer.norm.build(dim=spec.d_model)
         self.drop = nn.Dropout(spec.dropout)
-
 
     def forward(self, x, ctx, pos):
         return x + self.drop(self.mixer(self.attn_norm(x), ctx, pos))

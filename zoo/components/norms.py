@@ -13,24 +13,6 @@ from zoo.core.registry import register
 from zoo.core.spec import positive
 
 
-def parallelize_norm(norm: nn.Module, tp_mesh, *, shard_dim: int = 1) -> None:
-    """A norm's tensor-parallel plan (zoo.core.kinds.parallelize): its weights replicated (DTensors), so
-    that their gradient, computed from this process's slice, is summed over the processes. Split on the
-    sequence or the heads (``shard_dim`` 1) it normalises its slice (``SequenceParallel``); split on the
-    normalised features (``shard_dim`` -1: OLMo 2's QK-norm over a whole projection) it gathers them,
-    normalises the whole row and hands back its slice."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_module
-    from torch.distributed.tensor.parallel import PrepareModuleInputOutput, SequenceParallel, parallelize_module
-
-    if shard_dim != -1:
-        parallelize_module(norm, tp_mesh, SequenceParallel(sequence_dim=shard_dim, use_local_output=True))
-        return
-    distribute_module(norm, tp_mesh)  # parameters replicated
-    parallelize_module(norm, tp_mesh, PrepareModuleInputOutput(
-        input_layouts=Shard(-1), desired_input_layouts=Replicate(), output_layouts=Replicate(),
-        desired_output_layouts=Shard(-1), use_local_output=True))
-
-
 def _row_problem(dim: int):
     """Why a fused norm kernel cannot take rows of ``dim`` features (one row is one block)."""
     return f"rows of {dim} features exceed the kernel's 65536" if dim > 65536 else None
@@ -63,20 +45,23 @@ class LayerNorm(Norm):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def kernel_problem(self, backend, x=None, forced=False):
-        return _row_problem(self.dim)
-
-    parallelize = parallelize_norm
-
-    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
-        """Its input and the float32 mean and reciprocal deviation per row, on its slice of rows."""
-        return (self.dim * dtype.itemsize + 8) / tp
-
     def forward(self, x):
         fast = kernels.fast(self, x)
         if fast is not None:
             return fast(self, x)
         return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.cfg.eps)
+
+    def kernel_problem(self, backend, x=None, forced=False):
+        return _row_problem(self.dim)
+
+    # -- what this part states about itself ---------------------------------------------------------
+    #: Tensor parallelism: its weights replicated, applied to the slice it is given
+    #: (:func:`zoo.core.parallel.replicated_norm`).
+    tp_plan = {"": "replicated"}
+
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Its input and the float32 mean and reciprocal deviation per row, on its slice of rows."""
+        return (self.dim * dtype.itemsize + 8) / tp
 
 
 @register("norm", "rmsnorm")
@@ -108,20 +93,6 @@ class RMSNorm(Norm):
     def reset_parameters(self):
         (nn.init.zeros_ if self.cfg.unit_offset else nn.init.ones_)(self.weight)
 
-    def kernel_problem(self, backend, x=None, forced=False):
-        return _row_problem(self.dim)
-
-    parallelize = parallelize_norm
-
-    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
-        """Per row, on its slice of rows: the fused kernel (CUDA) keeps its input and the float32
-        reciprocal RMS; the reference keeps the input in float32, the reciprocal RMS and the normalised
-        row the weight multiplies (float32 when scaled in float32, else in ``dtype``)."""
-        if device == "cuda":
-            return (self.dim * dtype.itemsize + 4) / tp
-        normed = 4 if self.cfg.scale_in_fp32 else dtype.itemsize
-        return (self.dim * (4 + normed) + 4) / tp
-
     def forward(self, x):
         fast = kernels.fast(self, x)
         if fast is not None:
@@ -134,3 +105,20 @@ class RMSNorm(Norm):
         if self.cfg.scale_in_fp32:
             return (h * w.float()).to(dtype)
         return w * h.to(dtype)
+
+    def kernel_problem(self, backend, x=None, forced=False):
+        return _row_problem(self.dim)
+
+    # -- what this part states about itself ---------------------------------------------------------
+    #: Tensor parallelism: its weights replicated, applied to the slice it is given
+    #: (:func:`zoo.core.parallel.replicated_norm`).
+    tp_plan = {"": "replicated"}
+
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per row, on its slice of rows: the fused kernel (CUDA) keeps its input and the float32
+        reciprocal RMS; the reference keeps the input in float32, the reciprocal RMS and the normalised
+        row the weight multiplies (float32 when scaled in float32, else in ``dtype``)."""
+        if device == "cuda":
+            return (self.dim * dtype.itemsize + 4) / tp
+        normed = 4 if self.cfg.scale_in_fp32 else dtype.itemsize
+        return (self.dim * (4 + normed) + 4) / tp

@@ -1,8 +1,9 @@
 """The one table of deprecated spellings: every old name that still works, and what replaces it.
 
 Modelled on timm's ``register_model_deprecations``: an old spelling keeps working for a stated
-period and warns with a :class:`DeprecationWarning` that names the new one. Everything here was
-deprecated in zoo 0.2 and will be removed in zoo 0.4.
+period and warns with a :class:`DeprecationWarning` that names the new one. A name deprecated in
+release N warns and works through N+1 and may go in N+2 (CONTRIBUTING.md; CHANGELOG.md lists each):
+what :data:`SINCE` does not date later was deprecated in zoo 0.2 and may go in 0.4.
 
 - :data:`ALIASES`: old names of things (a class, an argument, a kind, a spec key...), each warned
   by :func:`warn` where the old spelling is read.
@@ -26,6 +27,14 @@ from typing import Any, Callable, Optional
 DEPRECATED_IN = "0.2"
 REMOVED_IN = "0.4"
 
+
+def removed_in(since: str) -> str:
+    """The release that may remove a name deprecated in release ``since``: two minor releases on."""
+    major, minor = since.split(".")[:2]
+    return f"{major}.{int(minor) + 2}"
+
+OLD_EXPERT_NAMES = "zoo-side parameter names layers.{i}.ffn.w_gate, w_up, w_down (an moe FFN's experts)"
+
 #: old spelling -> new spelling
 ALIASES: dict[str, str] = {
     "zoo.cache.KVCache.for_model(model, max_len)": "model.new_state(None, max_len)",
@@ -47,7 +56,7 @@ ALIASES: dict[str, str] = {
     "an FFN whose forward takes no ctx": "forward(self, x, ctx) (ctx may be None)",
     "accounting key 'kv_cache'": "accounting key 'decode_state'",
     "zoo-side parameter names layers.{i}.attention.*": "layers.{i}.mixer.*",
-    "zoo-side parameter names layers.{i}.ffn.w_gate, w_up, w_down (an moe FFN's experts)": "layers.{i}.ffn.experts.w_*",
+    OLD_EXPERT_NAMES: "layers.{i}.ffn.experts.w_*",
     "MoE.w_gate, MoE.w_up, MoE.w_down": "MoE.experts.w_gate, .w_up, .w_down (GroupedExperts)",
     "LlamaStyle class flags": "the format's fields, template, windows and ropes (docs/checkpoints.md)",
 }
@@ -100,6 +109,8 @@ MOVED_MODULES: dict[str, tuple[str, ...]] = {
     "zoo.train.checkpointer": ("zoo.training.checkpointer",),
     "zoo.train.data": ("zoo.training.data",),
     "zoo.train.resume": ("zoo.training.resume",),
+    # zoo 0.2's developer tool, out of the parts catalogue (``python -m zoo.tools.kernel_fit``)
+    "zoo.components.kernels.fit": ("zoo.tools.kernel_fit",),
 }
 # The checkpoints wing by concern: HF configs and names in zoo.checkpoints.hf, file containers in
 # zoo.checkpoints.files.
@@ -112,14 +123,30 @@ MOVED_MODULES.update({f"zoo.checkpoints.formats.{m}": (f"zoo.checkpoints.hf.form
 MOVED_MODULES.update({f"zoo.checkpoints.{m}": (f"zoo.checkpoints.files.{m}",)
                       for m in ("io", "hub", "native", "gguf", "gguf_out")})
 
+#: entries of :data:`ALIASES` and :data:`MOVED_MODULES` deprecated after zoo 0.2 -> the release that did:
+#: spellings that were zoo 0.2's own (its blocks' ``attention``, its MoE's stacked ``w_up``, its Llama-style
+#: class flags, its ``Decoder.generate``, training and checkpoints modules), which therefore work through 0.4
+SINCE: dict[str, str] = {old: "0.3" for old in (
+    "a block's .attention", "zoo-side parameter names layers.{i}.attention.*", "Decoder.generate(...)",
+    OLD_EXPERT_NAMES, "MoE.w_gate, MoE.w_up, MoE.w_down", "LlamaStyle class flags",
+    "zoo.train", "zoo.train.loop", "zoo.train.config", "zoo.train.checkpointer", "zoo.train.data", "zoo.train.resume",
+    "zoo.components.kernels.fit", *(m for m in MOVED_MODULES if m.startswith("zoo.checkpoints.")),
+    "generate(do_sample=)", "generate(eos_token_id=)", "generate(streamer=)")}
 
-def message(old: str, new: str) -> str:
-    return f"{old} is deprecated since zoo {DEPRECATED_IN} and will be removed in {REMOVED_IN}: use {new}"
+
+def since(old: str) -> str:
+    """The release that deprecated ``old`` (a key of :data:`ALIASES` or :data:`MOVED_MODULES`)."""
+    return SINCE.get(old, DEPRECATED_IN)
+
+
+def message(old: str, new: str, deprecated_in: str = DEPRECATED_IN) -> str:
+    return (f"{old} is deprecated since zoo {deprecated_in} and will be removed in {removed_in(deprecated_in)}: "
+            f"use {new}")
 
 
 def warn(old: str, *, stacklevel: int = 3) -> None:
     """Warn that the spelling ``old`` (a key of :data:`ALIASES`) was used, naming its replacement."""
-    warnings.warn(message(old, ALIASES[old]), DeprecationWarning, stacklevel=stacklevel)
+    warnings.warn(message(old, ALIASES[old], since(old)), DeprecationWarning, stacklevel=stacklevel)
 
 
 def moved_call(old: str, *, stacklevel: int = 3) -> Callable[..., Any]:
@@ -150,7 +177,7 @@ def moved_module(old: str) -> tuple[Callable[[str], Any], Callable[[], list[str]
         for home in homes:
             mod = importlib.import_module(home)
             if hasattr(mod, name):
-                warnings.warn(message(f"{old}.{name}", f"{home}.{name}"), DeprecationWarning, stacklevel=2)
+                warnings.warn(message(f"{old}.{name}", f"{home}.{name}", since(old)), DeprecationWarning, stacklevel=2)
                 return getattr(mod, name)
         raise AttributeError(f"module {old!r} has no attribute {name!r} (it moved to {', '.join(homes)})")
 
@@ -185,7 +212,7 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         old = module.__name__
-        module.__doc__ = (f"Deprecated since zoo {DEPRECATED_IN}, removed in {REMOVED_IN}: moved to "
+        module.__doc__ = (f"Deprecated since zoo {since(old)}, removed in {removed_in(since(old))}: moved to "
                           f"{', '.join(MOVED_MODULES[old])}.")
         module.__getattr__, module.__dir__ = moved_module(old)
         vars(module).update(_OWN.get(old, {}))

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from zoo.core import deprecations as _deprecations
+from zoo.core.parallel import apply_plan
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class Part(Kernels, nn.Module):
 
     A class registered without inheriting its kind's base gets the defaults it lacks mixed in at
     registration (:func:`adapt`), so the core always calls the method and never looks it up.
-    (Room is left here for a part to state how it shards under tensor parallelism.)
+    A part states how it shards under tensor parallelism as data (``tp_plan``, ``tp_divides``).
     """
 
     # -- spec time (class-level: called with the part's config, before anything is built) --------
@@ -160,18 +161,29 @@ class Part(Kernels, nn.Module):
     #: is cast to a narrower dtype (a router's selection bias).
     fp32_tensors: ClassVar[tuple[str, ...]] = ()
 
+    #: Read by the default :meth:`parallelize` (:func:`zoo.core.parallel.apply_plan`): this part's
+    #: tensor-parallel plan as data, submodule name -> style (``""`` is the part itself), e.g. attention's
+    #: ``{"": "gather_sequence", "q_proj": "colwise", ..., "o_proj": "rowwise"}``; the styles are
+    #: :data:`zoo.core.parallel.TP_STYLES`. None: no plan (``tp > 1`` is an error naming the part), unless
+    #: the part writes its own ``parallelize``. A plan that depends on the config may be a property.
+    tp_plan: ClassVar[Optional[dict[str, str]]] = None
+    #: Read with ``tp_plan``: the part's attributes (``n_heads``, ``d_ff``) that ``tp`` must divide.
+    tp_divides: ClassVar[tuple[str, ...]] = ()
+
     def parallelize(self, tp_mesh: Any, **kw: Any) -> None:
         """Called by :func:`parallelize` (from ``Decoder.parallelize``, itself called by
         ``zoo.training.loop.start_model`` on the meta device, before activation checkpointing and FSDP2):
         shard this part over ``tp_mesh`` (tensor and sequence parallelism). For a mixer or an FFN,
         ``x`` arrives as this process's slice of the sequence, a local (B, T / tp, d_model) tensor,
-        and the output leaves the same way; in between the part does what its plan says
-        (``torch.distributed.tensor.parallel.parallelize_module`` with ``PrepareModuleInput``,
-        ``ColwiseParallel``, ``RowwiseParallel``), computes with its local head counts, and makes sure
-        every parameter held whole on each process gets its whole gradient
-        (:func:`zoo.core.parallel.grad_summed`). A norm takes ``shard_dim=``. Default: no plan, so
-        ``tp > 1`` is an error naming the part."""
-        raise no_plan(self)
+        and the output leaves the same way; in between the part does what its plan says, computes with
+        its local head counts, and makes sure every parameter held whole on each process gets its whole
+        gradient (:func:`zoo.core.parallel.grad_summed`). A norm takes ``shard_dim=``. Default: the
+        declarative plan (``tp_plan``, ``tp_divides``; :func:`zoo.core.parallel.apply_plan`), or, with
+        none, an error naming the part. Write this hook only for what no dict says (packed projections,
+        MLA's shared rotary key, experts), with the helpers of :mod:`zoo.core.parallel`."""
+        if self.tp_plan is None:
+            raise no_plan(self)
+        apply_plan(self, tp_mesh, parallelize, **kw)
 
 class Norm(Part):
     """A norm: ``cls(config, dim=...)``, called on ``x``."""
@@ -391,8 +403,8 @@ def no_plan(part: nn.Module, where: str = "") -> NotImplementedError:
     at = f"{where} " if where else ""
     return NotImplementedError(
         f"{at}({type(part).__module__}.{type(part).__qualname__}) has no tensor-parallel plan: it does not "
-        "define parallelize(tp_mesh, ...), so parallel.tp > 1 cannot shard it; set tp = 1, or give the part a "
-        "plan (docs/training.md, 'Tensor and sequence parallelism')")
+        "state a tp_plan (or define parallelize(tp_mesh, ...)), so parallel.tp > 1 cannot shard it; set tp = 1, "
+        "or give the part a plan (docs/training.md, 'Tensor and sequence parallelism')")
 
 
 def parallelize(part: nn.Module, tp_mesh: Any, where: str, **kw: Any) -> None:
@@ -464,6 +476,15 @@ def implements(obj: Any, hook: str) -> bool:
     (``to_static``, ``truncate``) or a no-op the core skips (``after_optimizer_step``)."""
     return _own(obj if isinstance(obj, type) else type(obj), hook) is not None
 
+
+#: The hooks in which a part states facts about itself for the other wings (spec checks, shrinking,
+#: accounting, memory, checkpoint transforms, parallel plans) rather than computes. In a part file they
+#: follow the mechanism, below one line, :data:`FACTS_DIVIDER` (tests/parts/test_part_files.py checks
+#: zoo's own). ``check_experts`` is a router's, read by the mixture of experts' spec check.
+FACT_HOOKS = ("shrink", "shrink_to", "resolved", "check_in_model", "check_experts", "rotary_dim", "max_positions",
+              "heads", "cost", "facts", "activation_bytes", "tp_plan", "tp_divides", "parallelize",
+              "parallelize_experts", "expert_parameters")
+FACTS_DIVIDER = "# -- what this part states about itself --"
 
 #: Class -> the default hooks :func:`adapt` mixed into it.
 _MIXED: dict[type, tuple[str, ...]] = {}
@@ -548,6 +569,15 @@ def misspelt_hooks(obj: Any, base: type) -> list[tuple[str, str]]:
             if close:
                 out.append((name, close[0]))
     return out
+
+
+def mixer_of(block: nn.Module) -> nn.Module:
+    """A block's token mixer: its ``mixer``, or, for a block of its own written against zoo 0.2's block
+    API, the ``attention`` it stores the mixer as (its parameters keep that name: ``layers.{i}.attention.*``)."""
+    for name in ("mixer", "attention"):
+        if block._modules.get(name) is not None:
+            return block._modules[name]
+    return block.mixer  # a block that makes its mixer a property
 
 
 def takes_ctx(module: nn.Module) -> bool:

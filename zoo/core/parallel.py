@@ -1,4 +1,7 @@
-"""What a part uses to state its tensor-parallel plan (the ``parallelize`` hook, :func:`zoo.core.kinds.parallelize`).
+"""What a part uses to state its tensor-parallel plan: its ``tp_plan`` dict and ``tp_divides`` sizes, read by
+:func:`apply_plan` (submodule name -> a style of :data:`TP_STYLES`, as transformers' ``base_model_tp_plan``
+but per part), or, for a plan no dict says (packed projections, MLA's shared rotary key, experts), the
+helpers below used by the part's own ``parallelize`` hook (:func:`zoo.core.kinds.parallelize`).
 
 The engine is PyTorch's: DTensor and ``torch.distributed.tensor.parallel``. Between parts the residual
 stream is a plain local tensor, this process's slice of the sequence (B, T / tp, d); a part gathers it
@@ -10,7 +13,8 @@ tensors with local head counts.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import inspect
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -87,6 +91,87 @@ def heads_out() -> Any:
     from torch.distributed.tensor.parallel import RowwiseParallel
 
     return RowwiseParallel(output_layouts=Shard(1))
+
+
+def replicated_norm(norm: nn.Module, tp_mesh: Any, *, shard_dim: int = 1) -> None:
+    """A norm's plan (the ``tp_plan`` style ``"replicated"``): its weights replicated (DTensors), so that
+    their gradient, computed from this process's slice, is summed over the processes. Split on the
+    sequence or the heads (``shard_dim`` 1) it normalises its slice (``SequenceParallel``); split on the
+    normalised features (``shard_dim`` -1: OLMo 2's QK-norm over a whole projection) it gathers them,
+    normalises the whole row and hands back its slice."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_module
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput, SequenceParallel, parallelize_module
+
+    if shard_dim != -1:
+        parallelize_module(norm, tp_mesh, SequenceParallel(sequence_dim=shard_dim, use_local_output=True))
+        return
+    distribute_module(norm, tp_mesh)  # parameters replicated
+    parallelize_module(norm, tp_mesh, PrepareModuleInputOutput(
+        input_layouts=Shard(-1), desired_input_layouts=Replicate(), output_layouts=Replicate(),
+        desired_output_layouts=Shard(-1), use_local_output=True))
+
+
+def _forward_extra(part: nn.Module) -> int:
+    """How many inputs ``part`` is called with after ``x`` (``ctx`` and ``pos`` for a mixer, ``ctx`` for
+    an FFN that takes it): its forward's positional parameters after the first."""
+    params = inspect.signature(part.forward).parameters.values()
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) - 1
+
+
+#: What a ``tp_plan`` entry may say of the part itself (the key ``""``), with what it does.
+SELF_STYLES: dict[str, Callable[..., None]] = {
+    # a mixer's or an FFN's input, this process's slice of the sequence, gathered whole (:func:`sequence_input`)
+    "gather_sequence": lambda part, tp_mesh, **kw: _parallelize_module(
+        part, tp_mesh, sequence_input(tp_mesh, extra=_forward_extra(part))),
+    # weights replicated, run on the slice it is given (a norm, :func:`replicated_norm`)
+    "replicated": lambda part, tp_mesh, shard_dim=1, **kw: replicated_norm(part, tp_mesh, shard_dim=shard_dim),
+}
+#: What a ``tp_plan`` entry may say of a submodule: a ``torch.distributed.tensor.parallel`` style.
+MODULE_STYLES: dict[str, Callable[[], Any]] = {
+    "colwise": lambda: heads_in(),  # a projection into heads (or features): sharded by its output rows
+    "rowwise": lambda: heads_out(),  # the projection out of them, reduce-scattered onto the sequence slice
+}
+#: What a ``tp_plan`` entry may say of a sub-part (a QK-norm): its own plan, its input arriving split on
+#: this dimension (1: the heads of (B, heads, T, D) rows; -1: the features of a whole projection).
+PART_STYLES: dict[str, int] = {"split_heads": 1, "split_features": -1}
+TP_STYLES = (*SELF_STYLES, *MODULE_STYLES, *PART_STYLES)
+
+
+def _parallelize_module(module: nn.Module, tp_mesh: Any, plan: Any) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(module, tp_mesh, plan)
+
+
+def apply_plan(part: nn.Module, tp_mesh: Any, sub_part: Callable[..., None], **kw: Any) -> None:
+    """Shard ``part`` over ``tp_mesh`` as its declarative plan says (the default ``parallelize``,
+    :meth:`zoo.core.kinds.Part.parallelize`): first each size named in ``part.tp_divides`` (an
+    attribute: ``n_heads``, ``d_ff``) must split over ``tp`` (:func:`local_count`); then ``part.tp_plan``,
+    submodule name -> style, is applied: the part's own entry (``""``, :data:`SELF_STYLES`), its
+    submodules' (:data:`MODULE_STYLES`, one ``parallelize_module``), and its sub-parts' own plans
+    (:data:`PART_STYLES`, through ``sub_part``, :func:`zoo.core.kinds.parallelize`). An entry naming a
+    submodule this instance lacks (a QK-norm the config turned off) is skipped; a style not listed is an
+    error naming the part and the entry. ``kw`` (a norm's ``shard_dim``) goes to the part's own entry."""
+    plan, name = dict(part.tp_plan), type(part).__qualname__
+    for what in part.tp_divides:
+        local_count(getattr(part, what), tp_mesh, what, part)
+    unknown = {k: v for k, v in plan.items() if v not in TP_STYLES}
+    if unknown:
+        raise ValueError(f"{name}.tp_plan: unknown style(s) {unknown}; the styles are {', '.join(TP_STYLES)}")
+    own = plan.pop("", None)
+    if own is not None:
+        if own not in SELF_STYLES:
+            raise ValueError(f"{name}.tp_plan['']: the part's own entry is one of {', '.join(SELF_STYLES)}, got {own!r}")
+        SELF_STYLES[own](part, tp_mesh, **kw)
+    present = {k: v for k, v in plan.items() if isinstance(getattr(part, k, None), nn.Module)}
+    modules = {k: MODULE_STYLES[v]() for k, v in present.items() if v in MODULE_STYLES}
+    if modules:
+        _parallelize_module(part, tp_mesh, modules)
+    for k, v in present.items():
+        if v in PART_STYLES:
+            sub_part(getattr(part, k), tp_mesh, k, shard_dim=PART_STYLES[v])
+        elif v in SELF_STYLES:
+            raise ValueError(f"{name}.tp_plan[{k!r}]: {v!r} is a style of the part itself (the key '')")
 
 
 def rank_of(tp_mesh: Any) -> int:

@@ -5,9 +5,9 @@ they come (no half-decoded UTF-8 sequences). The tokenizer is a checkpoint's
 
 from __future__ import annotations
 
-from zoo.checkpoints.files.tokenizer import Tokenizer, read_tokenizer_file
+from zoo.checkpoints.files.tokenizer import Tokenizer, chat_template, read_tokenizer_file
 
-__all__ = ["TextStream", "Tokenizer", "read_tokenizer_file"]
+__all__ = ["TextStream", "Tokenizer", "chat_template", "read_tokenizer_file"]
 
 
 class TextStream:

@@ -60,7 +60,7 @@ def _check_documents(model: nn.Module, documents: torch.Tensor, B: int, T: int, 
         raise ValueError("document_ids: the multi-token prediction modules do not keep packed documents apart; "
                          "train this model with packing = 'plain'")
     for i, layer in enumerate(model.layers):
-        if not layer.mixer.documents:
+        if not _kinds.mixer_of(layer).documents:
             raise ValueError(f"document_ids: layer {i}'s mixer {model.spec.layer(i).mixer.name!r} does not keep "
                              "packed documents apart (it states no documents = True); train it with packing = "
                              "'plain'")
@@ -74,7 +74,7 @@ def new_state(model: nn.Module, batch: Optional[int], max_len: Optional[int] = N
     dtype, device = dtype or p.dtype, device or p.device
     layers = []
     for i, layer in enumerate(model.layers):
-        mixer = layer.mixer
+        mixer = _kinds.mixer_of(layer)
         state = _kinds.adapt_state(mixer.new_state(batch, max_len, dtype=dtype, device=device))
         if state is None:
             raise ValueError(

@@ -441,7 +441,7 @@ def sweep(ablation: Ablation, out_dir: str | Path, *, log_with: Sequence[str] = 
     for variant, spec in specs.items():  # the model's own accounting (KV cache in bf16, as served)
         figures = account(spec, dtype="bf16")
         facts[variant] = {"params": figures["params"]["total"],
-                          "kv_bytes_per_token": figures["kv_cache"]["bytes_per_token"]}
+                          "kv_bytes_per_token": figures["decode_state"]["bytes_per_token"]}
     todo, results = [], []
     for variant, lr, seed, out, state, done in plan(ablation, specs, out_dir):  # up front: every process agrees
         if state == "done":

@@ -11,6 +11,7 @@ still resume, on the layout that wrote them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from zoo.checkpoints.files.io import DTYPES
-from zoo.checkpoints.hf.maps import current_name, moved_expert_name
+from zoo.checkpoints.hf.maps import current_name, earlier_names
 from zoo.core.spec import ModelSpec, differences
 from zoo.training.config import TrainConfig
 from zoo.training.resume import fsync_dir, fsync_tree, step_of
@@ -218,13 +219,14 @@ class Checkpointer:
         from torch.distributed.tensor import DTensor
 
         sharded = state["sharded"]
-        # A checkpoint of zoo 0.1 names the mixer ``layers.{i}.attention.*``: read it under today's names.
-        weights = {current_name(k): v for k, v in load_file(str(path / self._files(sharded, "model"))).items()}
+        # A checkpoint of zoo 0.1 or 0.2 names the mixer ``layers.{i}.attention.*``, one of zoo 0.2 an moe FFN's
+        # experts ``layers.{i}.ffn.w_up``: read under today's names where the model has them (a plugin's
+        # own block keeps its ``attention``, found under its own name).
+        weights = load_file(str(path / self._files(sharded, "model")))
         with torch.no_grad():
             for name, t in model.state_dict(keep_vars=True).items():
-                old = name.replace(".experts.w_", ".w_") if name not in weights else name
-                if old != name and old in weights and moved_expert_name(old) == name:  # zoo 0.2's MoE names
-                    weights[name] = weights.pop(old)
+                if name not in weights:
+                    name = next((old for old in earlier_names(name) if old in weights), name)
                 if name not in weights:
                     raise KeyError(f"checkpoint {path} has no tensor {name!r}; it was written by another model")
                 _local(t).copy_(weights[name])
@@ -244,6 +246,36 @@ class Checkpointer:
         optimizer.load_state_dict({"state": opt_state, "param_groups": state["optimizer"]["param_groups"]})
 
 
+def read_state(path: Path) -> dict[str, Any]:
+    """A training checkpoint's ``state.json`` as a dict holding a ``spec``; one that is missing, not
+    JSON, not an object or without a spec is a ValueError naming the file."""
+    file = Path(path) / "state.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} is not a training checkpoint (no state.json); pass a step-NNNNNNN directory")
+    try:
+        state = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{file}: not valid JSON ({exc}); the checkpoint is damaged") from None
+    if not isinstance(state, dict) or not isinstance(state.get("spec"), dict):
+        what = "has no spec" if isinstance(state, dict) else f"is a JSON {type(state).__name__}, not an object"
+        raise ValueError(f"{file}: {what}; it is not a training checkpoint's state (or it is damaged)")
+    return state
+
+
+@contextlib.contextmanager
+def _open(file: str):
+    """``safe_open``, with a torn or unreadable file a ValueError naming it instead of a SafetensorError."""
+    from safetensors import safe_open
+
+    try:
+        f = safe_open(file, "pt")
+    except Exception as exc:
+        raise ValueError(f"{file}: not a readable safetensors file, or cut short ({type(exc).__name__}: {exc}); "
+                         "the checkpoint is damaged") from None
+    with f:
+        yield f
+
+
 class CheckpointWeights(Mapping):
     """The whole weights of a training checkpoint by name, each tensor assembled from the pieces its
     files hold when it is asked for: a reader of one tensor at a time, for :func:`zoo.save_pretrained`
@@ -251,7 +283,7 @@ class CheckpointWeights(Mapping):
 
     def __init__(self, path: str | Path, dtype: Optional[torch.dtype] = None):
         self.path, self.dtype = Path(path), dtype
-        state = json.loads((self.path / "state.json").read_text())
+        state = read_state(self.path)
         # name -> (size, dtype, its pieces: (file, offsets, sizes, the name in the file))
         self.index: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[str, tuple, tuple, str]]]] = {}
         if state.get("format", 1) == 1:
@@ -262,7 +294,7 @@ class CheckpointWeights(Mapping):
             from safetensors import safe_open
 
             file = str(self.path / "model.safetensors")
-            with safe_open(file, "pt") as f:
+            with _open(file) as f:
                 for name in f.keys():
                     piece = f.get_slice(name)
                     shape = tuple(piece.get_shape())
@@ -273,7 +305,11 @@ class CheckpointWeights(Mapping):
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
         directory = self.path / "model"
-        metadata = HuggingFaceStorageReader(str(directory)).read_metadata()
+        try:
+            metadata = HuggingFaceStorageReader(str(directory)).read_metadata()
+        except Exception as exc:  # safetensors' SafetensorError, OSError, ... on a torn or missing shard
+            raise ValueError(f"checkpoint {self.path}: its weights in {directory} cannot be read, a file is missing "
+                             f"or cut short ({type(exc).__name__}: {exc})") from None
         for name, md in metadata.state_dict_metadata.items():
             pieces = []
             for chunk in md.chunks:
@@ -294,12 +330,12 @@ class CheckpointWeights(Mapping):
 
         size, dtype, pieces = self.index[name]
         if len(pieces) == 1 and pieces[0][2] == size:  # written whole (one process, or a replicated tensor)
-            with safe_open(pieces[0][0], "pt") as f:
+            with _open(pieces[0][0]) as f:
                 return f.get_tensor(pieces[0][3]).to(self._dtype(dtype))
         whole = torch.empty(size, dtype=dtype)
         covered = 0
         for file, offsets, sizes, stored in pieces:
-            with safe_open(file, "pt") as f:
+            with _open(file) as f:
                 piece = f.get_tensor(stored)
             whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = piece
             covered += piece.numel()

@@ -521,10 +521,14 @@ def export(checkpoint: Path, path: Path, *, model_type: Optional[str] = None, to
     from zoo.checkpoints.hf.format import CheckpointError
     from zoo.checkpoints.files.native import save_native
     from zoo.core.registry import list_components
-    from zoo.training.checkpointer import CheckpointWeights
+    from zoo.core.spec import SpecError
+    from zoo.training.checkpointer import CheckpointWeights, read_state
 
-    state = json.loads((Path(checkpoint) / "state.json").read_text())
-    spec = ModelSpec.from_dict(state["spec"])
+    state = read_state(checkpoint)
+    try:
+        spec = ModelSpec.from_dict(state["spec"])
+    except SpecError as exc:
+        raise ValueError(f"{Path(checkpoint) / 'state.json'}: its spec does not describe a model ({exc})") from None
     lora = (state.get("config") or {}).get("lora")
     if lora:  # a LoRA run's: the merged model, each adapted weight merged as it is read
         from zoo.checkpoints.adapter import MergedWeights
@@ -533,6 +537,7 @@ def export(checkpoint: Path, path: Path, *, model_type: Optional[str] = None, to
     else:
         weights = CheckpointWeights(checkpoint, dtype=dtype)
     plain = build_model(spec, device="meta")  # names, shapes and heads for the weight-name map; no data
+    check_stored_shapes(checkpoint, plain, weights)
     plain.checkpoint_format, plain.hf_config = source_format, dict(hf_config or {})
     tokenizer = tokenizer if hasattr(tokenizer, "save") else None
     errors = []
@@ -548,6 +553,22 @@ def export(checkpoint: Path, path: Path, *, model_type: Optional[str] = None, to
     log(f"no Hugging Face checkpoint format describes this model ({'; '.join(errors[:2])}); "
         f"wrote it in zoo's own layout to {path} (spec.toml, model.safetensors), which zoo.from_pretrained loads")
     return Path(path)
+
+
+def check_stored_shapes(checkpoint: Path, model: nn.Module, weights) -> None:
+    """The checkpoint's stored tensors (``weights``, with ``meta(name)``) against the model its
+    state.json's spec builds, as resume compares them: a missing, extra or differently shaped tensor is
+    a ValueError naming it, before anything is written."""
+    want = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    stored = set(weights)
+    problems = [f"{n} is missing" for n in want if n not in stored]
+    problems += [f"{n} is not in the model" for n in sorted(stored - set(want))]
+    problems += [f"{n} is {tuple(weights.meta(n).shape)}, the spec's model has {want[n]}"
+                 for n in want if n in stored and tuple(weights.meta(n).shape) != want[n]]
+    if problems:
+        raise ValueError(f"checkpoint {checkpoint}: its weights are not those of the model its state.json describes "
+                         f"({'; '.join(problems[:3])}{'; ...' if len(problems) > 3 else ''}); the state.json belongs "
+                         "to another run, or the checkpoint is damaged")
 
 
 def plot_losses(metrics_file: Path, png: Path) -> Path:

@@ -75,7 +75,7 @@ def test_alibi_model_sdpa_equals_eager_and_prefers_near_tokens():
         outs = []
         for backend in ("sdpa", "eager"):
             for layer in model.layers:
-                layer.attention.backend = backend
+                layer.mixer.backend = backend
             outs.append(model(ids))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     # With identical queries and keys, the bias alone decides: attention decays with distance.
@@ -101,7 +101,7 @@ def test_dyt_formula():
 def test_a_preset_builds_with_both_parts():
     model = zoo.build("llama3-8b", n_layers=2, d_model=64, vocab_size=128, seed=0,
                       overrides={"position": "alibi", "layers.*.norm": "dyt", "final_norm": "dyt",
-                                 "layers.*.attention.n_heads": 8, "layers.*.attention.n_kv_heads": 2,
+                                 "layers.*.mixer.n_heads": 8, "layers.*.mixer.n_kv_heads": 2,
                                  "layers.*.ffn.d_ff": 128})
     assert isinstance(model.layers[0].attn_norm, zoo.get("norm", "dyt"))
     assert not list(model.positions.parameters())  # ALiBi has no weights

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from zoo.checkpoints.hf.format import CheckpointError, ConfigError, get_format
+from zoo.checkpoints.hf.format import BOUNDED, CheckpointError, ConfigError, get_format, is_kind
 from zoo.checkpoints.hf.maps import Heads, _concat_fuse, _concat_split, _grouped_fuse, _grouped_split, bind
 from zoo.checkpoints.weights import load_weights
 from zoo.core import registry as _registry
@@ -278,16 +278,110 @@ def architecture_of(model_type: str) -> Optional[GGUFArch]:
     return next((a for a in ARCHITECTURES.values() if a.model_type == model_type), None)
 
 
+# -- the header, walked before any reader loops over it --------------------------------------------
+
+# GGUF value types (gguf.GGUFValueType) -> bytes per item; 8 (string) and 9 (array) have a length first.
+_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+MAX_ARRAY = 1 << 22  # items in one metadata array: zoo's vocabulary limit (gguf's reader keeps a view per item)
+MAX_NESTING = 4  # arrays of arrays
+MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+def scan_header(path: Path) -> None:
+    """Walk a GGUF file's header as llama.cpp does, checking every count and length it states
+    against the bytes left before anything is read or looped over (``gguf.GGUFReader`` loops over
+    a claimed count, and reads past the end as empty: 128 bytes claiming 2**62 items would run
+    forever). A :class:`CheckpointError` names the file, the key or tensor, and the count."""
+    import mmap
+    import struct
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size < 24 or f.read(4) != b"GGUF":
+            raise CheckpointError(f"{path}: not a GGUF file (it does not start with the GGUF magic and header)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            version = struct.unpack_from("<I", data, 4)[0]
+            end = ">" if version & 0xFFFF == 0 else "<"  # a big-endian file, as gguf's reader tells it
+            version = struct.unpack_from(end + "I", data, 4)[0]
+            if version not in (2, 3):
+                raise CheckpointError(f"{path}: GGUF version {version} is not one zoo reads (2 or 3)")
+            u32, u64 = struct.Struct(end + "I"), struct.Struct(end + "Q")
+            pos = 8
+
+            def number(st, what):
+                nonlocal pos
+                if pos + st.size > size:
+                    raise CheckpointError(f"{path}: the header is cut short at byte {pos}, in {what}")
+                (v,) = st.unpack_from(data, pos)
+                pos += st.size
+                return v
+
+            def skip(n, what):
+                nonlocal pos
+                if n > size - pos:
+                    raise CheckpointError(f"{path}: {what} claims {n:,} bytes, but only {size - pos:,} are left in the "
+                                          "file (a damaged or hostile header)")
+                pos += n
+
+            def string(what):
+                n = number(u64, what)
+                skip(n, f"{what} (a string)")
+                return n
+
+            def value(kind, what, depth=0):
+                if kind in _FIXED:
+                    return skip(_FIXED[kind], what)
+                if kind == 8:
+                    return string(what)
+                if kind != 9:
+                    raise CheckpointError(f"{path}: {what} has value type {kind}, which GGUF does not define")
+                if depth >= MAX_NESTING:
+                    raise CheckpointError(f"{path}: {what} nests arrays deeper than {MAX_NESTING} levels")
+                item, count = number(u32, what), number(u64, what)
+                if count > MAX_ARRAY:
+                    raise CheckpointError(f"{path}: {what} claims an array of {count:,} items, beyond zoo's limit of "
+                                          f"{MAX_ARRAY:,} (a damaged or hostile header)")
+                if item in _FIXED:
+                    return skip(count * _FIXED[item], f"{what} (an array of {count:,} items)")
+                least = 8 if item == 8 else 12  # a string's length, an array's type and count
+                if count * least > size - pos:
+                    raise CheckpointError(f"{path}: {what} claims an array of {count:,} items, but only {size - pos:,} "
+                                          "bytes are left in the file (a damaged or hostile header)")
+                for _ in range(count):
+                    value(item, what, depth + 1)
+
+            n_tensors, n_kv = number(u64, "the tensor count"), number(u64, "the metadata count")
+            for count, least, what in ((n_kv, 8 + 4 + 1, "metadata entries"), (n_tensors, 8 + 4 + 4 + 8, "tensors")):
+                if count * least > size - pos:
+                    raise CheckpointError(f"{path}: the header claims {count:,} {what}, but only {size - pos:,} bytes "
+                                          "are left in the file (a damaged or hostile header)")
+            for i in range(n_kv):
+                start = pos
+                n = string(f"metadata entry {i}'s key")
+                key = bytes(data[start + 8:start + 8 + n]).decode("utf-8", "replace")
+                value(number(u32, f"metadata key {key!r}"), f"metadata key {key!r}")
+            for i in range(n_tensors):
+                start = pos
+                n = string(f"tensor {i}'s name")
+                name = bytes(data[start + 8:start + 8 + n]).decode("utf-8", "replace")
+                dims = number(u32, f"tensor {name!r}'s dimension count")
+                if dims > MAX_DIMS:
+                    raise CheckpointError(f"{path}: tensor {name!r} claims {dims:,} dimensions; GGUF tensors have at "
+                                          f"most {MAX_DIMS}")
+                skip(8 * dims + 4 + 8, f"tensor {name!r}'s shape, type and offset")
+
+
 class GGUFFile:
     """A GGUF file opened with ``gguf.GGUFReader`` (memory-mapped, nothing read yet): its metadata
-    as Python values and its tensor table. A file cut short or otherwise unreadable is a
-    CheckpointError naming it."""
+    as Python values and its tensor table. The header is walked first (:func:`scan_header`); a
+    file cut short or otherwise unreadable is a CheckpointError naming it."""
 
     def __init__(self, path: str | Path):
         gguf = require_gguf()
         self.path = Path(path)
         if not self.path.is_file():
             raise CheckpointError(f"{self.path}: no such GGUF file")
+        scan_header(self.path)
         try:
             self.reader = gguf.GGUFReader(self.path)
         except Exception as exc:  # the reader raises ValueError, IndexError, ... on a damaged file
@@ -341,6 +435,11 @@ class GGUFFile:
         for required in ("embedding_length", "block_count", "attention.head_count"):
             if f"{a}.{required}" not in self:
                 raise CheckpointError(f"{self.path}: metadata key '{a}.{required}' is missing")
+        for sub, hf in fields.items():  # sizes that lists are made of are bounded before any is made
+            limit, v = BOUNDED.get(hf), cfg.get(hf)
+            if limit is not None and v is not None and (not is_kind(v, int) or not 0 < v <= limit):
+                raise CheckpointError(f"{self.path}: metadata key '{a}.{sub}' = {v!r} is not a size zoo reads (a "
+                                      f"positive integer of at most {limit:,})")
         if self.value(f"{a}.attention.causal", True) is not True:
             raise CheckpointError(f"{self.path}: {a}.attention.causal is false; zoo's decoders are causal")
         d_key, h_key = fields["embedding_length"], fields["attention.head_count"]

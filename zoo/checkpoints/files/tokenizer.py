@@ -37,6 +37,22 @@ def _read_json(path: Path) -> dict:
         return json.load(f)
 
 
+def chat_template(value, where: str) -> Optional[str]:
+    """A chat template as a file states it: a string, or transformers' list of named templates
+    (``[{"name": "default", "template": ...}, {"name": "tool_use", ...}]``), of which the ``default``
+    one is used, as transformers does; anything else is a ValueError naming ``where``."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                       and isinstance(t.get("template"), str) for t in value):
+        named = {t["name"]: t["template"] for t in value}
+        if "default" not in named:
+            raise ValueError(f"{where} names templates {sorted(named)} but none 'default', the one a chat uses")
+        return named["default"]
+    raise ValueError(f"{where} must be a string or a list of {{'name': ..., 'template': ...}} entries, "
+                     f"got {type(value).__name__}")
+
+
 class Tokenizer:
     """A ``tokenizer.json`` (a file, or a checkpoint directory holding one), read by ``tokenizers``:
     the one tokenizer wrapper, for generation and for training data alike."""
@@ -56,7 +72,7 @@ class Tokenizer:
             self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
             self.bos_token, self.add_bos = parts["bos_token"], parts["add_bos"]
             self.eos_token_ids, self.pad_token_id = parts["eos_token_ids"], parts["pad_token_id"]
-            self.chat_template = parts["chat_template"]
+            self.chat_template = chat_template(parts["chat_template"], f"{self.path}: tokenizer.chat_template")
             self.config, self.generation = {}, {}
             return
         path = directory / "tokenizer.json" if directory.is_dir() else directory
@@ -80,8 +96,14 @@ class Tokenizer:
         self.eos_token_ids: list[int] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self.pad_token_id: Optional[int] = gen.get("pad_token_id")
         template = folder / "chat_template.jinja"
-        self.chat_template: Optional[str] = (template.read_text(encoding="utf-8") if template.is_file()
-                                             else config.get("chat_template"))
+        self.chat_template: Optional[str] = (template.read_text(encoding="utf-8") if template.is_file() else
+                                             chat_template(config.get("chat_template"),
+                                                           f"{folder / 'tokenizer_config.json'}: chat_template"))
+
+    @property
+    def eos_token_id(self) -> Optional[int]:
+        """The first end-of-sequence id (transformers' spelling); :attr:`eos_token_ids` holds them all."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
 
     @staticmethod
     def _token(entry) -> Optional[str]:

@@ -162,6 +162,24 @@ def pattern(types: list[str]) -> tuple[str, ...]:
     return tuple(types)
 
 
+def split_kinds(data: dict[str, Any], tags: list[str], parts: dict[str, dict[str, Any]]) -> None:
+    """Split the layer kinds of spec ``data`` (its ``layers`` and ``layer_pattern``) by a per-layer
+    tag: layer i of kind k becomes kind ``{k}_{tag}`` (``{tag}`` where k is ``default``), with the
+    slots of ``parts[tag]`` put in (a whole slot replaced: ``{"position": {"name": "nope"}}``). With
+    one tag for every layer the kinds keep their names."""
+    period, n = data["layer_pattern"], data["n_layers"]
+    mixed = len(set(tags)) > 1
+    layers: dict[str, Any] = {}
+    names = []
+    for i, tag in enumerate(tags):
+        base = period[i % len(period)]
+        name = base if not mixed else (tag if base == "default" else f"{base}_{tag}")
+        if name not in layers:
+            layers[name] = {**data["layers"][base], **parts.get(tag, {})}
+        names.append(name)
+    data["layers"], data["layer_pattern"] = layers, list(pattern(names))
+
+
 def layer_types_of(spec: ModelSpec, names: dict[str, str]) -> list[str]:
     """Per-layer HF layer types: ``names`` maps a property of the layer ("window" / "full") to the HF name."""
     return [names["sliding" if spec.layer(i).mixer.window is not None else "full"] for i in range(spec.n_layers)]

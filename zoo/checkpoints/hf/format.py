@@ -12,7 +12,7 @@ from typing import Any, Iterator, Optional
 
 from zoo.core import registry as _registry
 from zoo.checkpoints.hf.maps import Rule
-from zoo.core.spec import ModelSpec
+from zoo.core.spec import MAX_SIZES, ModelSpec
 
 
 class CheckpointError(ValueError):
@@ -59,6 +59,14 @@ REFUSED = {
 def _is_dropout(key: str) -> bool:
     return "dropout" in key or key.endswith("_pdrop")
 
+
+# The sizes a format reads and builds per-layer lists or tables from, bounded as they are read (the
+# spec's own bounds apply only to the finished spec): HF key -> zoo's limit.
+BOUNDED = {
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "n_layers", "num_layers"), MAX_SIZES["n_layers"]),
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model"), MAX_SIZES["d_model"]),
+    "vocab_size": MAX_SIZES["vocab_size"],
+}
 
 # What a JSON value must be, by the Python type a field's default has.
 KINDS = {bool: "a boolean (true or false)", int: "an integer", float: "a number", str: "a string",
@@ -122,6 +130,10 @@ class Fields:
         kind = kind or (type(default) if default is not None else None)
         if kind is not None and not is_kind(value, kind):
             raise self.error(key, f"must be {KINDS.get(kind, kind.__name__)}, got {value!r} (zoo does not coerce it)")
+        limit = BOUNDED.get(key)
+        if limit is not None and is_kind(value, int) and value > limit:  # before any per-layer list is made
+            raise self.error(key, f"{value} is beyond zoo's limit of {limit:,} (larger than any model it describes); "
+                                  "check the value")
         return value
 
     def require(self, key: str, kind: type = int) -> Any:

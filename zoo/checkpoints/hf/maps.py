@@ -13,7 +13,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from zoo.core.deprecations import warn
+from zoo.core.deprecations import OLD_EXPERT_NAMES, warn
+from zoo.core.kinds import mixer_of
 
 Tensors = list[torch.Tensor]
 
@@ -153,25 +154,37 @@ FUSED_QKV_GROUPED = _qkv("fused_qkv_grouped", _grouped_split, _grouped_fuse)
 #: zoo's side of the weight names of layer ``{i}``, and of its mixer: every format names them from these.
 ZOO_LAYER = "layers.{i}."
 ZOO_MIXER = ZOO_LAYER + "mixer."
-# zoo 0.1 stored the mixer as ``attention``: a (plugin) format may still name it so.
+# zoo 0.1 and 0.2 stored the mixer as ``attention``: a (plugin) format may still name it so. Renamed only where
+# the model has the new name (a plugin's own block may still own an ``attention``).
 _OLD_MIXER = re.compile(r"^((?:mtp\.)?layers\.(?:\{i\}|\d+)\.(?:block\.)?)attention\.")
+OLD_MIXER_NAMES = "zoo-side parameter names layers.{i}.attention.*"
 
 
 def current_name(name: str) -> str:
-    """``name`` with zoo 0.1's ``layers.{i}.attention.`` spelt ``layers.{i}.mixer.``."""
+    """``name`` with zoo 0.2's ``layers.{i}.attention.`` spelt ``layers.{i}.mixer.``."""
     return _OLD_MIXER.sub(r"\1mixer.", name)
 
 
 # zoo 0.2 stored an moe FFN's stacked experts on the FFN (``layers.{i}.ffn.w_up``); they are now its
 # ``experts`` module's. Renamed only where the model has the new name (a plugin FFN may own a ``w_up``).
 _OLD_EXPERTS = re.compile(r"^((?:mtp\.)?layers\.(?:\{i\}|\d+)\.(?:block\.)?ffn\.)(w_gate|w_up|w_down)$")
-OLD_EXPERT_NAMES = "zoo-side parameter names layers.{i}.ffn.w_gate, w_up, w_down (an moe FFN's experts)"
 
 
 def moved_expert_name(name: str) -> str:
     """``layers.{i}.ffn.w_up`` (zoo 0.2's stacked experts) spelt ``layers.{i}.ffn.experts.w_up``;
     any other name as it is."""
     return _OLD_EXPERTS.sub(r"\1experts.\2", name)
+
+
+_NEW_MIXER = re.compile(r"^((?:mtp\.)?layers\.\d+\.(?:block\.)?)mixer\.")
+_NEW_EXPERTS = re.compile(r"^((?:mtp\.)?layers\.\d+\.(?:block\.)?ffn\.)experts\.(w_gate|w_up|w_down)$")
+
+
+def earlier_names(name: str) -> list[str]:
+    """The names earlier zoo releases stored the parameter ``name`` under (zoo 0.2's
+    ``layers.{i}.attention.*``, zoo 0.2's ``layers.{i}.ffn.w_up``), if it had others."""
+    out = [_NEW_MIXER.sub(r"\1attention.", name), _NEW_EXPERTS.sub(r"\1\2", name)]
+    return [n for n in dict.fromkeys(out) if n != name]
 
 
 @dataclass(frozen=True)
@@ -181,12 +194,6 @@ class Rule:
     hf: tuple[str, ...]
     zoo: tuple[str, ...]
     transform: Transform = IDENTITY
-
-    def __post_init__(self):
-        renamed = tuple(current_name(n) for n in self.zoo)
-        if renamed != self.zoo:  # a format written against zoo 0.1: loads and saves, and warns
-            warn("zoo-side parameter names layers.{i}.attention.*", stacklevel=4)
-            object.__setattr__(self, "zoo", renamed)
 
     @property
     def per_layer(self) -> bool:
@@ -218,10 +225,8 @@ def bind(rules: Sequence[Rule], model) -> Iterator[Bound]:
             fmt = (lambda n: n.replace("{i}", str(i))) if i is not None else (lambda n: n)
             zoo_names = tuple(fmt(n) for n in r.zoo)
             present = [n in names for n in zoo_names]
-            moved = tuple(moved_expert_name(n) for n in zoo_names)
-            if not all(present) and moved != zoo_names and all(n in names for n in moved):
-                warn(OLD_EXPERT_NAMES, stacklevel=3)  # a (plugin) format written against zoo 0.2's MoE
-                zoo_names, present = moved, [True] * len(moved)
+            if not all(present):
+                zoo_names, present = _as_model_names(zoo_names, present, names)
             if not any(present):
                 continue
             if not all(present):
@@ -229,13 +234,29 @@ def bind(rules: Sequence[Rule], model) -> Iterator[Bound]:
                 raise ValueError(f"rule {r.hf} -> {r.zoo}: the model lacks {missing}")
             heads = None
             if r.transform.needs_heads:
-                mixer = model.layers[i if i is not None else 0].mixer
+                mixer = mixer_of(model.layers[i if i is not None else 0])
                 found = mixer.heads()
                 if found is None:
                     raise ValueError(f"rule {r.hf} -> {r.zoo}: transform {r.transform.name} needs the layer's heads, "
                                      f"but its mixer {type(mixer).__name__} has no heads() method")
                 heads = Heads(*found)
             yield Bound(tuple(fmt(n) for n in r.hf), zoo_names, r.transform, heads)
+
+
+def _as_model_names(zoo_names: tuple[str, ...], present: list[bool], names: set[str]):
+    """A rule's zoo names, spelt as the model has them: a (plugin) format written against zoo 0.2's
+    ``layers.{i}.attention.*`` or zoo 0.2's MoE ``layers.{i}.ffn.w_up`` loads and saves, and warns, where
+    the model has the new names instead; a model that has the old names (a plugin's own block or FFN
+    that owns them) keeps them."""
+    mixer = tuple(current_name(n) for n in zoo_names)
+    both = tuple(moved_expert_name(n) for n in mixer)
+    if both == zoo_names or not all(n in names for n in both):
+        return zoo_names, present
+    if mixer != zoo_names:
+        warn(OLD_MIXER_NAMES, stacklevel=4)
+    if both != mixer:
+        warn(OLD_EXPERT_NAMES, stacklevel=4)
+    return both, [True] * len(both)
 
 
 # -- rule builders shared by the formats --------------------------------------------------------

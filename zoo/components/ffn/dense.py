@@ -65,10 +65,24 @@ class MLP(FFN):
         self.down = nn.Linear(self.d_ff, d_model, bias=cfg.bias)
         self.act = build_part(cfg.activation, "activation")
 
+    def forward(self, x, ctx=None):
+        fast = kernels.fast(self, x)
+        if fast is not None:
+            return fast(self, x)
+        if self.gated:
+            return self.down(self.act(self.gate(x)) * self.up(x))
+        return self.down(self.act(self.up(x)))
+
     def kernel_problem(self, backend, x=None, forced=False):
         if self.act.fused_name is None:
             return f"activation {type(self.act).__name__} has no fused gated product"
         return None
+
+    # -- what this part states about itself ---------------------------------------------------------
+    #: Tensor parallelism: the sequence gathered, ``up`` (and ``gate``) sharded by their d_ff rows, ``down``
+    #: by its d_ff columns and reduce-scattered back onto the sequence slice (``gate``: the gated kinds').
+    tp_plan = {"": "gather_sequence", "gate": "colwise", "up": "colwise", "down": "rowwise"}
+    tp_divides = ("d_ff",)
 
     def facts(self) -> dict:
         return {"d_ff": self.d_ff}
@@ -80,18 +94,6 @@ class MLP(FFN):
         c = dtype.itemsize
         per_feature = (3 if device == "cuda" else 4) if self.gated else 2
         return self.up.in_features * c + per_feature * c * self.d_ff / tp
-
-    def parallelize(self, tp_mesh) -> None:
-        """Tensor parallelism: the sequence gathered, ``up`` (and ``gate``) sharded by their d_ff rows,
-        ``down`` by its d_ff columns and reduce-scattered back onto the sequence slice."""
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        from zoo.core.parallel import heads_in, heads_out, local_count, sequence_input
-
-        local_count(self.d_ff, tp_mesh, "d_ff", self)
-        plan = {"up": heads_in(), "down": heads_out(), **({"gate": heads_in()} if self.gated else {})}
-        parallelize_module(self, tp_mesh, sequence_input(tp_mesh, extra=1))
-        parallelize_module(self, tp_mesh, plan)
 
     @classmethod
     def resolved(cls, cfg, d_model: int) -> dict:
@@ -106,14 +108,6 @@ class MLP(FFN):
     def shrink(cfg, *, d_ff: int = 64, **_) -> dict:
         """A tiny test copy keeps its rule, or gets width ``d_ff`` when the width is set."""
         return {"d_ff": d_ff} if cfg.d_ff is not None else {}
-
-    def forward(self, x, ctx=None):
-        fast = kernels.fast(self, x)
-        if fast is not None:
-            return fast(self, x)
-        if self.gated:
-            return self.down(self.act(self.gate(x)) * self.up(x))
-        return self.down(self.act(self.up(x)))
 
 
 @register("ffn", "glu")

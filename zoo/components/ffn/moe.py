@@ -266,12 +266,6 @@ class MoE(FFN):
             if self.bias_update != "none" and not getattr(self.router.config, "selection_bias", False):
                 raise SpecError("bias_update", "moves the router's selection bias: set router.selection_bias = true")
 
-    @classmethod
-    def check_in_model(cls, cfg, *, spec, layer):
-        if cfg.latent_dim is not None and cfg.latent_dim >= spec.d_model:
-            raise SpecError("latent_dim", f"{cfg.latent_dim} does not fit: the latent the routed experts run on "
-                                          f"projects the token down, so it is narrower than d_model {spec.d_model}")
-
     def __init__(self, cfg, *, d_model: int):
         super().__init__()
         self.cfg, self.d_model = cfg, d_model
@@ -306,56 +300,6 @@ class MoE(FFN):
     w_up = property(lambda self: _old_expert(self, "w_up"))
     w_down = property(lambda self: _old_expert(self, "w_down"))
 
-    # -- facts ----------------------------------------------------------------------------------
-    @staticmethod
-    def shrink(cfg, *, d_ff: int = 64, **_) -> dict:
-        E = min(cfg.n_experts, 8)
-        out: dict[str, Any] = {"n_experts": E, "top_k": min(cfg.top_k, 2), "d_ff": max(d_ff // 4, 8),
-                               "n_devices": 1 if E % cfg.n_devices else cfg.n_devices}
-        if cfg.shared_d_ff is not None:
-            out["shared_d_ff"] = d_ff
-        router = cfg.router.cls.shrink_to(cfg.router.config, E)
-        if router:
-            out["router"] = {**cfg.router.to_dict(), **router}
-        return out
-
-    def facts(self) -> dict:
-        shared = f" + shared {self.cfg.shared_d_ff}" if self.shared is not None else ""
-        latent = f" on a {self.cfg.latent_dim}-wide latent" if self.cfg.latent_dim is not None else ""
-        return {"experts": f"top-{self.cfg.top_k} of {self.cfg.n_experts} ({self.cfg.router.name}){latent}{shared}",
-                "d_ff": self.cfg.d_ff}
-
-    def cost(self, context: int) -> Cost:
-        experts = self.experts
-        per_expert = sum(w[0].numel() for w in (experts.w_gate, experts.w_up, experts.w_down) if w is not None)
-        rest = sum(p.numel() for n, p in self.named_parameters() if not n.startswith("experts."))
-        return Cost(active_params=rest + self.cfg.top_k * per_expert)
-
-    #: The stacked experts, split by expert over the ``ep`` processes under expert parallelism.
-    expert_parameters = ("experts.w_gate", "experts.w_up", "experts.w_down")
-
-    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
-        """Per token: the router's; for each of its ``top_k`` copies, the copy dispatched, the expert's
-        own (as a dense FFN of the expert's width keeps it: up, and gate, activation and product when
-        gated), its output and the weighted output; the indices that sort and add them back; the shared expert's (and
-        its gate's). The input itself is kept when a shared expert reads it, or in float32, where the
-        router's float32 copy is the input. Under tensor parallelism each process runs its own slice of
-        the sequence: a ``tp``-th of that per token."""
-        c, k, D, Fd = dtype.itemsize, self.cfg.top_k, self.d_model, self.cfg.d_ff
-        router = self.router.activation_bytes(seq_len, dtype, device=device)  # (a plugin router may not say)
-        if router is None:
-            return None
-        per_feature = (3 if device == "cuda" else 4) if self.gated else 2
-        out = router + k * (3 * D * c + per_feature * Fd * c + c + 16)
-        if self.shared is not None:
-            out += self.shared.activation_bytes(seq_len, dtype, device=device)
-            if self.shared_gate is not None:
-                out += D * c + c  # the shared output and the gate's sigmoid, multiplied
-        elif c == 4:
-            out += D * c
-        return out / tp
-
-    # -- forward --------------------------------------------------------------------------------
     def route(self, flat: torch.Tensor) -> Routing:
         r = self.router(flat)
         w = r.weights
@@ -423,20 +367,7 @@ class MoE(FFN):
                 ctx.add_metric("moe_dropped", dropped / r.indices.numel())
         return out.reshape(shape)
 
-    # -- tensor parallelism ---------------------------------------------------------------------
     _tp_mesh: Any = None
-
-    def parallelize(self, tp_mesh) -> None:
-        """Tensor parallelism: the MoE runs token by token on this process's slice of the sequence, as
-        it arrives, with its router, experts and shared expert whole on every process of ``tp_mesh``
-        (no gather: each process routes, counts and sends only its own tokens). Their gradients are
-        summed over the processes (:func:`~zoo.core.parallel.grad_summed` on every parameter as the
-        forward uses it), and so are the statistics the balance losses and metrics are taken from
-        (:func:`~zoo.core.parallel.statistic_summed`), so every process adds the one-process loss terms and each
-        token is counted once. The load the selection bias moves by is this process's tokens'
-        (``after_optimizer_step`` sums it over every process). Expert parallelism composes: the experts
-        are then this process's ``n_experts / ep``, their gradient summed over ``tp_mesh`` too."""
-        self._tp_mesh = self.experts.tp_mesh = tp_mesh
 
     def _summed(self, t: torch.Tensor) -> torch.Tensor:
         """``t``, a sum over this process's tokens, summed over the tensor-parallel processes (no-op without)."""
@@ -446,20 +377,6 @@ class MoE(FFN):
 
         return statistic_summed(t, self._tp_mesh)
 
-    # -- expert parallelism ---------------------------------------------------------------------
-    def parallelize_experts(self, ep_mesh) -> list[nn.Module]:
-        """Expert parallelism over ``ep_mesh`` (:class:`zoo.core.parallel.ExpertParallel` on
-        ``self.experts``): each process holds ``n_experts / ep`` experts and runs them on the token copies
-        every process of ``ep_mesh`` routes to them. The router, the shared expert, the losses, the
-        metrics and the load count for the selection bias run on this process's own tokens (each token
-        is counted once, by the process that holds it)."""
-        from zoo.core.parallel import ExpertParallel, expert_count
-
-        expert_count(self.cfg.n_experts, ep_mesh, self)
-        ExpertParallel().apply(self.experts, ep_mesh)
-        return [self.experts]
-
-    # -- balancing ------------------------------------------------------------------------------
     def report(self, r: Routing, ctx, lead: torch.Size) -> None:
         """Add this layer's loss terms and metrics to the forward context."""
         cfg, E, k = self.cfg, self.cfg.n_experts, self.cfg.top_k
@@ -526,6 +443,85 @@ class MoE(FFN):
             step = step - step.mean()
         self.router.bias += step.to(self.router.bias.dtype)
         self.load.zero_()
+
+    # -- what this part states about itself ---------------------------------------------------------
+    #: The stacked experts, split by expert over the ``ep`` processes under expert parallelism.
+    expert_parameters = ("experts.w_gate", "experts.w_up", "experts.w_down")
+
+    @classmethod
+    def check_in_model(cls, cfg, *, spec, layer):
+        if cfg.latent_dim is not None and cfg.latent_dim >= spec.d_model:
+            raise SpecError("latent_dim", f"{cfg.latent_dim} does not fit: the latent the routed experts run on "
+                                          f"projects the token down, so it is narrower than d_model {spec.d_model}")
+
+    @staticmethod
+    def shrink(cfg, *, d_ff: int = 64, **_) -> dict:
+        E = min(cfg.n_experts, 8)
+        out: dict[str, Any] = {"n_experts": E, "top_k": min(cfg.top_k, 2), "d_ff": max(d_ff // 4, 8),
+                               "n_devices": 1 if E % cfg.n_devices else cfg.n_devices}
+        if cfg.shared_d_ff is not None:
+            out["shared_d_ff"] = d_ff
+        router = cfg.router.cls.shrink_to(cfg.router.config, E)
+        if router:
+            out["router"] = {**cfg.router.to_dict(), **router}
+        return out
+
+    def facts(self) -> dict:
+        shared = f" + shared {self.cfg.shared_d_ff}" if self.shared is not None else ""
+        latent = f" on a {self.cfg.latent_dim}-wide latent" if self.cfg.latent_dim is not None else ""
+        return {"experts": f"top-{self.cfg.top_k} of {self.cfg.n_experts} ({self.cfg.router.name}){latent}{shared}",
+                "d_ff": self.cfg.d_ff}
+
+    def cost(self, context: int) -> Cost:
+        experts = self.experts
+        per_expert = sum(w[0].numel() for w in (experts.w_gate, experts.w_up, experts.w_down) if w is not None)
+        rest = sum(p.numel() for n, p in self.named_parameters() if not n.startswith("experts."))
+        return Cost(active_params=rest + self.cfg.top_k * per_expert)
+
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token: the router's; for each of its ``top_k`` copies, the copy dispatched, the expert's
+        own (as a dense FFN of the expert's width keeps it: up, and gate, activation and product when
+        gated), its output and the weighted output; the indices that sort and add them back; the shared expert's (and
+        its gate's). The input itself is kept when a shared expert reads it, or in float32, where the
+        router's float32 copy is the input. Under tensor parallelism each process runs its own slice of
+        the sequence: a ``tp``-th of that per token."""
+        c, k, D, Fd = dtype.itemsize, self.cfg.top_k, self.d_model, self.cfg.d_ff
+        router = self.router.activation_bytes(seq_len, dtype, device=device)  # (a plugin router may not say)
+        if router is None:
+            return None
+        per_feature = (3 if device == "cuda" else 4) if self.gated else 2
+        out = router + k * (3 * D * c + per_feature * Fd * c + c + 16)
+        if self.shared is not None:
+            out += self.shared.activation_bytes(seq_len, dtype, device=device)
+            if self.shared_gate is not None:
+                out += D * c + c  # the shared output and the gate's sigmoid, multiplied
+        elif c == 4:
+            out += D * c
+        return out / tp
+
+    def parallelize(self, tp_mesh) -> None:
+        """Tensor parallelism: the MoE runs token by token on this process's slice of the sequence, as
+        it arrives, with its router, experts and shared expert whole on every process of ``tp_mesh``
+        (no gather: each process routes, counts and sends only its own tokens). Their gradients are
+        summed over the processes (:func:`~zoo.core.parallel.grad_summed` on every parameter as the
+        forward uses it), and so are the statistics the balance losses and metrics are taken from
+        (:func:`~zoo.core.parallel.statistic_summed`), so every process adds the one-process loss terms and each
+        token is counted once. The load the selection bias moves by is this process's tokens'
+        (``after_optimizer_step`` sums it over every process). Expert parallelism composes: the experts
+        are then this process's ``n_experts / ep``, their gradient summed over ``tp_mesh`` too."""
+        self._tp_mesh = self.experts.tp_mesh = tp_mesh
+
+    def parallelize_experts(self, ep_mesh) -> list[nn.Module]:
+        """Expert parallelism over ``ep_mesh`` (:class:`zoo.core.parallel.ExpertParallel` on
+        ``self.experts``): each process holds ``n_experts / ep`` experts and runs them on the token copies
+        every process of ``ep_mesh`` routes to them. The router, the shared expert, the losses, the
+        metrics and the load count for the selection bias run on this process's own tokens (each token
+        is counted once, by the process that holds it)."""
+        from zoo.core.parallel import ExpertParallel, expert_count
+
+        expert_count(self.cfg.n_experts, ep_mesh, self)
+        ExpertParallel().apply(self.experts, ep_mesh)
+        return [self.experts]
 
 
 def _old_expert(moe: "MoE", name: str) -> Optional[torch.Tensor]:

@@ -58,20 +58,6 @@ class Router(_RouterBase):
             if self.bias is not None and not self.bias.is_meta:
                 self.bias.zero_()
 
-    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
-        """Per token: its input cast to float32 (the input itself in float32: its FFN counts it) and the
-        float32 scores the weights and balancing losses are taken from, and the chosen indices."""
-        d_model = self.weight.shape[1]
-        return (4 * d_model if dtype.itemsize != 4 else 0) + 2 * 4 * self.n_experts + 8 * self.top_k
-
-    @classmethod
-    def check_experts(cls, cfg, n_experts: int, top_k: int) -> None:
-        """Refuse settings that do not fit ``n_experts`` and ``top_k`` (SpecError naming the field)."""
-
-    @staticmethod
-    def shrink_to(cfg, n_experts: int) -> dict:
-        return {}
-
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T`` in float32, under autocast too (which would run the matmul in bfloat16 and
         change the choice of experts)."""
@@ -87,6 +73,21 @@ class Router(_RouterBase):
 
     def forward(self, x: torch.Tensor) -> Routing:
         raise NotImplementedError
+
+    # -- what this part states about itself ---------------------------------------------------------
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token: its input cast to float32 (the input itself in float32: its FFN counts it) and the
+        float32 scores the weights and balancing losses are taken from, and the chosen indices."""
+        d_model = self.weight.shape[1]
+        return (4 * d_model if dtype.itemsize != 4 else 0) + 2 * 4 * self.n_experts + 8 * self.top_k
+
+    @classmethod
+    def check_experts(cls, cfg, n_experts: int, top_k: int) -> None:
+        """Refuse settings that do not fit ``n_experts`` and ``top_k`` (SpecError naming the field)."""
+
+    @staticmethod
+    def shrink_to(cfg, n_experts: int) -> dict:
+        return {}
 
 
 @register("router", "softmax_topk")
@@ -135,6 +136,12 @@ class _Grouped(Router):
 
     group_score: ClassVar[str] = "max"
 
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        choice = scores + self.bias.float() if self.bias is not None else scores
+        keep = _group_mask(choice, self.cfg.n_groups, self.cfg.topk_group, self.group_score)
+        return torch.topk(choice.masked_fill(~keep, float("-inf")), self.top_k, dim=-1).indices
+
+    # -- what this part states about itself ---------------------------------------------------------
     @classmethod
     def check_experts(cls, cfg, n_experts, top_k):
         if n_experts % cfg.n_groups:
@@ -149,11 +156,6 @@ class _Grouped(Router):
     def shrink_to(cfg, n_experts):
         groups = min(cfg.n_groups, n_experts // 2)
         return {"n_groups": groups, "topk_group": min(cfg.topk_group, groups)}
-
-    def select(self, scores: torch.Tensor) -> torch.Tensor:
-        choice = scores + self.bias.float() if self.bias is not None else scores
-        keep = _group_mask(choice, self.cfg.n_groups, self.cfg.topk_group, self.group_score)
-        return torch.topk(choice.masked_fill(~keep, float("-inf")), self.top_k, dim=-1).indices
 
 
 @register("router", "sigmoid_group")

@@ -1,7 +1,9 @@
 """Attention on FlexAttention (``torch.nn.attention.flex_attention``) for what SDPA cannot do
-fused: tanh soft-capping of the scores (Gemma 2) as a ``score_mod`` and the causal sliding
-window as a block-sparse ``mask_mod``, with GQA (no repeated K/V). Same semantics as the eager
-reference in ``zoo/components/mixers/attention.py``; on CUDA the kernel is compiled once and reused.
+fused: the attention's score hook (:class:`zoo.components.mixers.scores.Scores`): its
+``score_mod`` (a soft-cap, a temperature) as FlexAttention's own, the causal sliding window and
+chunks as a block-sparse ``mask_mod`` (with any ``mask_mod`` of the hook), a sink through the
+log-sum-exp, with GQA (no repeated K/V). Same semantics as the eager reference in
+``zoo/components/mixers/attention.py``; on CUDA the kernel is compiled once and reused.
 
 Block masks are built from the slots' per-block bounds, never from a (Tq, Tk) mask: memory is
 O(Tq Tk / 128^2), about 1 MiB of indices at 128k tokens where a dense mask is over 100 GiB.
@@ -18,13 +20,14 @@ from collections import OrderedDict
 from typing import Optional
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from zoo.components.mixers._masks import per_forward
+from zoo.components.mixers.scores import chunk_index, chunk_offsets, same_chunk
 
 BLOCK = 128  # FlexAttention's default block size, both ways
 _compiled = None
-_by_shape: "OrderedDict[tuple, BlockMask]" = OrderedDict()  # (Tq, Tk, window, device) -> mask
+_by_shape: "OrderedDict[tuple, BlockMask]" = OrderedDict()  # (Tq, window, chunk, mask_mod, device) -> mask
 builds = 0  # block masks built so far in this process (the tests count rebuilds with it)
 
 
@@ -81,10 +84,12 @@ def _ordered(blocks: torch.Tensor):
     return count, indices
 
 
-def build_block_mask(q_idx, k_idx, window: Optional[int], key_mask=None, mask_mod=None, documents=None) -> BlockMask:
-    """The block mask of ``causal_mask(q_idx, k_idx, window, key_mask, documents)`` with ``mask_mod``
-    (by default one reading the slot tensors), from per-block slot bounds: a block is skipped when no
-    query of it can see a key of it, and full (no mask_mod applied) when every query sees every key.
+def build_block_mask(q_idx, k_idx, window: Optional[int], key_mask=None, mask_mod=None, documents=None, *,
+                     chunk: Optional[int] = None, extra=None) -> BlockMask:
+    """The block mask of ``causal_mask(q_idx, k_idx, window, key_mask, documents, chunk=, mask_mod=extra)``
+    with ``mask_mod`` (by default one reading the slot tensors), from per-block slot bounds: a block is
+    skipped when no query of it can see a key of it, and full (no mask_mod applied) when every query
+    sees every key (never, with an ``extra`` mask_mod of the score hook: it is applied everywhere).
     With packed ``documents`` (B, T), per-block bounds of the document numbers do the same: a block
     whose queries' and keys' documents cannot meet is skipped, one of a single document may be full."""
     global builds
@@ -100,6 +105,15 @@ def build_block_mask(q_idx, k_idx, window: Optional[int], key_mask=None, mask_mo
     whole = lambda n, length: (torch.arange(1, n + 1, device=q_idx.device) * BLOCK <= length)  # noqa: E731
     every = every & whole(len(q_lo), Tq)[:, None] & whole(len(k_lo), Tk)[None, :]
     some, every = some[None, None], every[None, None]  # (1, 1, nQ, nK)
+    offsets = chunk_offsets(k_idx, key_mask) if chunk is not None else None
+    if chunk is not None:  # per row when padding moves the chunks' start
+        off = offsets.view(-1, 1, 1, 1) if offsets is not None else None
+        cq_lo, cq_hi = (chunk_index(b.view(1, 1, -1, 1), chunk, off) for b in (q_lo, q_hi))
+        ck_lo, ck_hi = (chunk_index(b.view(1, 1, 1, -1), chunk, off) for b in (k_lo, k_hi))
+        some = some & (ck_hi >= cq_lo) & (ck_lo <= cq_hi)
+        every = every & (cq_lo == cq_hi) & (ck_lo == ck_hi) & (cq_lo == ck_lo)
+    if extra is not None:
+        every = torch.zeros_like(every)
     blind = None
     if key_mask is not None:
         key_mask = key_mask.bool()
@@ -117,7 +131,7 @@ def build_block_mask(q_idx, k_idx, window: Optional[int], key_mask=None, mask_mo
         single = lo == hi
         every = every & (single[:, None, :, None] & single[:, None, None, :] & (lo[:, None, :, None] == lo[:, None, None, :]))
     if mask_mod is None:
-        mask_mod = _slots_mask_mod(q_idx, k_idx, window, key_mask, blind)
+        mask_mod = _slots_mask_mod(q_idx, k_idx, window, key_mask, blind, chunk, offsets, extra)
     if documents is not None:
         inner = mask_mod
 
@@ -137,41 +151,60 @@ def _row_bounds(documents: torch.Tensor):
     return blocks.amin(-1), blocks.amax(-1)
 
 
-def _slots_mask_mod(q_idx, k_idx, window, key_mask, blind):
+def _rules(window, chunk, extra, offsets=None):
+    """``sees(b, h, q, k)`` on slots: causal, the window, one chunk, the hook's own mask_mod."""
+    def sees(b, h, q, k):
+        ok = _sees(q, k, window)
+        if chunk is not None:
+            ok = ok & same_chunk(q, k, chunk, offsets[b] if offsets is not None else None)
+        if extra is not None:
+            ok = ok & extra(b, h, q, k)
+        return ok
+    return sees
+
+
+def _slots_mask_mod(q_idx, k_idx, window, key_mask, blind, chunk=None, offsets=None, extra=None):
     """The mask read from the slot tensors (and the key mask, with its rule for blind queries)."""
+    sees = _rules(window, chunk, extra, offsets)
     if key_mask is None:
         def mask_mod(b, h, qi, ki):
-            return _sees(q_idx[qi], k_idx[ki], window)
+            return sees(b, h, q_idx[qi], k_idx[ki])
     else:
         def mask_mod(b, h, qi, ki):
-            return (_sees(q_idx[qi], k_idx[ki], window) & key_mask[b, ki]) | blind[b, qi]
+            return (sees(b, h, q_idx[qi], k_idx[ki]) & key_mask[b, ki]) | blind[b, qi]
     return mask_mod
 
 
-def _own_slots_mask_mod(window: Optional[int]):
-    """The mask on a sequence's own consecutive slots: it reads nothing but the indices."""
+def _own_slots_mask_mod(window: Optional[int], chunk: Optional[int] = None, extra=None):
+    """The mask on a sequence's own consecutive slots (0, 1, ...): it reads nothing but the indices."""
+    sees = _rules(window, chunk, extra)
+
     def mask_mod(b, h, qi, ki):
-        return _sees(qi, ki, window)
+        return sees(b, h, qi, ki)
     return mask_mod
 
 
-def block_mask(q_idx, k_idx, window: Optional[int], key_mask=None, documents=None) -> BlockMask:
+def block_mask(q_idx, k_idx, window: Optional[int], key_mask=None, documents=None, *, chunk: Optional[int] = None,
+               mask_mod=None) -> BlockMask:
     """The block mask for queries at slots ``q_idx`` and keys at ``k_idx`` (``key_mask`` (B, Tk)
-    marks real keys, ``None`` without padding; ``documents`` (B, T): packed documents), from a cache
-    when it has been built before."""
+    marks real keys, ``None`` without padding; ``documents`` (B, T): packed documents), with a score
+    hook's ``chunk`` and ``mask_mod``, from a cache when it has been built before (keyed on the
+    ``mask_mod`` object)."""
+    hook = {"chunk": chunk, "extra": mask_mod}
     if torch.compiler.is_compiling():  # traced: the compiler fuses the build; no Python caches
-        return build_block_mask(q_idx, k_idx, window, key_mask, documents=documents)
+        return build_block_mask(q_idx, k_idx, window, key_mask, documents=documents, **hook)
     if documents is not None:  # data: once per forward, shared by the layers
-        return per_forward((q_idx, k_idx, key_mask, documents), ("flex-documents", window),
+        return per_forward((q_idx, k_idx, key_mask, documents), ("flex-documents", window, chunk, mask_mod),
                            lambda: build_block_mask(q_idx.clone(), k_idx.clone(), window,
                                                     key_mask.clone() if key_mask is not None else None,
-                                                    documents=documents.clone()))
+                                                    documents=documents.clone(), **hook))
     if key_mask is None and k_idx is q_idx:
-        key = (len(q_idx), window, q_idx.device)
+        key = (len(q_idx), window, chunk, mask_mod, q_idx.device)
         hit = _by_shape.get(key)
         if hit is None:
             own = torch.arange(len(q_idx), device=q_idx.device)
-            hit = _by_shape[key] = build_block_mask(own, own, window, mask_mod=_own_slots_mask_mod(window))
+            hit = _by_shape[key] = build_block_mask(own, own, window, mask_mod=_own_slots_mask_mod(window, chunk, mask_mod),
+                                                    **hook)
             while len(_by_shape) > 16:
                 _by_shape.popitem(last=False)
         _by_shape.move_to_end(key)
@@ -179,23 +212,32 @@ def block_mask(q_idx, k_idx, window: Optional[int], key_mask=None, documents=Non
     # The mask's mask_mod reads copies: holding the forward's own tensors would keep them, and the
     # entry keyed on them, alive for good.
     def build():
-        return build_block_mask(q_idx.clone(), k_idx.clone(), window, key_mask.clone() if key_mask is not None else None)
+        return build_block_mask(q_idx.clone(), k_idx.clone(), window, key_mask.clone() if key_mask is not None else None,
+                                **hook)
 
-    return per_forward((q_idx, k_idx, key_mask), ("flex", window), build)
+    return per_forward((q_idx, k_idx, key_mask), ("flex", window, chunk, mask_mod), build)
 
 
 def flex_attend(module, q, k, v, q_idx, k_idx, key_mask=None, bias=None, documents=None):
-    """``Attention.attend`` on FlexAttention: (B, H, Tq, D) x (B, Hkv, Tk, D) -> (B, H, Tq, D)."""
+    """``Attention.attend`` on FlexAttention: (B, H, Tq, D) x (B, Hkv, Tk, D) -> (B, H, Tq, D), with
+    the module's score hook (``module.scores()``; its query scale was applied by the forward)."""
     if bias is not None or (module.training and module.dropout):
         # Score biases and attention dropout stay on the reference path.
         return module._eager(q, k, v, q_idx, k_idx, key_mask, bias, documents)
-    mask = block_mask(q_idx, k_idx, module.window, key_mask, documents)
-    cap = module.cfg.softcap
+    s = module.scores()
+    mask = block_mask(q_idx, k_idx, s.window, key_mask, documents, chunk=s.chunk, mask_mod=s.mask_mod)
     score_mod = None
-    if cap is not None:
-        from zoo.components.stability import softcap
+    if s.score_mod is not None:
+        user = s.score_mod
 
-        def score_mod(score, b, h, qi, ki):
-            return softcap(score, cap)
-    return _kernel(q.device)(q, k, v, score_mod=score_mod, block_mask=mask, scale=module.scale,
-                             enable_gqa=module.n_kv_heads != module.n_heads)
+        def score_mod(score, b, h, qi, ki):  # the hook's score_mod reads slots, FlexAttention gives indices
+            return user(score, b, h, q_idx[qi], k_idx[ki])
+    run = _kernel(q.device)
+    gqa = module.n_kv_heads != module.n_heads
+    if s.sink is None:
+        return run(q, k, v, score_mod=score_mod, block_mask=mask, scale=module.scale, enable_gqa=gqa)
+    # softmax with exp(sink) in the denominator: out * Z / (Z + exp(sink)) = out * sigmoid(lse - sink)
+    out, aux = run(q, k, v, score_mod=score_mod, block_mask=mask, scale=module.scale, enable_gqa=gqa,
+                   return_aux=AuxRequest(lse=True))
+    keep = torch.sigmoid(aux.lse.float() - s.sink.float().view(1, -1, 1))
+    return (out * keep.unsqueeze(-1)).to(out.dtype)

@@ -223,16 +223,6 @@ class DSA(MLA):
 
     documents: ClassVar[bool] = False  # its indexer's selection does not know packed documents
 
-    def parallelize(self, tp_mesh) -> None:
-        """MLA's plan for the attention (its heads sharded, the latents whole on every process); the
-        indexer stays whole on every process and runs on the gathered sequence, so each process scores
-        every index head and selects the top-k one process selects. Its inputs are detached and its loss
-        is its own, computed whole on every process from the main attention's distribution summed over
-        all heads (this process's heads summed, then all-reduced), so its gradients are whole there too
-        and are not summed again. Attending to the selected keys reads the latents directly: their
-        gradient, from this process's heads alone, is summed over the processes."""
-        super().parallelize(tp_mesh)
-
     @dataclass(frozen=True)
     class Config(MLA.Config):
         index_n_heads: int = 64
@@ -257,23 +247,6 @@ class DSA(MLA):
             if self.indexer_loss < 0:
                 raise SpecError("indexer_loss", f"must be >= 0, got {self.indexer_loss}")
 
-    @classmethod
-    def check_in_model(cls, cfg, *, spec, layer):
-        super().check_in_model(cfg, spec=spec, layer=layer)
-        if cfg.indexer == "shared":
-            for i in range(spec.n_layers):
-                if spec.layer(i) is layer:
-                    selection_source(spec, i)
-
-    @staticmethod
-    def shrink(cfg, *, head_dim: int = 8, **sizes) -> dict:
-        """MLA's tiny copy plus 2 indexer heads of ``head_dim`` and a top-4 selection, so that short
-        test sequences are already sparse."""
-        out = MLA.shrink(cfg, head_dim=head_dim, **sizes)
-        out.update(q_lora_rank=3 * head_dim // 2, index_n_heads=2, index_head_dim=max(head_dim, out["qk_rope_head_dim"]),
-                   index_topk=4)
-        return out
-
     def __init__(self, cfg, *, d_model: int, layer, spec, index: int = 0):
         super().__init__(cfg, d_model=d_model, layer=layer, spec=spec, index=index)
         # The layer whose selection this one reuses (None: its own indexer selects), and whether a later
@@ -286,64 +259,10 @@ class DSA(MLA):
                                             head_dim=cfg.index_head_dim, rope_dim=cfg.qk_rope_head_dim,
                                             topk=cfg.index_topk, interleaved=cfg.index_rope_layout == "pairs_to_half")
 
-    # -- what this part states about itself ---------------------------------------------------------
     def new_state(self, batch, max_len, *, dtype=None, device=None) -> DSAState:
         keys = IndexKeys(max_len) if self.source is None else None
         return DSAState(super().new_state(batch, max_len, dtype=dtype, device=device), keys)
 
-    def cost(self, context: int) -> Cost:
-        """MLA's attention over ``min(context, index_topk)`` keys, plus the indexer's scores over
-        every key (``2 index_n_heads index_head_dim`` FLOPs per key for the dot products and
-        ``2 index_n_heads`` for weighting the heads); the state adds ``index_head_dim`` per token.
-        A layer sharing another's selection has neither the indexer's FLOPs nor its keys."""
-        dense = super().cost(context)
-        per_key = dense.flops / context
-        own = self.source is None
-        index_per_key = 2 * self.cfg.index_n_heads * (self.cfg.index_head_dim + 1) if own else 0
-        topk = self.cfg.index_topk
-        D = self.cfg.index_head_dim if own else 0
-        return Cost(flops=per_key * keys_seen(context, topk) + index_per_key * context,
-                    flops_mean=per_key * keys_seen(context, topk, mean=True) + index_per_key * (context + 1) / 2,
-                    state_per_token=dense.state_per_token + D, state_at_context=dense.state_at_context + D * context)
-
-    def facts(self) -> dict:
-        out = {**super().facts(), "attention": "MLA + DSA", "index_n_heads": self.cfg.index_n_heads,
-               "index_head_dim": self.cfg.index_head_dim, "index_topk": self.cfg.index_topk}
-        if self.source is None:
-            out["state_per_token"] += self.cfg.index_head_dim
-        else:
-            out["indexer"] = f"shared: layer {self.source}'s selection"
-        rows = []
-        for context in (4096, 32768, 131072):
-            dsa, mla = self.cost(context).flops, MLA.cost(self, context).flops
-            rows.append(f"{context // 1024}k: {dsa / 1e6:.3g} vs {mla / 1e6:.3g} MFLOP ({mla / dsa:.2f}x)")
-        out["attention FLOPs/token DSA vs dense MLA"] = "; ".join(rows)
-        return out
-
-    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
-        """Per token, training: while every key is selected (``seq_len`` at most ``index_topk``), MLA's;
-        beyond, MLA's latents (whole on every process) and, of this process's heads, the selected path: the
-        projected queries, the queries absorbed into the latent space, the gathered latents and rotary key
-        parts of the ``index_topk`` keys with their indices and mask, the float32 probabilities and their copy, the latent output and
-        the output projection's input, plus the rotated key part. A layer with its own indexer and a loss
-        for it adds, whole on every process (it runs on the gathered sequence): the key's LayerNorm, the
-        keys and queries of the score product, the per-head scores before the ReLU (``index_n_heads``
-        per key of the ``seq_len``), the head weights, and the loss's log-probabilities and terms (one
-        float32 per key, each with its mask)."""
-        c, w = dtype.itemsize, max(dtype.itemsize, 4)  # activations; the float32 (at least) of the indexer
-        k = self.cfg.index_topk
-        if seq_len <= k:
-            out = super().activation_bytes(seq_len, dtype, tp=tp, device=device)
-        else:
-            H, C, R = self.n_heads / tp, self.kv_lora_rank, self.rope
-            out = self._latent_activation_bytes(seq_len, dtype, device=device) + 2 * R * c \
-                + k * ((C + R) * c + 1 + 8) + H * (c * (self.qk_dim + C + R + C + self.v_dim) + k * (w + c))
-        if self.source is None and self.cfg.indexer_loss > 0:
-            HI, D = self.cfg.index_n_heads, self.cfg.index_head_dim
-            out += D * c + 8 + D * w + HI * D * w + HI * w + seq_len * (HI * w + 2 * w + 2)
-        return out
-
-    # -- forward -------------------------------------------------------------------------------------
     def forward(self, x, ctx, pos):
         B, T, _ = x.shape
         q_latent = self.q_a_norm(self.q_a_proj(x))
@@ -429,6 +348,86 @@ class DSA(MLA):
 
             p = DTensor.from_local(p, mesh, [Partial()], run_check=False).full_tensor()
         return p / p.sum(-1, keepdim=True)
+
+    # -- what this part states about itself ---------------------------------------------------------
+    def parallelize(self, tp_mesh) -> None:
+        """MLA's plan for the attention (its heads sharded, the latents whole on every process); the
+        indexer stays whole on every process and runs on the gathered sequence, so each process scores
+        every index head and selects the top-k one process selects. Its inputs are detached and its loss
+        is its own, computed whole on every process from the main attention's distribution summed over
+        all heads (this process's heads summed, then all-reduced), so its gradients are whole there too
+        and are not summed again. Attending to the selected keys reads the latents directly: their
+        gradient, from this process's heads alone, is summed over the processes."""
+        super().parallelize(tp_mesh)
+
+    @classmethod
+    def check_in_model(cls, cfg, *, spec, layer):
+        super().check_in_model(cfg, spec=spec, layer=layer)
+        if cfg.indexer == "shared":
+            for i in range(spec.n_layers):
+                if spec.layer(i) is layer:
+                    selection_source(spec, i)
+
+    @staticmethod
+    def shrink(cfg, *, head_dim: int = 8, **sizes) -> dict:
+        """MLA's tiny copy plus 2 indexer heads of ``head_dim`` and a top-4 selection, so that short
+        test sequences are already sparse."""
+        out = MLA.shrink(cfg, head_dim=head_dim, **sizes)
+        out.update(q_lora_rank=3 * head_dim // 2, index_n_heads=2, index_head_dim=max(head_dim, out["qk_rope_head_dim"]),
+                   index_topk=4)
+        return out
+
+    def cost(self, context: int) -> Cost:
+        """MLA's attention over ``min(context, index_topk)`` keys, plus the indexer's scores over
+        every key (``2 index_n_heads index_head_dim`` FLOPs per key for the dot products and
+        ``2 index_n_heads`` for weighting the heads); the state adds ``index_head_dim`` per token.
+        A layer sharing another's selection has neither the indexer's FLOPs nor its keys."""
+        dense = super().cost(context)
+        per_key = dense.flops / context
+        own = self.source is None
+        index_per_key = 2 * self.cfg.index_n_heads * (self.cfg.index_head_dim + 1) if own else 0
+        topk = self.cfg.index_topk
+        D = self.cfg.index_head_dim if own else 0
+        return Cost(flops=per_key * keys_seen(context, topk) + index_per_key * context,
+                    flops_mean=per_key * keys_seen(context, topk, mean=True) + index_per_key * (context + 1) / 2,
+                    state_per_token=dense.state_per_token + D, state_at_context=dense.state_at_context + D * context)
+
+    def facts(self) -> dict:
+        out = {**super().facts(), "attention": "MLA + DSA", "index_n_heads": self.cfg.index_n_heads,
+               "index_head_dim": self.cfg.index_head_dim, "index_topk": self.cfg.index_topk}
+        if self.source is None:
+            out["state_per_token"] += self.cfg.index_head_dim
+        else:
+            out["indexer"] = f"shared: layer {self.source}'s selection"
+        rows = []
+        for context in (4096, 32768, 131072):
+            dsa, mla = self.cost(context).flops, MLA.cost(self, context).flops
+            rows.append(f"{context // 1024}k: {dsa / 1e6:.3g} vs {mla / 1e6:.3g} MFLOP ({mla / dsa:.2f}x)")
+        out["attention FLOPs/token DSA vs dense MLA"] = "; ".join(rows)
+        return out
+
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token, training: while every key is selected (``seq_len`` at most ``index_topk``), MLA's;
+        beyond, MLA's latents (whole on every process) and, of this process's heads, the selected path: the
+        projected queries, the queries absorbed into the latent space, the gathered latents and rotary key
+        parts of the ``index_topk`` keys with their indices and mask, the float32 probabilities and their copy, the latent output and
+        the output projection's input, plus the rotated key part. A layer with its own indexer and a loss
+        for it adds, whole on every process (it runs on the gathered sequence): the key's LayerNorm, the
+        keys and queries of the score product, the per-head scores before the ReLU (``index_n_heads``
+        per key of the ``seq_len``), the head weights, and the loss's log-probabilities and terms (one
+        float32 per key, each with its mask)."""
+        c, w = dtype.itemsize, max(dtype.itemsize, 4)  # activations; the float32 (at least) of the indexer
+        k = self.cfg.index_topk
+        if seq_len <= k:
+            out = super().activation_bytes(seq_len, dtype, tp=tp, device=device)
+        else:
+            H, C, R = self.n_heads / tp, self.kv_lora_rank, self.rope
+            out = self._latent_activation_bytes(seq_len, dtype, device=device) + 2 * R * c \
+                + k * ((C + R) * c + 1 + 8) + H * (c * (self.qk_dim + C + R + C + self.v_dim) + k * (w + c))
+        if self.source is None and self.cfg.indexer_loss > 0:
+            HI, D = self.cfg.index_n_heads, self.cfg.index_head_dim
+            out += D * c + 8 + D * w + HI * D * w + HI * w + seq_len * (HI * w + 2 * w + 2)
+        return out
 
 
 def indexer_kl(target: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -210,12 +210,6 @@ class GatedDeltaNet(Mixer):
                 raise SpecError("chunk_size", f"must be a power of two (the chunked kernels work on power-of-two "
                                 f"blocks), got {self.chunk_size}")
 
-    @staticmethod
-    def shrink(cfg, *, head_dim: int = 8, **_) -> dict:
-        """4 value heads of ``head_dim``, 2 key heads when the model groups them."""
-        grouped = cfg.n_key_heads is not None and cfg.n_key_heads != cfg.n_heads
-        return {"n_heads": 4, "n_key_heads": 2 if grouped else None, "key_dim": head_dim, "value_dim": head_dim}
-
     def __init__(self, cfg, *, d_model: int, layer=None, spec=None, index: int = 0):
         super().__init__()
         self.cfg, self.index = cfg, index
@@ -238,13 +232,51 @@ class GatedDeltaNet(Mixer):
             nn.init.ones_(self.dt_bias)
             self.A_log.uniform_(1.0, 16.0, generator=generator).log_()
 
-    # -- what this part states about itself ---------------------------------------------------------
     def new_state(self, batch, max_len, *, dtype, device) -> FixedState:
         """The last ``conv_kernel - 1`` convolution inputs (B, channels, K - 1) and ``S`` (B, value heads,
         key_dim, value_dim): of fixed size whatever the length."""
         cfg = self.cfg
         return FixedState(batch, device, conv=((self.conv_dim, cfg.conv_kernel - 1), dtype),
                           S=((self.n_heads, cfg.key_dim, cfg.value_dim), dtype))
+
+    def forward(self, x, ctx, pos=None):
+        from zoo.core.parallel import local
+
+        x = local(x)  # the whole sequence, this process computing its heads' share
+        B, T, _ = x.shape
+        (Hv, Hk), Dk, Dv = self.here, self.cfg.key_dim, self.cfg.value_dim
+        r = Hv // Hk
+        conv_dim = 2 * Hk * Dk + Hv * Dv
+        f32 = torch.promote_types(x.dtype, torch.float32)  # the recurrence runs in float32 at least
+        if ctx.key_mask is not None:  # padding writes nothing: its inputs are zeros
+            x = x * ctx.key_mask[:, ctx.slots][..., None].to(x.dtype)
+        mixed, z = self.in_proj_qkvz(x).split([conv_dim, Hv * Dv], -1)
+        b, a = self.in_proj_ba(x).split([Hv, Hv], -1)
+        state = ctx.state.layers[self.index] if ctx.state is not None else None
+        mixed = self.conv1d(mixed, state.get(B)[0] if state is not None else None, ctx.documents)  # (B, T, channels)
+        q, k, v = (t.unflatten(-1, (-1, d)).transpose(1, 2).to(f32)  # (B, heads, T, d)
+                   for t, d in zip(mixed.split([Hk * Dk, Hk * Dk, Hv * Dv], -1), (Dk, Dk, Dv)))
+        q, k = l2norm(q) * Dk ** -0.5, l2norm(k)
+        beta = b.transpose(1, 2).to(f32).sigmoid()
+        g = (-local(self.A_log).to(f32).exp() * F.softplus(a.to(f32) + local(self.dt_bias))).transpose(1, 2)
+        S0 = state.get(B)[1].to(f32) if state is not None else None
+        if state is not None and T == 1:  # each key head serves r consecutive value heads
+            y, S = recurrent_gated_delta_rule(q.repeat_interleave(r, 1), k.repeat_interleave(r, 1), v, g, beta, S0)
+        elif ctx.documents is not None:  # packed documents: the reference core, reset at each document's start
+            y, S = chunk_gated_delta_rule(q, k, v, g, beta, S0, self.cfg.chunk_size, document_starts(ctx.documents))
+        else:
+            y, S = (kernels.fast(self, v) or chunk_gated_delta_rule)(q, k, v, g, beta, S0, self.cfg.chunk_size)
+        if state is not None:
+            state.S.copy_(S)
+        y = self.norm(y.transpose(1, 2).to(x.dtype), z.view(B, T, Hv, Dv))
+        return self.out_proj(y.reshape(B, T, Hv * Dv))
+
+    # -- what this part states about itself ---------------------------------------------------------
+    @staticmethod
+    def shrink(cfg, *, head_dim: int = 8, **_) -> dict:
+        """4 value heads of ``head_dim``, 2 key heads when the model groups them."""
+        grouped = cfg.n_key_heads is not None and cfg.n_key_heads != cfg.n_heads
+        return {"n_heads": 4, "n_key_heads": 2 if grouped else None, "key_dim": head_dim, "value_dim": head_dim}
 
     def cost(self, context: int) -> Cost:
         """Per token the state is decayed, read by the key, written and read by the query:
@@ -304,36 +336,3 @@ class GatedDeltaNet(Mixer):
         shard_rows(self, tp_mesh)  # dt_bias, A_log: one per value head
         self.norm.parallelize(tp_mesh, sharded=False)
         self.here = (heads, max(Hk // tp, 1))
-
-    # -- forward -------------------------------------------------------------------------------------
-    def forward(self, x, ctx, pos=None):
-        from zoo.core.parallel import local
-
-        x = local(x)  # the whole sequence, this process computing its heads' share
-        B, T, _ = x.shape
-        (Hv, Hk), Dk, Dv = self.here, self.cfg.key_dim, self.cfg.value_dim
-        r = Hv // Hk
-        conv_dim = 2 * Hk * Dk + Hv * Dv
-        f32 = torch.promote_types(x.dtype, torch.float32)  # the recurrence runs in float32 at least
-        if ctx.key_mask is not None:  # padding writes nothing: its inputs are zeros
-            x = x * ctx.key_mask[:, ctx.slots][..., None].to(x.dtype)
-        mixed, z = self.in_proj_qkvz(x).split([conv_dim, Hv * Dv], -1)
-        b, a = self.in_proj_ba(x).split([Hv, Hv], -1)
-        state = ctx.state.layers[self.index] if ctx.state is not None else None
-        mixed = self.conv1d(mixed, state.get(B)[0] if state is not None else None, ctx.documents)  # (B, T, channels)
-        q, k, v = (t.unflatten(-1, (-1, d)).transpose(1, 2).to(f32)  # (B, heads, T, d)
-                   for t, d in zip(mixed.split([Hk * Dk, Hk * Dk, Hv * Dv], -1), (Dk, Dk, Dv)))
-        q, k = l2norm(q) * Dk ** -0.5, l2norm(k)
-        beta = b.transpose(1, 2).to(f32).sigmoid()
-        g = (-local(self.A_log).to(f32).exp() * F.softplus(a.to(f32) + local(self.dt_bias))).transpose(1, 2)
-        S0 = state.get(B)[1].to(f32) if state is not None else None
-        if state is not None and T == 1:  # each key head serves r consecutive value heads
-            y, S = recurrent_gated_delta_rule(q.repeat_interleave(r, 1), k.repeat_interleave(r, 1), v, g, beta, S0)
-        elif ctx.documents is not None:  # packed documents: the reference core, reset at each document's start
-            y, S = chunk_gated_delta_rule(q, k, v, g, beta, S0, self.cfg.chunk_size, document_starts(ctx.documents))
-        else:
-            y, S = (kernels.fast(self, v) or chunk_gated_delta_rule)(q, k, v, g, beta, S0, self.cfg.chunk_size)
-        if state is not None:
-            state.S.copy_(S)
-        y = self.norm(y.transpose(1, 2).to(x.dtype), z.view(B, T, Hv, Dv))
-        return self.out_proj(y.reshape(B, T, Hv * Dv))

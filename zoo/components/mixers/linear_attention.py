@@ -30,6 +30,7 @@ from zoo.core import kernels
 from zoo.components.mixers import _recurrent as recurrent
 from zoo.components.norms import RMSNorm
 from zoo.core.kinds import Cost, Mixer
+from zoo.core.parallel import rank_of
 from zoo.core.spec import build_part
 from zoo.core.registry import register
 from zoo.core.state import FixedState
@@ -55,40 +56,11 @@ class ScalarDecayMixer(Mixer):
     value_dim: int  # the width of a head's state columns (head_dim, plus one for a normaliser)
     chunk: int
 
-    @classmethod
-    def rotary_dim(cls, cfg, d_model):
-        return None  # no position encoding: the decay and the order of the recurrence carry position
-
     def new_state(self, batch, max_len, *, dtype, device):
         return FixedState(batch, device, S=((self.n_heads, self.head_dim, self.value_dim), dtype))
 
-    def cost(self, context):
-        H, Dk, Dv = self.n_heads, self.head_dim, self.value_dim
-        step = 4 * H * Dk * Dv  # add k v^T to the decayed state, read it with q
-        return Cost(flops=step, flops_mean=step, state_fixed=H * Dk * Dv)
-
     #: The heads this process computes: all, or its share under tensor parallelism.
     here: slice = slice(None)
-    #: The tensor-parallel plan: the projections into heads (each head's rows consecutive) and the one out.
-    heads_in: ClassVar[tuple[str, ...]] = ()
-    heads_out: ClassVar[Optional[str]] = None
-
-    def parallelize(self, tp_mesh) -> None:
-        """Tensor parallelism by heads: the sequence gathered, the projections into heads sharded by their
-        heads' rows (each head's rows are consecutive), the projection out by its columns and
-        reduce-scattered back onto the sequence slice; each process decays its own heads (a slice of the
-        per-head decays, which are buffers, whole on every process)."""
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        from zoo.core.kinds import no_plan
-        from zoo.core.parallel import heads_in, heads_out, local_count, rank_of, sequence_input
-
-        if not self.heads_in or self.heads_out is None:
-            raise no_plan(self)
-        n = local_count(self.n_heads, tp_mesh, "n_heads", self)
-        parallelize_module(self, tp_mesh, sequence_input(tp_mesh))
-        parallelize_module(self, tp_mesh, {**{name: heads_in() for name in self.heads_in}, self.heads_out: heads_out()})
-        self.here = slice(rank_of(tp_mesh) * n, (rank_of(tp_mesh) + 1) * n)
 
     def _padding(self, ctx, T):
         """(B, T, 1) with 0 at padding slots, or None."""
@@ -113,12 +85,31 @@ class ScalarDecayMixer(Mixer):
             layer.S.copy_(S)
         return y
 
+    # -- what this part states about itself ---------------------------------------------------------
+    tp_divides = ("n_heads",)
+
+    @classmethod
+    def rotary_dim(cls, cfg, d_model):
+        return None  # no position encoding: the decay and the order of the recurrence carry position
+
+    def cost(self, context):
+        H, Dk, Dv = self.n_heads, self.head_dim, self.value_dim
+        step = 4 * H * Dk * Dv  # add k v^T to the decayed state, read it with q
+        return Cost(flops=step, flops_mean=step, state_fixed=H * Dk * Dv)
+
+    def parallelize(self, tp_mesh) -> None:
+        """Tensor parallelism by heads, as each mixer's ``tp_plan`` says: the sequence gathered, the
+        projections into heads sharded by their heads' rows (each head's rows are consecutive), the
+        projection out by its columns and reduce-scattered back onto the sequence slice; and each process
+        decays its own heads (a slice of the per-head decays, which are buffers, whole on every process)."""
+        super().parallelize(tp_mesh)
+        n, r = self.n_heads // tp_mesh.size(), rank_of(tp_mesh)
+        self.here = slice(r * n, (r + 1) * n)
+
 
 @register("mixer", "linear_attention")
 class LinearAttention(ScalarDecayMixer):
     """Linear attention (optionally with RetNet's fixed decay per head); see the module notes."""
-
-    heads_in, heads_out = ("q_proj", "k_proj", "v_proj"), "o_proj"
 
     @dataclass(frozen=True)
     class Config:
@@ -172,6 +163,26 @@ class LinearAttention(ScalarDecayMixer):
     def reset_parameters(self):
         self.log_gamma.copy_(self.gammas().log())
 
+    def forward(self, x, ctx, pos=None):
+        B, T, _ = x.shape
+        D = self.head_dim
+        q, k, v = (p(x).view(B, T, -1, D).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        H = q.shape[1]  # this process's heads
+        q, k = self.phi(q), self.phi(k)
+        keep = self._padding(ctx, T)
+        if keep is not None:  # padding adds nothing to the state
+            k = k * keep[:, None].to(k.dtype)
+        if self.cfg.normalize == "sum":
+            v = torch.cat([v, v.new_ones(B, H, T, 1)], -1)
+        a = self.log_gamma[self.here][None, :, None].expand(B, H, T)
+        y = self.recur(q, k, v, a, ctx)
+        if self.cfg.normalize == "sum":
+            y = y[..., :D] / (y[..., D:] + self.cfg.eps)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
+
+    # -- what this part states about itself ---------------------------------------------------------
+    tp_plan = {"": "gather_sequence", "q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
+
     @staticmethod
     def shrink(cfg, *, head_dim=8, **_):
         decay = cfg.decay[:2] if isinstance(cfg.decay, tuple) else cfg.decay
@@ -194,23 +205,6 @@ class LinearAttention(ScalarDecayMixer):
         return {"recurrent heads": f"{self.n_heads} x {self.head_dim}, linear attention",
                 "feature map": self.cfg.feature_map, "decay": decay, "normalize": self.cfg.normalize}
 
-    def forward(self, x, ctx, pos=None):
-        B, T, _ = x.shape
-        D = self.head_dim
-        q, k, v = (p(x).view(B, T, -1, D).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        H = q.shape[1]  # this process's heads
-        q, k = self.phi(q), self.phi(k)
-        keep = self._padding(ctx, T)
-        if keep is not None:  # padding adds nothing to the state
-            k = k * keep[:, None].to(k.dtype)
-        if self.cfg.normalize == "sum":
-            v = torch.cat([v, v.new_ones(B, H, T, 1)], -1)
-        a = self.log_gamma[self.here][None, :, None].expand(B, H, T)
-        y = self.recur(q, k, v, a, ctx)
-        if self.cfg.normalize == "sum":
-            y = y[..., :D] / (y[..., D:] + self.cfg.eps)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
-
 
 @register("mixer", "lightning_attention")
 class LightningAttention(ScalarDecayMixer):
@@ -219,8 +213,6 @@ class LightningAttention(ScalarDecayMixer):
     The decay of head ``h`` in layer ``i`` of ``n`` is ``exp(-slope_h)`` with ``slope_h = 2^(-8 (h + 1) /
     H) * (1 - i / (n - 1 + 1e-5) + 1e-5)``: layers near the top forget least. The slopes are a buffer,
     stored in checkpoints as ``slope_rate``."""
-
-    heads_in, heads_out = ("qkv_proj", "output_gate"), "out_proj"  # (its norm: see parallelize)
 
     @dataclass(frozen=True)
     class Config:
@@ -259,13 +251,25 @@ class LightningAttention(ScalarDecayMixer):
     def reset_parameters(self):
         self.slope.copy_(self.slopes())
 
-    def parallelize(self, tp_mesh) -> None:
-        """As the scalar-decay mixers shard (:meth:`ScalarDecayMixer.parallelize`); the RMSNorm over all heads'
-        outputs gathers its features to normalise each row whole."""
-        from zoo.core.kinds import parallelize
+    def forward(self, x, ctx, pos=None):
+        B, T, _ = x.shape
+        D = self.head_dim
+        qkv = self.act(self.qkv_proj(x))
+        keep = self._padding(ctx, T)
+        if keep is not None:
+            qkv = qkv * keep.to(qkv.dtype)
+        q, k, v = qkv.view(B, T, -1, 3 * D).transpose(1, 2).split(D, dim=-1)
+        H = q.shape[1]  # this process's heads
+        a = -self.slope[self.here].float()[None, :, None].expand(B, H, T)
+        y = self.recur(q, k, v, a, ctx)
+        y = self.norm(y.transpose(1, 2).reshape(B, T, H * D))
+        return self.out_proj(torch.sigmoid(self.output_gate(x)) * y)
 
-        super().parallelize(tp_mesh)
-        parallelize(self.norm, tp_mesh, "norm", shard_dim=-1)
+    # -- what this part states about itself ---------------------------------------------------------
+    #: As the scalar-decay mixers shard (:meth:`ScalarDecayMixer.parallelize`); the RMSNorm over all heads'
+    #: outputs gathers its features to normalise each row whole.
+    tp_plan = {"": "gather_sequence", "qkv_proj": "colwise", "output_gate": "colwise", "out_proj": "rowwise",
+               "norm": "split_features"}
 
     @staticmethod
     def shrink(cfg, *, head_dim=8, **_):
@@ -285,19 +289,5 @@ class LightningAttention(ScalarDecayMixer):
     def facts(self):
         return {"recurrent heads": f"{self.n_heads} x {self.head_dim}, lightning attention (decay exp(-slope) per head)",
                 "chunk": self.chunk}
-
-    def forward(self, x, ctx, pos=None):
-        B, T, _ = x.shape
-        D = self.head_dim
-        qkv = self.act(self.qkv_proj(x))
-        keep = self._padding(ctx, T)
-        if keep is not None:
-            qkv = qkv * keep.to(qkv.dtype)
-        q, k, v = qkv.view(B, T, -1, 3 * D).transpose(1, 2).split(D, dim=-1)
-        H = q.shape[1]  # this process's heads
-        a = -self.slope[self.here].float()[None, :, None].expand(B, H, T)
-        y = self.recur(q, k, v, a, ctx)
-        y = self.norm(y.transpose(1, 2).reshape(B, T, H * D))
-        return self.out_proj(torch.sigmoid(self.output_gate(x)) * y)
 
 

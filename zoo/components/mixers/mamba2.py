@@ -94,13 +94,6 @@ class Mamba2(Mixer):
             if self.dt_limit_max is not None and self.dt_limit_max <= self.dt_limit_min:
                 raise SpecError("dt_limit_max", f"must exceed dt_limit_min {self.dt_limit_min}, got {self.dt_limit_max}")
 
-    @staticmethod
-    def shrink(cfg, *, head_dim: int = 8, **_) -> dict:
-        """A tiny copy: 4 heads of ``head_dim``, state 8, the groups kept (1 or 2), chunks of 4 tokens so
-        that short test sequences cross chunk boundaries."""
-        return {"n_heads": 4, "head_dim": head_dim, "state_size": 8, "n_groups": 1 if cfg.n_groups == 1 else 2,
-                "chunk_size": 4}
-
     def __init__(self, cfg, *, d_model: int, layer=None, spec=None, index: int = 0):
         super().__init__()
         self.cfg, self.index = cfg, index
@@ -130,7 +123,6 @@ class Mamba2(Mixer):
         dt = torch.exp(torch.rand(cfg.n_heads, generator=generator, device=self.A_log.device) * (hi - lo) + lo).clamp(min=cfg.dt_floor)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
 
-    # -- what this part states about itself -------------------------------------------------------
     def new_state(self, batch, max_len, *, dtype, device) -> "Mamba2State":
         """The last ``conv_kernel`` convolution inputs (B, conv_dim, K) in the model's dtype and the SSM
         state (B, H, N, P) in float32: of fixed size whatever the length (and able to drop the tokens of
@@ -138,6 +130,62 @@ class Mamba2(Mixer):
         cfg = self.cfg
         return Mamba2State(batch, device, conv=((self.conv_dim, cfg.conv_kernel), dtype),
                            ssm=((cfg.n_heads, cfg.state_size, cfg.head_dim), torch.float32))
+
+    def forward(self, u: torch.Tensor, ctx, pos=None) -> torch.Tensor:
+        from zoo.core.parallel import local
+
+        cfg = self.cfg
+        u = local(u)  # the whole sequence, this process computing its heads' share
+        Bsz, T, _ = u.shape
+        P, N = cfg.head_dim, cfg.state_size
+        H, G = self.here
+        d_inner = H * P
+        state = ctx.state.layers[self.index] if ctx is not None and ctx.state is not None else None
+        mask = ctx.key_mask[:, ctx.slots] if ctx is not None and ctx.key_mask is not None else None
+        z, xBC, dt = self.in_proj(u).split([d_inner, d_inner + 2 * G * N, H], -1)
+        if mask is not None:
+            xBC = xBC * mask[..., None].to(xBC.dtype)
+        keep = state is not None and 1 < T <= Mamba2State.KEEP  # an update truncate() can undo in part
+        before = (ctx.slots, state.get(Bsz)[0].clone(), state.get(Bsz)[1].clone(), xBC) if keep else None
+        if state is not None and state.undo is not None:
+            state.undo = None
+        documents = ctx.documents if ctx is not None else None
+        xBC = self.conv1d(xBC, state.get(Bsz)[0] if state is not None else None, documents)  # then SiLU
+        x, Bm, Cm = xBC.split([d_inner, G * N, G * N], -1)
+        dt = F.softplus(dt.float() + local(self.dt_bias).float()).clamp(cfg.dt_limit_min, cfg.dt_limit_max)
+        if mask is not None:
+            dt = dt * mask[..., None]  # a padded step: no decay, no input
+        x = x.float().view(Bsz, T, H, P)
+        heads = lambda t: t.float().view(Bsz, T, G, 1, N).expand(-1, -1, -1, H // G, -1).reshape(Bsz, T, H, N)  # noqa: E731
+        q, k = heads(Cm).transpose(1, 2), heads(Bm).transpose(1, 2)  # (B, H, T, N)
+        v = (x * dt[..., None]).transpose(1, 2)  # (B, H, T, P)
+        log_decay = (dt * -torch.exp(local(self.A_log).float())).transpose(1, 2)  # (B, H, T), <= 0
+        if documents is not None:  # a decay of 0 at each document's first token: its state starts empty
+            log_decay = log_decay.masked_fill(document_starts(documents)[:, None], float("-inf"))
+        S = state.get(Bsz)[1] if state is not None else None
+        if state is not None and T == 1:
+            y, S_new = recurrent.step(q[:, :, 0], k[:, :, 0], v[:, :, 0], log_decay[:, :, 0], S)
+            y = y[:, :, None]
+        else:
+            fast = kernels.fast(self, q) if documents is None else None  # the core's Triton kernel on CUDA
+            run = fast if fast is not None else recurrent.chunked
+            chunk = cfg.chunk_size if u.device.type != "cpu" else min(cfg.chunk_size, CPU_CHUNK)
+            y, S_new = run(q, k, v, log_decay, S, chunk=chunk)
+        if state is not None:
+            S.copy_(S_new)
+        if keep:
+            state.undo = (*before, k, v, log_decay)
+        y = y.transpose(1, 2) + local(self.D).float()[:, None] * x  # (B, T, H, P), the D skip
+        y = self.norm(y.reshape(Bsz, T, d_inner), z)
+        return self.out_proj(y.to(u.dtype))
+
+    # -- what this part states about itself ---------------------------------------------------------
+    @staticmethod
+    def shrink(cfg, *, head_dim: int = 8, **_) -> dict:
+        """A tiny copy: 4 heads of ``head_dim``, state 8, the groups kept (1 or 2), chunks of 4 tokens so
+        that short test sequences cross chunk boundaries."""
+        return {"n_heads": 4, "head_dim": head_dim, "state_size": 8, "n_groups": 1 if cfg.n_groups == 1 else 2,
+                "chunk_size": 4}
 
     def cost(self, context: int) -> Cost:
         """Per token: the convolution (``2 * conv_dim * conv_kernel``), the state update and read-out
@@ -197,55 +245,6 @@ class Mamba2(Mixer):
         shard_rows(self, tp_mesh)  # dt_bias, A_log, D: one per head
         self.norm.parallelize(tp_mesh, sharded=True)
         self.here = (heads, groups)
-
-    # -- forward ----------------------------------------------------------------------------------
-    def forward(self, u: torch.Tensor, ctx, pos=None) -> torch.Tensor:
-        from zoo.core.parallel import local
-
-        cfg = self.cfg
-        u = local(u)  # the whole sequence, this process computing its heads' share
-        Bsz, T, _ = u.shape
-        P, N = cfg.head_dim, cfg.state_size
-        H, G = self.here
-        d_inner = H * P
-        state = ctx.state.layers[self.index] if ctx is not None and ctx.state is not None else None
-        mask = ctx.key_mask[:, ctx.slots] if ctx is not None and ctx.key_mask is not None else None
-        z, xBC, dt = self.in_proj(u).split([d_inner, d_inner + 2 * G * N, H], -1)
-        if mask is not None:
-            xBC = xBC * mask[..., None].to(xBC.dtype)
-        keep = state is not None and 1 < T <= Mamba2State.KEEP  # an update truncate() can undo in part
-        before = (ctx.slots, state.get(Bsz)[0].clone(), state.get(Bsz)[1].clone(), xBC) if keep else None
-        if state is not None and state.undo is not None:
-            state.undo = None
-        documents = ctx.documents if ctx is not None else None
-        xBC = self.conv1d(xBC, state.get(Bsz)[0] if state is not None else None, documents)  # then SiLU
-        x, Bm, Cm = xBC.split([d_inner, G * N, G * N], -1)
-        dt = F.softplus(dt.float() + local(self.dt_bias).float()).clamp(cfg.dt_limit_min, cfg.dt_limit_max)
-        if mask is not None:
-            dt = dt * mask[..., None]  # a padded step: no decay, no input
-        x = x.float().view(Bsz, T, H, P)
-        heads = lambda t: t.float().view(Bsz, T, G, 1, N).expand(-1, -1, -1, H // G, -1).reshape(Bsz, T, H, N)  # noqa: E731
-        q, k = heads(Cm).transpose(1, 2), heads(Bm).transpose(1, 2)  # (B, H, T, N)
-        v = (x * dt[..., None]).transpose(1, 2)  # (B, H, T, P)
-        log_decay = (dt * -torch.exp(local(self.A_log).float())).transpose(1, 2)  # (B, H, T), <= 0
-        if documents is not None:  # a decay of 0 at each document's first token: its state starts empty
-            log_decay = log_decay.masked_fill(document_starts(documents)[:, None], float("-inf"))
-        S = state.get(Bsz)[1] if state is not None else None
-        if state is not None and T == 1:
-            y, S_new = recurrent.step(q[:, :, 0], k[:, :, 0], v[:, :, 0], log_decay[:, :, 0], S)
-            y = y[:, :, None]
-        else:
-            fast = kernels.fast(self, q) if documents is None else None  # the core's Triton kernel on CUDA
-            run = fast if fast is not None else recurrent.chunked
-            chunk = cfg.chunk_size if u.device.type != "cpu" else min(cfg.chunk_size, CPU_CHUNK)
-            y, S_new = run(q, k, v, log_decay, S, chunk=chunk)
-        if state is not None:
-            S.copy_(S_new)
-        if keep:
-            state.undo = (*before, k, v, log_decay)
-        y = y.transpose(1, 2) + local(self.D).float()[:, None] * x  # (B, T, H, P), the D skip
-        y = self.norm(y.reshape(Bsz, T, d_inner), z)
-        return self.out_proj(y.to(u.dtype))
 
 
 class Mamba2State(FixedState):

@@ -76,31 +76,6 @@ class MLA(Mixer):
             if self.qk_rope_head_dim % 2:
                 raise SpecError("qk_rope_head_dim", f"is rotated in pairs and must be even, got {self.qk_rope_head_dim}")
 
-    @classmethod
-    def rotary_dim(cls, cfg, d_model: int) -> int:
-        """RoPE rotates only the decoupled part of each query head and the shared key part."""
-        return cfg.qk_rope_head_dim
-
-    @classmethod
-    def check_in_model(cls, cfg, *, spec, layer):
-        position = layer.position if layer.position is not None else spec.position
-        if position is None or position.cls.applies_to != "qk":
-            return
-        rd = getattr(position.config, "rotary_dim", None)
-        fraction = getattr(position.config, "rotary_fraction", 1.0)
-        if (rd is not None and rd != cfg.qk_rope_head_dim) or fraction != 1.0:
-            raise SpecError("qk_rope_head_dim", f"{cfg.qk_rope_head_dim} is the width RoPE rotates in MLA; the position "
-                            f"encoding asks for rotary_dim {rd} / rotary_fraction {fraction}: drop them")
-
-    @staticmethod
-    def shrink(cfg, *, head_dim: int = 8, **_) -> dict:
-        """A tiny copy: 4 heads, a 16-wide kv latent, the nope/rope/value widths from ``head_dim``."""
-        out = {"n_heads": 4, "kv_lora_rank": 2 * head_dim, "qk_nope_head_dim": head_dim,
-               "qk_rope_head_dim": max(2, head_dim // 2), "v_head_dim": head_dim + head_dim // 2}
-        if cfg.q_lora_rank is not None:
-            out["q_lora_rank"] = 3 * head_dim // 2
-        return out
-
     def __init__(self, cfg, *, d_model: int, layer, spec, index: int = 0):
         super().__init__()
         self.cfg, self.index = cfg, index
@@ -121,64 +96,11 @@ class MLA(Mixer):
         self.kv_b_proj = nn.Linear(C, H * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, d_model, bias=cfg.bias)
 
-    # -- what this part states about itself ---------------------------------------------------------
     def new_state(self, batch, max_len, *, dtype=None, device=None) -> KVState:
         """One single-"head" KV state: keys are the normed latent (kv_lora_rank), values the rotated
         key part (qk_rope_head_dim)."""
         return KVState(window=None, max_len=max_len)
 
-    def cost(self, context: int) -> Cost:
-        """The plain path's scores and weighted sum (``2 H (nope + rope) + 2 H v`` FLOPs per key);
-        the decode state is ``kv_lora_rank + qk_rope_head_dim`` values per token."""
-        per_key = 2 * self.n_heads * (self.qk_dim + self.v_dim)
-        state = self.kv_lora_rank + self.rope
-        return Cost(flops=per_key * context, flops_mean=per_key * (context + 1) / 2,
-                    state_per_token=state, state_at_context=state * context)
-
-    def facts(self) -> dict:
-        return {"attention": "MLA", "n_heads": self.n_heads, "q_lora_rank": self.cfg.q_lora_rank,
-                "kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.nope, "qk_rope_head_dim": self.rope,
-                "v_head_dim": self.v_dim, "state_per_token": self.kv_lora_rank + self.rope,
-                "mha_state_per_token": self.n_heads * (self.qk_dim + self.v_dim), "decode": self.cfg.decode}
-
-    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
-        """Per token (the plain path training takes): the input the projections read (gathered under
-        tensor parallelism) and, whole on every process, the query latent and the key-value latent, each
-        with its norm's own; of this process's heads, the projected queries, the up-projected keys and
-        values, the concatenated queries and keys attention reads, its output and float32 log-sum-exp."""
-        c = dtype.itemsize
-        H = self.n_heads / tp
-        return self._latent_activation_bytes(seq_len, dtype, device=device) \
-            + H * (c * (3 * self.qk_dim + self.nope + 2 * self.v_dim) + 4)
-
-    def _latent_activation_bytes(self, seq_len, dtype, *, device="cuda"):
-        """Of :meth:`activation_bytes`, what every process keeps whole: the input the projections read and
-        the latents with their norms'."""
-        c = dtype.itemsize
-        out = self.kv_a_proj.in_features * c + self.kv_lora_rank * c \
-            + self.kv_a_norm.activation_bytes(seq_len, dtype, device=device)
-        if self.cfg.q_lora_rank is not None:
-            out += self.cfg.q_lora_rank * c + self.q_a_norm.activation_bytes(seq_len, dtype, device=device)
-        return out
-
-    def parallelize(self, tp_mesh) -> None:
-        """Tensor parallelism by heads: the sequence gathered; the per-head projections (``q_proj`` or
-        ``q_b_proj``, ``kv_b_proj``) sharded by their heads' rows, ``o_proj`` by its columns and
-        reduce-scattered back onto the sequence slice. The latents (``q_a_proj``, ``kv_a_proj`` and their
-        norms) are small and stay whole on every process: their gradients arrive summed over the
-        processes through the head projections they feed, and through :func:`~zoo.core.parallel.grad_summed`
-        for the rotary key part every local head shares."""
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        from zoo.core.parallel import heads_in, heads_out, local_count, sequence_input
-
-        local_count(self.n_heads, tp_mesh, "n_heads", self)
-        parallelize_module(self, tp_mesh, sequence_input(tp_mesh, local=True))
-        q = "q_proj" if self.cfg.q_lora_rank is None else "q_b_proj"
-        parallelize_module(self, tp_mesh, {q: heads_in(), "kv_b_proj": heads_in(), "o_proj": heads_out()})
-        self._tp_mesh = tp_mesh
-
-    # -- forward -------------------------------------------------------------------------------------
     def queries(self, x):
         """(B, H, T, nope) and (B, H, T, rope) query parts, before rotation."""
         B, T, _ = x.shape
@@ -258,3 +180,80 @@ class MLA(Mixer):
         probs = F.dropout(probs, self.dropout, self.training)
         o_lat = (probs.view(B, H * T, -1) @ c).view(B, H, T, -1)  # (B, H, T, kv_lora_rank)
         return torch.einsum("bhtc,hvc->bhtv", o_lat, w_uv.to(o_lat.dtype))
+
+    # -- what this part states about itself ---------------------------------------------------------
+    @classmethod
+    def rotary_dim(cls, cfg, d_model: int) -> int:
+        """RoPE rotates only the decoupled part of each query head and the shared key part."""
+        return cfg.qk_rope_head_dim
+
+    @classmethod
+    def check_in_model(cls, cfg, *, spec, layer):
+        position = layer.position if layer.position is not None else spec.position
+        if position is None or position.cls.applies_to != "qk":
+            return
+        rd = getattr(position.config, "rotary_dim", None)
+        fraction = getattr(position.config, "rotary_fraction", 1.0)
+        if (rd is not None and rd != cfg.qk_rope_head_dim) or fraction != 1.0:
+            raise SpecError("qk_rope_head_dim", f"{cfg.qk_rope_head_dim} is the width RoPE rotates in MLA; the position "
+                            f"encoding asks for rotary_dim {rd} / rotary_fraction {fraction}: drop them")
+
+    @staticmethod
+    def shrink(cfg, *, head_dim: int = 8, **_) -> dict:
+        """A tiny copy: 4 heads, a 16-wide kv latent, the nope/rope/value widths from ``head_dim``."""
+        out = {"n_heads": 4, "kv_lora_rank": 2 * head_dim, "qk_nope_head_dim": head_dim,
+               "qk_rope_head_dim": max(2, head_dim // 2), "v_head_dim": head_dim + head_dim // 2}
+        if cfg.q_lora_rank is not None:
+            out["q_lora_rank"] = 3 * head_dim // 2
+        return out
+
+    def cost(self, context: int) -> Cost:
+        """The plain path's scores and weighted sum (``2 H (nope + rope) + 2 H v`` FLOPs per key);
+        the decode state is ``kv_lora_rank + qk_rope_head_dim`` values per token."""
+        per_key = 2 * self.n_heads * (self.qk_dim + self.v_dim)
+        state = self.kv_lora_rank + self.rope
+        return Cost(flops=per_key * context, flops_mean=per_key * (context + 1) / 2,
+                    state_per_token=state, state_at_context=state * context)
+
+    def facts(self) -> dict:
+        return {"attention": "MLA", "n_heads": self.n_heads, "q_lora_rank": self.cfg.q_lora_rank,
+                "kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.nope, "qk_rope_head_dim": self.rope,
+                "v_head_dim": self.v_dim, "state_per_token": self.kv_lora_rank + self.rope,
+                "mha_state_per_token": self.n_heads * (self.qk_dim + self.v_dim), "decode": self.cfg.decode}
+
+    def _latent_activation_bytes(self, seq_len, dtype, *, device="cuda"):
+        """Of :meth:`activation_bytes`, what every process keeps whole: the input the projections read and
+        the latents with their norms'."""
+        c = dtype.itemsize
+        out = self.kv_a_proj.in_features * c + self.kv_lora_rank * c \
+            + self.kv_a_norm.activation_bytes(seq_len, dtype, device=device)
+        if self.cfg.q_lora_rank is not None:
+            out += self.cfg.q_lora_rank * c + self.q_a_norm.activation_bytes(seq_len, dtype, device=device)
+        return out
+
+    def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
+        """Per token (the plain path training takes): the input the projections read (gathered under
+        tensor parallelism) and, whole on every process, the query latent and the key-value latent, each
+        with its norm's own; of this process's heads, the projected queries, the up-projected keys and
+        values, the concatenated queries and keys attention reads, its output and float32 log-sum-exp."""
+        c = dtype.itemsize
+        H = self.n_heads / tp
+        return self._latent_activation_bytes(seq_len, dtype, device=device) \
+            + H * (c * (3 * self.qk_dim + self.nope + 2 * self.v_dim) + 4)
+
+    def parallelize(self, tp_mesh) -> None:
+        """Tensor parallelism by heads: the sequence gathered; the per-head projections (``q_proj`` or
+        ``q_b_proj``, ``kv_b_proj``) sharded by their heads' rows, ``o_proj`` by its columns and
+        reduce-scattered back onto the sequence slice. The latents (``q_a_proj``, ``kv_a_proj`` and their
+        norms) are small and stay whole on every process: their gradients arrive summed over the
+        processes through the head projections they feed, and through :func:`~zoo.core.parallel.grad_summed`
+        for the rotary key part every local head shares."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from zoo.core.parallel import heads_in, heads_out, local_count, sequence_input
+
+        local_count(self.n_heads, tp_mesh, "n_heads", self)
+        parallelize_module(self, tp_mesh, sequence_input(tp_mesh, local=True))
+        q = "q_proj" if self.cfg.q_lora_rank is None else "q_b_proj"
+        parallelize_module(self, tp_mesh, {q: heads_in(), "kv_b_proj": heads_in(), "o_proj": heads_out()})
+        self._tp_mesh = tp_mesh

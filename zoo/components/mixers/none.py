@@ -38,6 +38,9 @@ class NoMixer(Mixer):
     def new_state(self, batch, max_len, *, dtype, device) -> NoState:
         return NoState()
 
+    # -- what this part states about itself ---------------------------------------------------------
+    tp_plan: dict = {}  # nothing to shard: zeros shaped like the local sequence slice
+
     def cost(self, context: int) -> Cost:
         return Cost()
 
@@ -47,8 +50,3 @@ class NoMixer(Mixer):
 
     def facts(self) -> dict:
         return {"token mixing": "none"}
-
-    def parallelize(self, tp_mesh) -> None:
-        """Nothing to shard: zeros shaped like the local sequence slice."""
-
-

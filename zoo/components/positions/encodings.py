@@ -49,6 +49,7 @@ class Absolute(PositionEncoding):
 
     applies_to = "embedding"
 
+    # -- what this part states about itself ---------------------------------------------------------
     def parallelize(self, tp_mesh, **kw) -> None:
         self._tp_mesh = tp_mesh
 
@@ -90,12 +91,13 @@ class Learned(Absolute):
         super().__init__()
         self.table = nn.Embedding(spec.max_seq_len, spec.d_model)
 
+    def embed(self, position_ids, dtype):
+        return sequence_slice(self, self.table(position_ids).to(dtype))
+
+    # -- what this part states about itself ---------------------------------------------------------
     @classmethod
     def max_positions(cls, config, spec):
         return spec.max_seq_len  # one row per position
-
-    def embed(self, position_ids, dtype):
-        return sequence_slice(self, self.table(position_ids).to(dtype))
 
 
 @register("position", "rope")
@@ -128,23 +130,15 @@ class RoPE(PositionEncoding):
             if self.rotary_dim is not None and (self.rotary_dim <= 0 or self.rotary_dim % 2):
                 raise SpecError("rotary_dim", f"must be a positive even number, got {self.rotary_dim}")
 
+    @classmethod
+    def shrink(cls, cfg, *, head_dim: int, **sizes):
+        """A fixed ``rotary_dim`` stays partial in a tiny copy: half of the tiny head (so that some
+        channels are rotated and some passed, as in the model); a fraction needs no change."""
+        return {"rotary_dim": max(2, head_dim // 4 * 2)} if cfg.rotary_dim is not None else {}
+
     @staticmethod
     def rotary_dim_for(cfg, head_dim: int) -> int:
         return cfg.rotary_dim if cfg.rotary_dim is not None else int(head_dim * cfg.rotary_fraction)
-
-    @classmethod
-    def check_in_model(cls, cfg, *, spec, layer):
-        hd = rotary_dim_of(layer, spec.d_model)
-        if hd is None:  # this layer's mixer takes no rotation
-            return
-        rd = cls.rotary_dim_for(cfg, hd)
-        if rd > MAX_HEAD_DIM:  # its frequency table is built on the CPU, even for a model on meta
-            raise SpecError("rotary_dim", f"{rd} (of head_dim {hd}) is beyond zoo's limit of {MAX_HEAD_DIM:,} "
-                                          "(larger than any model it describes); check the head_dim")
-        if rd % 2 or rd <= 0:
-            raise SpecError("rotary_fraction", f"gives an odd or empty rotary dimension {rd} of head_dim {hd}")
-        if rd > hd:
-            raise SpecError("rotary_dim", f"{rd} exceeds head_dim {hd}")
 
     def __init__(self, cfg, *, spec, layer):
         super().__init__()
@@ -208,3 +202,18 @@ class RoPE(PositionEncoding):
             return fast(self, q, k, state)
         cos, sin = state
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    # -- what this part states about itself ---------------------------------------------------------
+    @classmethod
+    def check_in_model(cls, cfg, *, spec, layer):
+        hd = rotary_dim_of(layer, spec.d_model)
+        if hd is None:  # this layer's mixer takes no rotation
+            return
+        rd = cls.rotary_dim_for(cfg, hd)
+        if rd > MAX_HEAD_DIM:  # its frequency table is built on the CPU, even for a model on meta
+            raise SpecError("rotary_dim", f"{rd} (of head_dim {hd}) is beyond zoo's limit of {MAX_HEAD_DIM:,} "
+                                          "(larger than any model it describes); check the head_dim")
+        if rd % 2 or rd <= 0:
+            raise SpecError("rotary_fraction", f"gives an odd or empty rotary dimension {rd} of head_dim {hd}")
+        if rd > hd:
+            raise SpecError("rotary_dim", f"{rd} exceeds head_dim {hd}")

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import zoo
-from zoo.interfaces import PositionEncoding
+from zoo.core.kinds import PositionEncoding
 
 
 def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> torch.Tensor:

@@ -1,17 +1,13 @@
 """The Hugging Face ``phi`` checkpoint format: config.json <-> spec, and one two-way weight-name map."""
 
+from zoo.checkpoints.files.gguf import GGUFArch
 from zoo.checkpoints.hf.common import activation, activation_name, rope_parameters, rope_part, rope_to_hf
 from zoo.checkpoints.hf.format import CheckpointFormat, Fields
-from zoo.checkpoints.files.gguf import GGUFArch
-from zoo.checkpoints.hf.maps import rule
+from zoo.checkpoints.hf.maps import ZOO_LAYER as Z, ZOO_MIXER as M, linear, rule
 from zoo.checkpoints.hf.sizes import ffn_size
-from zoo.spec import ModelSpec
+from zoo.core.spec import ModelSpec
 
-H, Z = "model.layers.{i}.", "layers.{i}."
-
-
-def linear(hf, zoo):
-    return [rule(f"{hf}.{w}", f"{zoo}.{w}") for w in ("weight", "bias")]
+H = "model.layers.{i}."
 
 
 class Phi(CheckpointFormat):
@@ -27,10 +23,10 @@ class Phi(CheckpointFormat):
     def rules(self, spec):
         return [
             rule("model.embed_tokens.weight", "embed.weight"),
-            *[r for p in "qkv" for r in linear(f"{H}self_attn.{p}_proj", f"{Z}attention.{p}_proj")],
-            *linear(f"{H}self_attn.dense", f"{Z}attention.o_proj"),
-            *linear(f"{H}self_attn.q_layernorm", f"{Z}attention.q_norm"),
-            *linear(f"{H}self_attn.k_layernorm", f"{Z}attention.k_norm"),
+            *[r for p in "qkv" for r in linear(f"{H}self_attn.{p}_proj", f"{M}{p}_proj")],
+            *linear(f"{H}self_attn.dense", f"{M}o_proj"),
+            *linear(f"{H}self_attn.q_layernorm", f"{M}q_norm"),
+            *linear(f"{H}self_attn.k_layernorm", f"{M}k_norm"),
             *linear(f"{H}mlp.fc1", f"{Z}ffn.up"),
             *linear(f"{H}mlp.fc2", f"{Z}ffn.down"),
             *linear(f"{H}input_layernorm", f"{Z}attn_norm"),
@@ -50,8 +46,8 @@ class Phi(CheckpointFormat):
             "vocab_size": f.require("vocab_size"), "d_model": d, "n_layers": f.require("num_hidden_layers"),
             "max_seq_len": max_pos, "position": rope_part(f, params, max_pos=max_pos),
             "layers": {"default": {
-                "attention": {"name": "attention", "n_heads": n_heads, "n_kv_heads": f.get("num_key_value_heads", n_heads),
-                              "bias": True, "out_bias": True, "qk_norm": "head" if f.get("qk_layernorm", False) else "none"},
+                "mixer": {"name": "attention", "n_heads": n_heads, "n_kv_heads": f.get("num_key_value_heads", n_heads),
+                          "bias": True, "out_bias": True, "qk_norm": "head" if f.get("qk_layernorm", False) else "none"},
                 "ffn": {"name": "mlp", "d_ff": f.require("intermediate_size"), "bias": True,
                         "activation": activation(f, "hidden_act", "gelu_new")},
                 "norm": norm, "block": {"name": "parallel", "shared_norm": True},
@@ -63,7 +59,7 @@ class Phi(CheckpointFormat):
 
     def spec_to_config(self, spec):
         layer = spec.layer(0)
-        att = layer.attention
+        att = layer.mixer
         if layer.block.name != "parallel" or not layer.block.shared_norm or layer.norm.name != "layernorm":
             raise ValueError("phi needs a parallel block with one shared LayerNorm")
         return {

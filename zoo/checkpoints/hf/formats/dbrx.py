@@ -104,7 +104,9 @@ DBRX_FIELDS = FieldTable([
     Field("ffn_config.moe_normalize_expert_weights", "layer.ffn.router", None, float,
           to_spec=_router,
           source=lambda s: 1.0 if s.layer(0).ffn.router.name == "topk_softmax" else None),
-    expect("ffn_config.moe_jitter_eps", (None, 0, 0.0), "zoo's routers add no noise"),
+    # Router noise in training only (transformers' DbrxRouter: ``if self.training``): typed, and
+    # nothing at inference.
+    Field("ffn_config.moe_jitter_eps", None, None, float),
     expect("tie_word_embeddings", (False,), "transformers refuses tied DBRX embeddings"),
     # Read by the loss reader (switch_pooled_loss) below.
     Field("output_router_logits", None, False, bool),
@@ -146,9 +148,9 @@ class Dbrx(TableFormat):
             rule(f"{a}attn.Wqkv.weight", [f"{ZOO_MIXER}{p}_proj.weight" for p in "qkv"], FUSED_QKV),
             rule(f"{a}attn.out_proj.weight", f"{ZOO_MIXER}o_proj.weight"),
             rule(f"{m}router.layer.weight", f"{ZOO_LAYER}ffn.router.weight"),
-            rule(f"{m}experts.mlp.w1", f"{ZOO_LAYER}ffn.w_gate", fused_experts(n)),
-            rule(f"{m}experts.mlp.v1", f"{ZOO_LAYER}ffn.w_up", fused_experts(n)),
-            rule(f"{m}experts.mlp.w2", f"{ZOO_LAYER}ffn.w_down", fused_experts(n, transposed=True)),
+            rule(f"{m}experts.mlp.w1", f"{ZOO_LAYER}ffn.experts.w_gate", fused_experts(n)),
+            rule(f"{m}experts.mlp.v1", f"{ZOO_LAYER}ffn.experts.w_up", fused_experts(n)),
+            rule(f"{m}experts.mlp.w2", f"{ZOO_LAYER}ffn.experts.w_down", fused_experts(n, transposed=True)),
         ]
 
     def config_to_spec(self, config, *, strict=False):

@@ -1,5 +1,5 @@
 """The Llama-style decoders: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text (and the text
-model inside a gemma3 checkpoint), olmo2. They share tensor names and differ in fields of the spec:
+model inside a gemma3 checkpoint), olmo2, olmo3, smollm3. They share tensor names and differ in fields of the spec:
 norm placement and flavour, QK-norm, biases, sliding windows, soft-caps, embedding scale.
 
 Each format is its parent plus a difference, in three declarations:
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from zoo.checkpoints.hf.common import activation_name, hf_activation, layer_types_of, pattern, rope_parameters, rope_part, rope_to_hf
+from zoo.checkpoints.hf.common import (activation_name, hf_activation, layer_types_of, pattern, rope_parameters, rope_part,
+                                       rope_to_hf, split_kinds)
 from zoo.checkpoints.hf.fields import Field, FieldTable, TableFormat, expect, known, merged, read_fields
 from zoo.checkpoints.hf.format import ConfigError, Fields
 from zoo.checkpoints.hf.maps import embed_and_head, gated_mlp, layer_norms, llama_attention
@@ -444,4 +445,92 @@ class Olmo2(LlamaStyle):
     tiny = {**TINY, "attention_bias": True}
 
 
-FORMATS = [LlamaStyle(), Mistral(), Qwen2(), Qwen3(), Gemma(), Gemma2(), Gemma3Text(), Gemma3(), Olmo2()]
+class Olmo3Ropes(RopePerLayerType):
+    """OLMo 3 (Olmo3Config): ``rope_parameters`` per layer type; in the older spelling ``rope_scaling``
+    applies to the full-attention layers only and ``rope_theta`` to both."""
+
+    def read(self, f, layer_type, max_pos):
+        if "rope_parameters" in f:
+            params = f.get("rope_parameters", kind=dict)
+            if SLIDING in params or FULL in params:  # nested: a missing type is default RoPE at the default base
+                own = params.get(layer_type) or {"rope_type": "default"}
+                return rope_part(f, {"rope_theta": f.get("rope_theta", 500000.0), **rope_parameters(f, layer_type),
+                                     **own}, max_pos=max_pos, where=f"rope_parameters.{layer_type}")
+            return rope_part(f, dict(params), max_pos=max_pos)
+        if layer_type == SLIDING:
+            return rope_part(f, {"rope_theta": f.get("rope_theta", 500000.0)}, max_pos=max_pos)
+        return Ropes.read(self, f, layer_type, max_pos)
+
+
+class Olmo3(Olmo2):
+    """OLMo 3: OLMo 2's layers, sliding windows on three layers of four (the fourth full), a RoPE per
+    layer type."""
+
+    model_type, architecture = "olmo3", "Olmo3ForCausalLM"
+    windows = LayerTypes(every(4))
+    ropes = Olmo3Ropes()
+    defaults = {"rms_norm_eps": 1e-5, "sliding_window": 4096, "rope_theta": 500000.0}
+    tiny = {**TINY, "num_hidden_layers": 4, "attention_bias": True, "sliding_window": 8,
+            "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                                FULL: {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+                                       "original_max_position_embeddings": 16}}}
+
+
+class SmolLM3Windows(QwenWindows):
+    """SmolLM3 (SmolLM3Config): ``sliding_window`` applies only with ``use_sliding_window``; without
+    ``layer_types`` the NoPE layers slide (:func:`rope_layers`)."""
+
+    def __init__(self):
+        LayerTypes.__init__(self, lambda f, n: [SLIDING if self.window(f) is not None and not rope else FULL
+                                                for rope in rope_layers(f, n)])
+
+    def types(self, f, n_layers):
+        types = LayerTypes.types(self, f, n_layers)
+        return types if self.window(f) is not None else [FULL] * n_layers
+
+    def write(self, model_type, cfg, types, window):
+        cfg.update(use_sliding_window=window is not None, sliding_window=window, layer_types=types)
+
+
+def rope_layers(f: Fields, n_layers: int) -> list[int]:
+    """SmolLM3's ``no_rope_layers``: 1 where a layer rotates, 0 where it has no position (NoPE); by
+    default every ``no_rope_layer_interval``-th layer (4) is NoPE."""
+    flags = f.get("no_rope_layers", kind=list)
+    interval = f.positive("no_rope_layer_interval", 4)
+    if flags is None:
+        return [int((i + 1) % interval != 0) for i in range(n_layers)]
+    if len(flags) != n_layers or any(x not in (0, 1) or isinstance(x, bool) for x in flags):
+        raise f.error("no_rope_layers", f"must list 0 (NoPE) or 1 (RoPE) for each of the {n_layers} layers, got {flags!r}")
+    return list(flags)
+
+
+NOPE = {"position": {"name": "nope"}}
+
+
+class SmolLM3(LlamaStyle):
+    """SmolLM3: Llama's layers with no position encoding (NoPE) on every fourth (``no_rope_layers``)."""
+
+    model_type, architecture = "smollm3", "SmolLM3ForCausalLM"
+    fields = LlamaStyle.fields + [Field("tie_word_embeddings", "head.tied", True)] + known("no_rope_layer_interval")
+    windows = SmolLM3Windows()
+    defaults = {"num_key_value_heads": 4, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 2000000.0}
+    tiny = {**TINY, "num_hidden_layers": 4, "no_rope_layer_interval": 2, "use_sliding_window": True, "sliding_window": 8,
+            "attention_bias": True, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+
+    def complete(self, f, data):
+        super().complete(f, data)
+        flags = rope_layers(f, data["n_layers"])
+        split_kinds(data, ["rope" if r else "nope" for r in flags], {"nope": NOPE})
+
+    def spec_to_config(self, spec):
+        flags = [int(spec.position_for(i).name != "nope") for i in range(spec.n_layers)]
+        data = spec.to_dict()
+        for layer in data["layers"].values():
+            if isinstance(layer.get("position"), dict) and layer["position"].get("name") == "nope":
+                del layer["position"]  # the rotation the other layers have; no_rope_layers says where it is off
+        cfg = super().spec_to_config(ModelSpec.from_dict(data))
+        cfg.update(no_rope_layers=flags, no_rope_layer_interval=4)
+        return cfg
+
+
+FORMATS = [LlamaStyle(), Mistral(), Qwen2(), Qwen3(), Gemma(), Gemma2(), Gemma3Text(), Gemma3(), Olmo2(), Olmo3(), SmolLM3()]

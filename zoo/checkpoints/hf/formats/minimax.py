@@ -7,6 +7,14 @@ lightning layers are zoo's ``lightning_attention``. Their decay slopes are store
 ``slope_rate`` (H, 1, 1) and loaded from it; the decay tables transformers derives from the slopes
 for its ``block_size`` (``query_decay``, ``key_decay``, ``diagonal_decay``) are not read, and are
 written again from the slopes on saving.
+
+The RoPE follows the release where transformers differs from it. MiniMax-Text-01 and M1 rotate half
+of each head ("RoPE applied to half of the attention head dimension", the model card): their
+config.json says ``rotary_dim: 64`` of ``head_dim`` 128, and the release's own code and vLLM rotate
+the first ``rotary_dim`` channels (half-split, frequencies over ``rotary_dim``) and pass the rest.
+transformers 5.23's ``minimax`` does not read ``rotary_dim`` and rotates the whole head; zoo reads
+it, and writes it back on saving (tests/formats/test_minimax.py checks zoo against the release's
+equations and pins transformers' reading).
 """
 
 from __future__ import annotations
@@ -74,7 +82,7 @@ class MiniMax(Mixtral):
 
     @property
     def extra_fields(self) -> tuple[str, ...]:
-        return super().extra_fields + ("layer_types", "block_size", *MLP_ALPHAS.values(),
+        return super().extra_fields + ("layer_types", "block_size", "rotary_dim", *MLP_ALPHAS.values(),
                                        *(k for t in ALPHAS.values() for k in t.values()))
 
     # -- the weight-name map --------------------------------------------------------------------
@@ -118,6 +126,10 @@ class MiniMax(Mixtral):
                                   "norm_eps": LIGHTNING_NORM_EPS, "chunk": f.get("block_size", kind=int)}
             layers[KINDS[t]] = layer
         data["layers"], data["layer_pattern"] = layers, list(pattern([KINDS[t] for t in types]))
+        rotary_dim = f.get("rotary_dim", kind=int)
+        if rotary_dim is not None and rotary_dim != att["head_dim"]:  # the release's partial RoPE
+            data["position"] = {**{k: v for k, v in data["position"].items() if k != "rotary_fraction"},
+                                "rotary_dim": rotary_dim}
         return ModelSpec.from_dict(data)
 
     # -- spec -> config -------------------------------------------------------------------------
@@ -149,6 +161,9 @@ class MiniMax(Mixtral):
         data["layer_pattern"] = ["default"]
         out = super().spec_to_config(ModelSpec.from_dict(data))
         out.update({field: values.pop() for field, values in scales.items()}, layer_types=types)
+        fraction = out["rope_parameters"].pop("partial_rotary_factor", None)
+        if fraction is not None:  # the release's spelling, which transformers does not read (see above)
+            out["rotary_dim"] = round(fraction * out["head_dim"])
         chunks = {m.chunk for m in mixers if m.name == "lightning_attention"}
         out["block_size"] = chunks.pop() if len(chunks) == 1 else self.defaults["block_size"] if not chunks else None
         for i, m in enumerate(mixers):

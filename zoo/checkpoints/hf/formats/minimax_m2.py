@@ -8,6 +8,11 @@ to choose them, and renormalises the chosen unbiased scores: DeepSeek-V3's ``sig
 with one group, and ``norm_topk_prob`` always on. Tensor names are Mixtral's
 (``block_sparse_moe.gate``, ``block_sparse_moe.experts.{j}.w1/w2/w3``) plus
 ``block_sparse_moe.e_score_correction_bias`` and ``self_attn.q_norm`` / ``k_norm``.
+
+Released config.json files state the partial RoPE as ``rotary_dim`` alone (64 of ``head_dim`` 128);
+transformers' ``MiniMaxM2Config.convert_rope_params_to_dict`` reads it as ``partial_rotary_factor =
+rotary_dim / head_dim``, below a ``partial_rotary_factor`` the config states itself (top-level or in
+``rope_parameters``), and so does zoo. Saves write the factor in ``rope_parameters``.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ class MiniMaxM2(MoEStyle):
     mlp, experts_key, width_key, projections = Mixtral.mlp, Mixtral.experts_key, None, Mixtral.projections
     router = "sigmoid_group"  # one group: plain top-k of the biased sigmoid scores
     norm_topk_default = None  # not a field: always renormalised
-    moe_fields = MoEStyle.moe_fields + ("router_jitter_noise",)
+    moe_fields = MoEStyle.moe_fields + ("router_jitter_noise", "rotary_dim")
     random_buffers = ("e_score_correction_bias",)
     # MiniMaxM2Config's defaults for absent fields.
     defaults = {"vocab_size": 200064, "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62,
@@ -42,9 +47,27 @@ class MiniMaxM2(MoEStyle):
     def config_to_spec(self, config, *, strict=False):
         from zoo.checkpoints.hf.format import Fields
 
-        Fields(config, self.model_type).expect("router_jitter_noise", (0.0, 0), "zoo's routers add no noise")
-        spec = super().config_to_spec(config, strict=strict)
+        f = Fields(config, self.model_type, self.defaults)
+        f.expect("router_jitter_noise", (0.0, 0), "zoo's routers add no noise")
+        spec = super().config_to_spec(self.with_rotary_fraction(f), strict=strict)
         return spec.with_overrides({"layers.*.ffn.norm_topk_prob": True})
+
+    @staticmethod
+    def with_rotary_fraction(f) -> dict:
+        """The config with the release's ``rotary_dim`` as the ``partial_rotary_factor`` transformers
+        makes of it (where the config states no factor of its own)."""
+        rotary_dim = f.get("rotary_dim", kind=int)
+        if rotary_dim is None:
+            return f.config
+        fraction = rotary_dim / f.positive("head_dim")
+        config = dict(f.config)
+        if isinstance(config.get("rope_parameters"), dict):
+            top = config.get("partial_rotary_factor")
+            config["rope_parameters"] = {"partial_rotary_factor": top if top is not None else fraction,
+                                         **config["rope_parameters"]}
+        else:
+            config.setdefault("partial_rotary_factor", fraction)
+        return config
 
     def spec_to_config(self, spec):
         moe = self.moe_part(spec)
