@@ -2,6 +2,8 @@
 
 import sys
 
+from zoo.commands import add_device, device_of
+
 
 def add_parser(sub):
     p = sub.add_parser(
@@ -21,6 +23,7 @@ def add_parser(sub):
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set reaching this probability")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    add_device(p)
     p.add_argument("--dtype", default=None, help="load weights as this dtype (float32, bfloat16, float16); default as stored")
     p.add_argument("--fp8", choices=["dequantize", "keep"], default="dequantize",
                    help="an FP8 checkpoint's linear weights: dequantised on load (default) or kept in FP8")
@@ -41,7 +44,7 @@ def run(args):
     if args.chat:
         from zoo.commands.chat import load, reply
 
-        model, tokenizer = load(args.checkpoint, args.dtype, args.adapter, fp8=args.fp8)
+        model, tokenizer = load(args.checkpoint, args.dtype, args.adapter, fp8=args.fp8, device=args.device)
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]
         reply(model, tokenizer, messages, args)
@@ -60,8 +63,8 @@ def run(args):
         from zoo.training.data import get_tokenizer
 
         tokenizer = get_tokenizer(args.tokenizer)
-    model = from_pretrained(source, dtype=args.dtype, adapter=args.adapter, fp8=args.fp8)
-    ids = torch.tensor([tokenizer.encode(args.prompt)])
+    model = from_pretrained(source, dtype=args.dtype, adapter=args.adapter, fp8=args.fp8, device=device_of(args.device))
+    ids = torch.tensor([tokenizer.encode(args.prompt)], device=next(model.parameters()).device)
     stream = TextStream(tokenizer)
     out = sys.stdout
     shown = []

@@ -58,7 +58,7 @@ ALIASES: dict[str, str] = {
     "zoo-side parameter names layers.{i}.attention.*": "layers.{i}.mixer.*",
     OLD_EXPERT_NAMES: "layers.{i}.ffn.experts.w_*",
     "MoE.w_gate, MoE.w_up, MoE.w_down": "MoE.experts.w_gate, .w_up, .w_down (GroupedExperts)",
-    "LlamaStyle class flags": "the format's fields, template, windows and ropes (docs/checkpoints.md)",
+    "LlamaStyle class flags": "the format's fields, template, windows and ropes (docs/reference/checkpoints.md)",
 }
 
 #: deprecated calls whose new home is in a wing above the caller's -> "module:function" of the new home

@@ -254,11 +254,19 @@ class ZooLM(TemplateLM):
         return order.get_original(res)
 
 
+def default_device() -> str:
+    """The device zoo would use: the first GPU when there is one, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """lm_eval's own command line, with the ``zoo`` model registered (``argv``: its arguments)."""
     from lm_eval.__main__ import cli_evaluate
 
-    sys.argv = ["lm-eval", *(sys.argv[1:] if argv is None else argv)]
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--device" or a.startswith("--device=") for a in argv):
+        argv += ["--device", default_device()]  # lm_eval's own default is cuda:0, even on a machine without CUDA
+    sys.argv = ["lm-eval", *argv]
     cli_evaluate()
     return 0
 

@@ -164,3 +164,57 @@ def unigram_entropy(tokens: torch.Tensor) -> float:
     counts = torch.bincount(tokens.flatten()).double()
     p = counts[counts > 0] / counts.sum()
     return float(-(p * p.log()).sum())
+
+
+class _Stream:
+    """A :class:`TokenData` as the loop reads data: batches of ids, targets (the ids) and no documents."""
+
+    def __init__(self, data: TokenData):
+        self.data, self.n_samples = data, data.n_seqs
+
+    def batch(self, start: int, count: int):
+        from zoo.training.loader import Batch
+
+        ids = self.data.batch(start, count)
+        return Batch(ids, ids, None)
+
+
+def data_entries(data: Sequence) -> list[dict]:
+    """``config.data`` as ``[{path, weight}]``."""
+    return [dict(e) if isinstance(e, dict) else {"path": str(e)} for e in data]
+
+
+def open_data(config, tokenizer):
+    """The training stream and the validation set (None without ``config.val``) of a run: prepared corpora
+    (:mod:`zoo.training.loader`: packing, SFT, mixtures) or, as before, text files / the built-in corpus
+    tokenised into one stream (no documents, no validation)."""
+    from zoo.training.loader import open_sources
+    from zoo.training.shards import DataError, is_prepared
+
+    entries = data_entries(config.data)
+    prepared = [is_prepared(e["path"]) for e in entries]
+    if entries and all(prepared):
+        pad = getattr(tokenizer, "pad_token_id", None)
+        pad = pad if pad is not None else (getattr(tokenizer, "eos_token_ids", None) or [0])[0]
+        common = dict(packing=config.packing, sft=config.sft, seed=config.seed, pad_id=pad)
+        fraction = config.val.fraction if config.val is not None and config.val.path is None else 0.0
+        train = open_sources(entries, tokenizer, config.seq_len, val_fraction=fraction, **common)
+        val = None
+        if config.val is not None:
+            val_entries = [{"path": config.val.path}] if config.val.path else entries
+            val = open_sources(val_entries, tokenizer, config.seq_len, val_fraction=fraction or 0.0,
+                               split="val" if fraction else "train", **common)
+            if not fraction:  # a separate corpus: all of it, in order
+                from zoo.training.loader import Ordered
+
+                val = Ordered(val.sources)
+        return train, val
+    if any(prepared):
+        raise DataError(f"data: {', '.join(e['path'] for e, p in zip(entries, prepared) if not p)} are not prepared "
+                        "corpora, but others are; prepare every source (zoo data prepare) or give text files only")
+    for what, on in (("sft", config.sft), ("val", config.val is not None), ("a weight", any("weight" in e for e in entries))):
+        if on:
+            raise DataError(f"data: {what} needs prepared corpora (zoo data prepare SOURCES --out DIR, then data = "
+                            "[{path = DIR}]); text files are read as one stream")
+    texts = read_texts([e["path"] for e in entries]) if entries else [builtin_corpus()]
+    return _Stream(TokenData(tokenize(texts, tokenizer), config.seq_len, seed=config.seed, bos=bos_id(tokenizer))), None

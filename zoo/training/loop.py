@@ -36,20 +36,11 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from zoo.checkpoints import CheckpointError, from_pretrained, save_pretrained, save_tokenizer
-from zoo.checkpoints.adapter import (MergedWeights, add_lora, hf_module_names, lora_layers, lora_targets, require_peft,
-                                     save_adapter, trainable)
-from zoo.checkpoints.files.native import save_native
 from zoo.checkpoints.sources import find
-from zoo.core.context import recomputation
-from zoo.core.registry import list_components
-from zoo.core.spec import SpecError
-from zoo.training.checkpointer import (CheckpointWeights, Checkpointer, checkpoints, load_full_state_dict,
-                                      read_checkpoint_state, read_state)
+from zoo.training.checkpointer import Checkpointer, checkpoints, load_full_state_dict, read_checkpoint_state
 from zoo.training.config import MESH_DIMS, ParallelConfig, TrainConfig, TrainResult
-from zoo.training.data import TokenData, bos_id, builtin_corpus, get_tokenizer, read_texts, tokenize
+from zoo.training.data import get_tokenizer, open_data
 from zoo.core import kinds as _kinds
 from zoo.model.decoder import build_model
 from zoo.model.recipes import get_spec
@@ -217,6 +208,8 @@ def checkpoint_blocks(model: nn.Module, blocks: list[int]) -> None:
     shows the wrapper's ``_checkpoint_wrapped_module``, which ``init_weights`` looks through)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+    from zoo.core.context import recomputation
+
     for i in blocks:
         model.layers[i] = checkpoint_wrapper(model.layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                              context_fn=lambda: (nullcontext(), recomputation()))
@@ -245,62 +238,6 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     Keyword ``fields`` set :class:`TrainConfig` fields (``steps=300``). Run under
     ``accelerate launch`` or ``torchrun`` for several processes; every process calls this.
     """
-    run = prepare_run(model, config, overrides=overrides, on_step=on_step, **fields)
-    while run.step < run.last:
-        train_step(run)
-    return finish_run(run)
-
-
-@dataclasses.dataclass
-class Run:
-    """One training run between :func:`prepare_run` and :func:`finish_run`: what its steps share (the
-    settings, the processes, the model and its wrappers, the data, the checkpointer) and where it
-    stands (``step``, the data ``position``, the tokens seen, the last checkpoint ``saved``)."""
-
-    # the settings, and what they were checked to mean
-    config: TrainConfig
-    spec: ModelSpec
-    tokenizer: Any
-    fmt: Optional[str]  # the format the weights came in (init_from), exported in
-    hf_config: dict[str, Any]
-    on_step: Optional[Callable[[dict[str, Any], nn.Module], None]]
-    # the processes
-    acc: Any  # accelerate.Accelerator
-    layout: dict[str, int]
-    tp: int
-    dp_rank: int
-    accum: int
-    per_rank: int
-    use_fsdp: bool
-    per_process: bool  # each process writes its own shard of the weights
-    # the model, its wrapper and optimizer, the data, the checkpoints and the log
-    net: nn.Module
-    wrapped: nn.Module
-    optimizer: Any
-    schedule: Any
-    data: TokenData
-    ckpt: Checkpointer
-    out_dir: Path
-    metrics_file: Path
-    resume_from: Optional[Path]
-    earlier: bool  # resumed from a checkpoint of the earlier, per-process layout
-    bar: Any
-    # where the run stands
-    result: TrainResult
-    last: int
-    tokens_per_step: int
-    started: float
-    step: int = 0
-    position: int = 0
-    tokens_seen: int = 0
-    saved: Optional[Path] = None
-
-
-def prepare_run(model: Any = None, config: Optional[TrainConfig] = None, *, overrides: Optional[dict[str, Any]] = None,
-                on_step: Optional[Callable[[dict[str, Any], nn.Module], None]] = None, **fields: Any) -> Run:
-    """Everything before the first step of :func:`train` (its arguments are train's): the settings
-    checked, the processes, model, tokenizer and checkpoint checked before any compute, the model
-    built (sharded before it is allocated), loaded or resumed, wrapped, and its optimizer."""
     from zoo.core.extras import import_extra
 
     Accelerator = import_extra("accelerate", "training needs", "train").Accelerator
@@ -323,11 +260,12 @@ def prepare_run(model: Any = None, config: Optional[TrainConfig] = None, *, over
     # Data parallelism is over dp_replicate x dp_shard: the processes of one tensor-parallel group read one batch.
     dp_size, dp_rank = acc.num_processes // tp, acc.process_index // tp
     accum = config.accumulation(dp_size)
-    texts = read_texts(config.data) if config.data else [builtin_corpus()]
 
     # Every check before any compute: model, tokenizer, checkpoint.
     pretrained = None
     if config.init_from:
+        from zoo.checkpoints import from_pretrained
+
         pretrained = from_pretrained(config.init_from)
         spec = get_spec(model if model is not None else pretrained.spec, overrides)
     elif model is None:
@@ -384,7 +322,7 @@ def prepare_run(model: Any = None, config: Optional[TrainConfig] = None, *, over
             f"checkpoint {resume_from} (of the earlier layout) was written {'with' if ckpt_state['sharded'] else 'without'}"
             f" FSDP or TP; resume it the same way (fsdp={ckpt_state['sharded']}, or the same tp)"
         )
-    data = TokenData(tokenize(texts, tokenizer), config.seq_len, seed=config.seed, bos=bos_id(tokenizer))
+    data, val_data = open_data(config, tokenizer)
 
     # Model: meta first; FSDP2 shards before anything is allocated.
     torch.manual_seed(config.seed)
@@ -426,103 +364,98 @@ def prepare_run(model: Any = None, config: Optional[TrainConfig] = None, *, over
     result = TrainResult(step=step, losses=[], ce=[], z=[], out_dir=out_dir, main_process=acc.is_main_process)
     if lora_counts is not None:
         result.extra["lora"] = lora_counts
+    from tqdm.auto import tqdm
+
     bar = tqdm(total=config.steps, initial=step, disable=not (config.progress and acc.is_local_main_process),
                desc="train", unit="step", dynamic_ncols=True)
+    if val_data is not None and step == 0 and last > 0:  # where a fresh run starts from
+        result.val.append({"step": 0, "val_loss": evaluate(wrapped, val_data, config, acc, dp_rank, dp_size)})
+        acc.print(f"step 0: val_loss {result.val[-1]['val_loss']:.4f}")
     started, tokens_seen = time.perf_counter(), 0
-    return Run(config=config, spec=spec, tokenizer=tokenizer, fmt=fmt, hf_config=hf_config, on_step=on_step,
-               acc=acc, layout=layout, tp=tp, dp_rank=dp_rank, accum=accum, per_rank=per_rank, use_fsdp=use_fsdp,
-               per_process=per_process, net=net, wrapped=wrapped, optimizer=optimizer, schedule=schedule, data=data,
-               ckpt=ckpt, out_dir=out_dir, metrics_file=metrics_file, resume_from=resume_from, earlier=earlier,
-               bar=bar, result=result, last=last, tokens_per_step=tokens_per_step, started=started, step=step,
-               position=position, tokens_seen=tokens_seen)
+    saved: Optional[Path] = None
+    while step < last:
+        t0 = time.perf_counter()
+        batch = data.batch(position + dp_rank * per_rank, per_rank)
+        sums: dict[str, torch.Tensor] = {}
+        for m in range(accum):
+            part = batch.rows(m * config.micro_batch, (m + 1) * config.micro_batch, acc.device)
+            sync = m == accum - 1
+            if use_fsdp:
+                wrapped.set_requires_gradient_sync(sync)
+            with acc.no_sync(wrapped) if not (sync or use_fsdp) else nullcontext():
+                with acc.autocast():
+                    # the model's own loss: fused where a fast path runs
+                    out = wrapped(part.ids, labels=part.labels, **_documents(part))
+                acc.backward(out.loss / accum)  # outside autocast, as PyTorch advises
+            for name, value in out.terms().items():
+                sums[name] = sums.get(name, 0.0) + value.detach().float() / accum
+        if tp > 1 or layout["ep"] > 1:  # gradients on several meshes (DTensors of tp, dp x tp, dp x ep) and whole ones
+            acc.unscale_gradients()
+            grad_norm = clip_grad_norm(net.parameters(), config.grad_clip or math.inf)
+        else:
+            grad_norm = acc.clip_grad_norm_(wrapped.parameters(), config.grad_clip or math.inf)  # inf: measure only
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        after_optimizer_step(net, acc)
+        terms = step_terms(sums, acc)
+        loss, ce, z = terms["loss"], terms["ce"], terms["z"]
+        step += 1
+        position += config.global_batch
+        tokens_seen += tokens_per_step
+        tps = tokens_per_step / max(time.perf_counter() - t0, 1e-9)
+        result.losses.append(loss), result.ce.append(ce), result.z.append(z)
+        result.terms.append(terms)
+        row = {"step": step, **terms, "lr": schedule.get_last_lr()[0], "tokens_per_s": tps,
+               "grad_norm": float(grad_norm)}
+        if val_data is not None and (step % config.val.every == 0 or step == config.steps):
+            row["val_loss"] = evaluate(wrapped, val_data, config, acc, dp_rank, dp_size)
+            result.val.append({"step": step, "val_loss": row["val_loss"]})
+            acc.print(f"step {step}: val_loss {row['val_loss']:.4f}")
+        if on_step is not None:
+            on_step(row, net)
+        if acc.is_main_process:
+            with metrics_file.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        bar.update(1)
+        if step % config.log_every == 0 or step == last:
+            bar.set_postfix(loss=f"{loss:.4f}", z=f"{z:.3g}", tok_s=f"{tps:,.0f}",
+                            **({"val": f"{result.val[-1]['val_loss']:.4f}"} if result.val else {}))
+        if config.save_every and step % config.save_every == 0 and step < last:
+            saved = ckpt.save(model=net, optimizer=optimizer.optimizer, scheduler=schedule.scheduler, step=step,
+                              data_position=position, spec=spec, sharded=per_process, config=config)
+    bar.close()
+    elapsed = time.perf_counter() - started
+    result.step = step
+    result.tokens_per_s = tokens_seen / elapsed if elapsed > 0 and tokens_seen else 0.0
+    if result.losses and (saved is None or not saved.name.endswith(f"{step:07d}")):
+        saved = ckpt.save(model=net, optimizer=optimizer.optimizer, scheduler=schedule.scheduler, step=step,
+                          data_position=position, spec=spec, sharded=per_process, config=config)
+    if saved is None and config.export and step >= config.steps and earlier:  # export reads this layout only
+        saved = ckpt.save(model=net, optimizer=optimizer.optimizer, scheduler=schedule.scheduler, step=step,
+                          data_position=position, spec=spec, sharded=per_process, config=config)
+    result.checkpoint = saved or resume_from
+    if step >= config.steps:
+        if config.plot and acc.is_main_process:
+            result.plot = plot_losses(metrics_file, out_dir / "loss.png")
+        if config.export and acc.is_main_process and config.lora is not None:
+            from zoo.checkpoints.adapter import save_adapter
 
-
-def train_step(run: Run) -> dict[str, Any]:
-    """One optimizer step of ``run`` (its micro-batches accumulated), logged, and checkpointed when
-    due; returns the step's metrics."""
-    t0 = time.perf_counter()
-    batch = run.data.batch(run.position + run.dp_rank * run.per_rank, run.per_rank)
-    sums: dict[str, torch.Tensor] = {}
-    for m in range(run.accum):
-        ids = batch[m * run.config.micro_batch:(m + 1) * run.config.micro_batch].to(run.acc.device)
-        sync = m == run.accum - 1
-        if run.use_fsdp:
-            run.wrapped.set_requires_gradient_sync(sync)
-        with run.acc.no_sync(run.wrapped) if not (sync or run.use_fsdp) else nullcontext():
-            with run.acc.autocast():
-                out = run.wrapped(ids, labels=ids)  # the model's own loss: fused where a fast path runs
-            run.acc.backward(out.loss / run.accum)  # outside autocast, as PyTorch advises
-        for name, value in out.terms().items():
-            sums[name] = sums.get(name, 0.0) + value.detach().float() / run.accum
-    if run.tp > 1 or run.layout["ep"] > 1:  # gradients on several meshes (DTensors of tp, dp x tp, dp x ep), whole ones
-        run.acc.unscale_gradients()
-        grad_norm = clip_grad_norm(run.net.parameters(), run.config.grad_clip or math.inf)
-    else:
-        grad_norm = run.acc.clip_grad_norm_(run.wrapped.parameters(), run.config.grad_clip or math.inf)  # inf: measure
-    run.optimizer.step()
-    run.schedule.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    after_optimizer_step(run.net, run.acc)
-    terms = step_terms(sums, run.acc)
-    loss, ce, z = terms["loss"], terms["ce"], terms["z"]
-    run.step += 1
-    run.position += run.config.global_batch
-    run.tokens_seen += run.tokens_per_step
-    tps = run.tokens_per_step / max(time.perf_counter() - t0, 1e-9)
-    run.result.losses.append(loss), run.result.ce.append(ce), run.result.z.append(z)
-    run.result.terms.append(terms)
-    row = {"step": run.step, **terms, "lr": run.schedule.get_last_lr()[0], "tokens_per_s": tps,
-           "grad_norm": float(grad_norm)}
-    if run.on_step is not None:
-        run.on_step(row, run.net)
-    if run.acc.is_main_process:
-        with run.metrics_file.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-    run.bar.update(1)
-    if run.step % run.config.log_every == 0 or run.step == run.last:
-        run.bar.set_postfix(loss=f"{loss:.4f}", z=f"{z:.3g}", tok_s=f"{tps:,.0f}")
-    if run.config.save_every and run.step % run.config.save_every == 0 and run.step < run.last:
-        run.saved = save(run)
-    return row
-
-
-def finish_run(run: Run) -> TrainResult:
-    """After the last step of ``run``: the final checkpoint, the loss plot, the adapter and the export."""
-    run.bar.close()
-    elapsed = time.perf_counter() - run.started
-    run.result.step = run.step
-    run.result.tokens_per_s = run.tokens_seen / elapsed if elapsed > 0 and run.tokens_seen else 0.0
-    if run.result.losses and (run.saved is None or not run.saved.name.endswith(f"{run.step:07d}")):
-        run.saved = save(run)
-    # the export reads only this layout: a run resumed from the earlier one saves once more in it
-    if run.saved is None and run.config.export and run.step >= run.config.steps and run.earlier:
-        run.saved = save(run)
-    run.result.checkpoint = run.saved or run.resume_from
-    if run.step >= run.config.steps:
-        if run.config.plot and run.acc.is_main_process:
-            run.result.plot = plot_losses(run.metrics_file, run.out_dir / "loss.png")
-        if run.config.export and run.acc.is_main_process and run.config.lora is not None:
-            run.result.adapter = save_adapter(run.net, run.out_dir / "adapter",
-                                              model_type=run.config.export_format or run.fmt, base=run.config.init_from)
-        if run.config.export and run.acc.is_main_process and (run.config.lora is None or run.config.lora.merge):
-            run.result.export = export(run.result.checkpoint, run.out_dir / "final",
-                                       model_type=run.config.export_format or run.fmt, tokenizer=run.tokenizer,
-                                       hf_config=run.hf_config, source_format=run.fmt, log=run.acc.print)
-    run.acc.wait_for_everyone()
-    return run.result
-
-
-def save(run: Run) -> Path:
-    """A checkpoint of ``run`` where it stands."""
-    return run.ckpt.save(model=run.net, optimizer=run.optimizer.optimizer, scheduler=run.schedule.scheduler,
-                         step=run.step, data_position=run.position, spec=run.spec, sharded=run.per_process,
-                         config=run.config)
+            result.adapter = save_adapter(net, out_dir / "adapter", model_type=config.export_format or fmt,
+                                          base=config.init_from)
+        if config.export and acc.is_main_process and (config.lora is None or config.lora.merge):
+            result.export = export(result.checkpoint, out_dir / "final", model_type=config.export_format or fmt,
+                                   tokenizer=tokenizer, hf_config=hf_config, source_format=fmt, log=acc.print)
+    acc.wait_for_everyone()
+    return result
 
 
 def _check_lora(config: TrainConfig, spec: ModelSpec, model_type: Optional[str], *, tp: int, ep: int,
                 fsdp: bool) -> None:
     """Before any compute: LoRA trains on one process or data-parallel (DDP), its targets name linear
     modules of the model, and the format the adapter is written in can name each of them."""
+    from zoo.checkpoints.adapter import require_peft, hf_module_names, lora_targets
+
     require_peft()
     if tp > 1 or ep > 1 or fsdp:
         raise ValueError(f"lora: LoRA trains on one process or data-parallel (DDP), not with "
@@ -537,6 +470,8 @@ def _check_lora(config: TrainConfig, spec: ModelSpec, model_type: Optional[str],
 
 def _add_lora(net: nn.Module, config: TrainConfig, log: Callable[[str], None]) -> dict[str, Any]:
     """Wrap the targets with LoRA (only the adapter trains) and log what trains; returns the counts."""
+    from zoo.checkpoints.adapter import add_lora, lora_layers, trainable
+
     lora = config.lora
     add_lora(net, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets, rslora=lora.rslora,
              seed=config.seed)
@@ -546,6 +481,37 @@ def _add_lora(net: nn.Module, config: TrainConfig, log: Callable[[str], None]) -
     log(f"LoRA r={lora.r} alpha={lora.alpha:g} on {len(layers)} modules ({', '.join(leaves)}): {count:,} trainable "
         f"parameters of {total:,} ({100 * count / total:.3f}%)")
     return {"trainable": count, "total": total, "percent": 100 * count / total, "modules": sorted(layers)}
+
+
+def _documents(batch) -> dict[str, Any]:
+    return {} if batch.documents is None else {"document_ids": batch.documents}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val, config: TrainConfig, accelerator, dp_rank: int, dp_size: int) -> float:
+    """The mean next-token cross-entropy over the first ``config.val.samples`` validation sequences
+    (every token that counts: labels not -100), each data-parallel process scoring its share in
+    micro-batches; every process runs the same number of forwards (FSDP2 gathers in each), a share
+    that runs short repeating its first sequence with no weight."""
+    n = min(val.n_samples, config.val.samples)
+    share = -(-n // dp_size)
+    mine = range(dp_rank * share, min(n, (dp_rank + 1) * share))
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    for a in range(0, share, config.micro_batch):
+        rows = [i for i in mine[a:a + config.micro_batch]]
+        batch = val.batch(rows[0], len(rows)) if rows else val.batch(0, 1)
+        batch = batch.rows(0, len(batch.ids), accelerator.device)
+        with accelerator.autocast():
+            out = model(batch.ids, labels=batch.labels, **_documents(batch))
+        counted = (batch.labels[:, 1:] != -100).sum()
+        if rows:
+            total += torch.stack([out.ce.double() * counted, counted.double()])
+    if accelerator.num_processes > 1:
+        total = accelerator.reduce(total, reduction="sum")
+    model.train(was_training)
+    return float(total[0] / total[1].clamp(min=1))
 
 
 def step_terms(sums: dict[str, torch.Tensor], accelerator) -> dict[str, float]:
@@ -590,6 +556,13 @@ def export(checkpoint: Path, path: Path, *, model_type: Optional[str] = None, to
     ``model.safetensors``, :mod:`zoo.checkpoints.files.native`), which ``zoo.from_pretrained`` loads.
     A LoRA run's checkpoint is written as the merged model (:class:`zoo.checkpoints.adapter.MergedWeights`).
     """
+    from zoo.checkpoints import save_pretrained, save_tokenizer
+    from zoo.checkpoints.hf.format import CheckpointError
+    from zoo.checkpoints.files.native import save_native
+    from zoo.core.registry import list_components
+    from zoo.core.spec import SpecError
+    from zoo.training.checkpointer import CheckpointWeights, read_state
+
     state = read_state(checkpoint)
     try:
         spec = ModelSpec.from_dict(state["spec"])
@@ -597,6 +570,8 @@ def export(checkpoint: Path, path: Path, *, model_type: Optional[str] = None, to
         raise ValueError(f"{Path(checkpoint) / 'state.json'}: its spec does not describe a model ({exc})") from None
     lora = (state.get("config") or {}).get("lora")
     if lora:  # a LoRA run's: the merged model, each adapted weight merged as it is read
+        from zoo.checkpoints.adapter import MergedWeights
+
         weights = MergedWeights(CheckpointWeights(checkpoint), lora, dtype=dtype)
     else:
         weights = CheckpointWeights(checkpoint, dtype=dtype)
@@ -636,7 +611,7 @@ def check_stored_shapes(checkpoint: Path, model: nn.Module, weights) -> None:
 
 
 def plot_losses(metrics_file: Path, png: Path) -> Path:
-    """A PNG of loss and cross-entropy against step, from ``metrics.jsonl``."""
+    """A PNG of loss, cross-entropy and (where evaluated) validation cross-entropy against step, from ``metrics.jsonl``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -646,6 +621,9 @@ def plot_losses(metrics_file: Path, png: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="loss (ce + z-loss)")
     ax.plot([r["step"] for r in rows], [r["ce"] for r in rows], label="cross-entropy", alpha=0.7)
+    val = [r for r in rows if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation cross-entropy")
     ax.set_xlabel("step")
     ax.set_ylabel("nats / token")
     ax.grid(alpha=0.3)

@@ -356,7 +356,7 @@ def prepare(sources: Sequence[str | Path], out_dir: str | Path, tokenizer=None, 
         raise ValueError(f"shard_tokens must be a positive integer, got {shard_tokens!r}")
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
-    tokenizer = tokenizer if hasattr(tokenizer, "encode") else get_tokenizer(tokenizer)
+    tokenizer = get_tokenizer(tokenizer) if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)) else tokenizer
     sources = [Path(s) for s in sources]
     if not sources:
         raise ValueError("prepare needs at least one source file or dataset directory")

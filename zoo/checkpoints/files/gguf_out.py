@@ -116,6 +116,8 @@ def save_gguf(model, path: str | Path, *, dtype: str = "f16", tokenizer: Optiona
     gguf = require_gguf()
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: GGUF is written as one of {', '.join(DTYPES)}")
+    if Path(path).is_dir():
+        raise ValueError(f"{path} is a directory; a GGUF is one file: name it (such as {Path(path) / 'model.gguf'})")
     model_type = model_type or getattr(model, "checkpoint_format", None)
     if not model_type:
         raise CheckpointError("save_gguf needs the model's HF model_type: this model was not loaded from a checkpoint, "

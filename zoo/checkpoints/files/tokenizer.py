@@ -31,10 +31,16 @@ def read_tokenizer_file(path: Path) -> _HFTokenizer:
 
 
 def _read_json(path: Path) -> dict:
+    """A JSON object from ``path`` ({} when there is no such file); one that is not is a ValueError naming it."""
     if not path.is_file():
         return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, not a {type(data).__name__}")
+    return data
 
 
 def chat_template(value, where: str) -> Optional[str]:
@@ -51,6 +57,13 @@ def chat_template(value, where: str) -> Optional[str]:
         return named["default"]
     raise ValueError(f"{where} must be a string or a list of {{'name': ..., 'template': ...}} entries, "
                      f"got {type(value).__name__}")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text ({exc})") from None
 
 
 class Tokenizer:
@@ -96,7 +109,7 @@ class Tokenizer:
         self.eos_token_ids: list[int] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self.pad_token_id: Optional[int] = gen.get("pad_token_id")
         template = folder / "chat_template.jinja"
-        self.chat_template: Optional[str] = (template.read_text(encoding="utf-8") if template.is_file() else
+        self.chat_template: Optional[str] = (_read_text(template) if template.is_file() else
                                              chat_template(config.get("chat_template"),
                                                            f"{folder / 'tokenizer_config.json'}: chat_template"))
 
