@@ -31,11 +31,10 @@ def add_parser(sub):
 
 
 def load(checkpoint, dtype, adapter=None, fp8="dequantize", device=None):
-    from zoo.checkpoints import from_pretrained, resolve
-    from zoo.checkpoints.files import gguf
+    from zoo.checkpoints import from_pretrained, open_source
     from zoo.inference.tokenizer import Tokenizer
 
-    source = checkpoint if gguf.is_gguf(checkpoint) else resolve(checkpoint)
+    source = open_source(checkpoint)
     tokenizer = Tokenizer(source)
     if not tokenizer.chat_template:
         raise ValueError(f"{checkpoint}: its tokenizer has no chat template; use zoo generate --prompt instead")

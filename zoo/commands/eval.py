@@ -54,8 +54,7 @@ def read_text(path: Path) -> str:
 def run(args):
     import torch
 
-    from zoo.checkpoints import from_pretrained, resolve
-    from zoo.checkpoints.files import gguf
+    from zoo.checkpoints import from_pretrained, open_source
     from zoo.tools.evaluation import perplexity
     from zoo.inference.tokenizer import Tokenizer
 
@@ -76,7 +75,7 @@ def run(args):
         if value is not None and value < (2 if name == "window" else 1):
             raise ValueError(f"--{name} must be at least {2 if name == 'window' else 1}, got {value}")
     texts = {f: read_text(f) for f in files}
-    source = args.checkpoint if gguf.is_gguf(args.checkpoint) else resolve(args.checkpoint)
+    source = open_source(args.checkpoint)
     tokenizer = Tokenizer(source)
     model = from_pretrained(source, dtype=args.dtype, device=device_of(args.device), progress=False)
     window = args.window or min(1024, model.spec.max_seq_len)

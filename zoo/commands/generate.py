@@ -49,29 +49,21 @@ def run(args):
             {"role": "user", "content": args.prompt}]
         reply(model, tokenizer, messages, args)
         return 0
-    from zoo.checkpoints import from_pretrained
+    from zoo.checkpoints import from_pretrained, open_source
     from zoo.inference.generate import generate
     from zoo.inference.tokenizer import TextStream, Tokenizer
 
-    from zoo.checkpoints import resolve
-    from zoo.checkpoints.files import gguf
-
-    # a GGUF file, a local directory, or the hub repo's cached snapshot
-    from zoo.checkpoints.files.native import checkpoint_dir
-
-    directory = args.checkpoint if gguf.is_gguf(args.checkpoint) else checkpoint_dir(resolve(args.checkpoint))
+    source = open_source(args.checkpoint)  # a GGUF file, a local directory or run, or the hub repo's snapshot
     if args.tokenizer is None:
-        from pathlib import Path
-
-        if Path(directory).is_dir() and not (Path(directory) / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"{directory} holds no tokenizer.json; pass --tokenizer FILE_OR_DIRECTORY, or "
+        if not source.holds_tokenizer():
+            raise FileNotFoundError(f"{source.path} holds no tokenizer.json; pass --tokenizer FILE_OR_DIRECTORY, or "
                                     "--tokenizer bytes for a model trained on bytes (zoo train's default corpus)")
-        tokenizer = Tokenizer(directory)
+        tokenizer = Tokenizer(source)
     else:
         from zoo.training.data import get_tokenizer
 
         tokenizer = get_tokenizer(args.tokenizer)
-    model = from_pretrained(directory, dtype=args.dtype, adapter=args.adapter, fp8=args.fp8, device=device_of(args.device))
+    model = from_pretrained(source, dtype=args.dtype, adapter=args.adapter, fp8=args.fp8, device=device_of(args.device))
     ids = torch.tensor([tokenizer.encode(args.prompt)], device=next(model.parameters()).device)
     stream = TextStream(tokenizer)
     out = sys.stdout

@@ -34,6 +34,11 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+import zoo.core.kernels as zk
+from zoo.core.kinds import Kernels, PositionState
+from zoo.model.decoder import Decoder
+from zoo.model.recipes import get_spec, list_models
+
 #: Shared memory one block may use, by compute capability (sm_90: 227 KiB of the SM's 228).
 SHARED_LIMIT = {90: 232_448}
 MAX_REGISTERS = 255
@@ -192,11 +197,6 @@ def preset_problems(names=None) -> list[Problem]:
     the shapes their mixers pass: each preset is built on the meta device with one period of its
     layer pattern, and each layer with a recurrent mixer runs on a meta input with the kernel
     forced until the kernel would be called."""
-    import zoo
-    import zoo.core.kernels as zk
-    from zoo.core.kinds import Kernels, PositionState
-    from zoo.model.decoder import Decoder
-
     found: dict[tuple, list[str]] = {}
 
     def recorder(component, backend):
@@ -211,9 +211,9 @@ def preset_problems(names=None) -> list[Problem]:
     saved = zk.implementation, zk.interpreting
     zk.implementation, zk.interpreting = recorder, (lambda: True)
     try:
-        for current in names or zoo.list_models():
-            spec = zoo.get_spec(current)
-            spec = zoo.get_spec(current, {"n_layers": len(spec.layer_pattern) if spec.layer_pattern else 1})
+        for current in names or list_models():
+            spec = get_spec(current)
+            spec = get_spec(current, {"n_layers": len(spec.layer_pattern) if spec.layer_pattern else 1})
             with torch.device("meta"):
                 model = Decoder(spec)
             layers = [(i, layer) for i, layer in enumerate(model.layers)

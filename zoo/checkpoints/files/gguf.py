@@ -27,8 +27,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from zoo.checkpoints.hf.format import BOUNDED, CheckpointError, get_format, is_kind
+from zoo.checkpoints.hf.format import BOUNDED, CheckpointError, ConfigError, get_format, is_kind
+from zoo.checkpoints.hf.maps import Heads, _concat_fuse, _concat_split, _grouped_fuse, _grouped_split, bind
+from zoo.checkpoints.weights import load_weights
 from zoo.core import registry as _registry
+from zoo.model.decoder import build_model
 
 SUFFIX = ".gguf"
 
@@ -121,8 +124,6 @@ def _falcon_qkv_to_hf(t, c):
     architecture groups them per kv head ([q of the group, k, v])."""
     if not c.get("new_decoder_architecture"):
         return t  # one kv head (multi-query): the two layouts are the same
-    from zoo.checkpoints.hf.maps import Heads, _concat_split, _grouped_fuse
-
     h = Heads(c["num_attention_heads"], c["num_kv_heads"], c["hidden_size"] // c["num_attention_heads"])
     return _grouped_fuse(_concat_split(t, h), h)
 
@@ -130,8 +131,6 @@ def _falcon_qkv_to_hf(t, c):
 def _falcon_qkv_to_gguf(t, c):
     if not c.get("new_decoder_architecture"):
         return t
-    from zoo.checkpoints.hf.maps import Heads, _concat_fuse, _grouped_split
-
     h = Heads(c["num_attention_heads"], c["num_kv_heads"], c["hidden_size"] // c["num_attention_heads"])
     return _concat_fuse(_grouped_split(t, h), h)
 
@@ -631,10 +630,6 @@ def load(path: str | Path, *, dtype: Optional[torch.dtype] = None, device=None, 
 
     Quantised tensors are dequantised to ``dtype`` (default float32) as they are read.
     """
-    from zoo.checkpoints import load_weights
-    from zoo.checkpoints.hf.format import ConfigError
-    from zoo.model.decoder import build_model
-
     file = GGUFFile(gguf_file(path))
     arch = file.architecture()
     config = file.config()
@@ -644,8 +639,6 @@ def load(path: str | Path, *, dtype: Optional[torch.dtype] = None, device=None, 
     except ConfigError as exc:
         raise CheckpointError(f"{file.path}: its metadata gives {exc}") from None
     model = build_model(spec, device="meta")
-    from zoo.checkpoints.hf.maps import bind
-
     bound = list(bind(fmt.rules(spec), model))
     weights = GGUFWeights(file, arch, config, [h for b in bound for h in b.hf], spec.n_layers, dtype)
     check_shapes(model, bound, weights)

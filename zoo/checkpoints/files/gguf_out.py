@@ -26,7 +26,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from zoo.checkpoints.hf.config import _architecture, spec_to_config
 from zoo.checkpoints.hf.format import CheckpointError, get_format
+from zoo.checkpoints.hf.maps import bind
+from zoo.core.spec import differences
 from zoo.checkpoints.files.gguf import COMMON, GGUFFile, architecture_of, name_map, require_gguf
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -110,9 +113,6 @@ def save_gguf(model, path: str | Path, *, dtype: str = "f16", tokenizer: Optiona
     model was loaded from, if it was a GGUF. A model loaded from safetensors has no GGUF tokenizer
     to copy, so its file carries none unless one is given (llama.cpp then cannot tokenize text).
     """
-    from zoo.checkpoints import _architecture, differences, spec_to_config
-    from zoo.checkpoints.hf.maps import bind
-
     gguf = require_gguf()
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: GGUF is written as one of {', '.join(DTYPES)}")
