@@ -248,6 +248,8 @@ def test_a_loss_pooled_over_layers_is_computed_once_at_the_end(toy):
     """Parts gather per-layer statistics in ``ctx.shared`` and register one ``at_end`` computation
     (how a balance loss pooled over every layer, transformers' convention, is made)."""
     class Pooled(nn.Module):
+        """A linear FFN that pools its inputs' means into one loss at the end of the forward."""
+
         @dataclass(frozen=True)
         class Config:
             pass
