@@ -346,6 +346,7 @@ class MoE(FFN):
         self.router = cfg.router.build(d_model=d_model, n_experts=E, top_k=cfg.top_k)
         self.experts = cfg.expert.build(n_experts=E, d_model=width, d_ff=Fd, dispatch=cfg.dispatch)
         self.gated = bool(type(self.experts).gated)
+        self.act = self.experts.act  # the experts' activation module (zoo 0.2's MoE held it)
         if cfg.latent_dim is not None:
             self.latent_down = nn.Linear(d_model, width, bias=cfg.latent_bias)
             self.latent_up = nn.Linear(width, d_model, bias=cfg.latent_bias)
