@@ -1,9 +1,13 @@
 """``zoo eval MODEL --text FILE``: perplexity and bits per byte on text, with a sliding window;
 ``zoo eval MODEL --data DIR``: the loss on a prepared corpus (``zoo data prepare``)."""
 
+import argparse
 import glob
 import json
+import sys
 from pathlib import Path
+
+from zoo.commands import add_device, device_of
 
 
 def add_parser(sub):
@@ -23,17 +27,34 @@ def add_parser(sub):
     p.add_argument("--batch", type=int, default=4, help="sequences per forward with --data (default 4)")
     p.add_argument("--max-sequences", type=int, default=None, help="with --data: score at most this many sequences")
     p.add_argument("--window", type=int, default=None, help="tokens per window (default: min(1024, max_seq_len))")
-    p.add_argument("--stride", type=int, default=None, help="tokens a window advances (default: half the window)")
+    p.add_argument("--stride", type=int, default=None,
+                   help="tokens a window advances (default: the window, so each token is computed once, as "
+                        "lm-eval's rolling perplexity does; a smaller stride gives later windows more context "
+                        "at window/stride times the work)")
     p.add_argument("--dtype", default=None, help="load weights as this dtype (default as stored; GGUF: float32)")
+    add_device(p)
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="a progress bar on stderr with tokens/s and the time left (default: on)")
     p.add_argument("--json", action="store_true", help="print JSON")
     return p
+
+
+def read_text(path: Path) -> str:
+    """A text file's text; an empty or non-UTF-8 (binary) one is a ValueError naming it."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--text {path}: not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}); "
+                         "is it a binary file?") from None
+    if not text.strip():
+        raise ValueError(f"--text {path}: the file is empty")
+    return text
 
 
 def run(args):
     import torch
 
-    from zoo.checkpoints import from_pretrained, resolve
-    from zoo.checkpoints.files import gguf
+    from zoo.checkpoints import from_pretrained, open_source
     from zoo.tools.evaluation import perplexity
     from zoo.inference.tokenizer import Tokenizer
 
@@ -50,22 +71,35 @@ def run(args):
     for f in files:
         if not f.is_file():
             raise FileNotFoundError(f"--text {f}: no such file")
-    source = args.checkpoint if gguf.is_gguf(args.checkpoint) else resolve(args.checkpoint)
+    for name, value in (("window", args.window), ("stride", args.stride)):
+        if value is not None and value < (2 if name == "window" else 1):
+            raise ValueError(f"--{name} must be at least {2 if name == 'window' else 1}, got {value}")
+    texts = {f: read_text(f) for f in files}
+    source = open_source(args.checkpoint)
     tokenizer = Tokenizer(source)
-    model = from_pretrained(source, dtype=args.dtype, progress=False)
+    model = from_pretrained(source, dtype=args.dtype, device=device_of(args.device), progress=False)
     window = args.window or min(1024, model.spec.max_seq_len)
-    stride = args.stride or max(1, window // 2)
+    stride = args.stride or window
+    if stride > window:
+        raise ValueError(f"--stride {stride} is longer than the window {window}")
+    encoded = {}
+    for f, text in texts.items():
+        encoded[f] = tokenizer.encode(text)
+        if len(encoded[f]) < 2:
+            raise ValueError(f"--text {f}: the text is {len(encoded[f])} token(s) long; perplexity needs at least two")
     from tqdm.auto import tqdm
 
+    bar = tqdm(total=sum(len(ids) for ids in encoded.values()), unit="tok", unit_scale=True, desc="eval",
+               disable=not args.progress, dynamic_ncols=True, file=sys.stderr)
     rows, nll, n_bytes = [], [], 0
-    for f in tqdm(files, desc="eval", unit="file", disable=len(files) < 2):
-        text = f.read_text(encoding="utf-8")
-        r = perplexity(model, tokenizer.encode(text), window=window, stride=stride)
-        size = len(text.encode("utf-8"))
-        rows.append({"file": str(f), "tokens": r.tokens, "bytes": size, "perplexity": r.perplexity,
-                     "bits_per_byte": r.bits_per_byte(size)})
-        nll.append(r.nll)
-        n_bytes += size
+    with bar:
+        for f, ids in encoded.items():
+            r = perplexity(model, ids, window=window, stride=stride, progress=bar.update)
+            size = len(texts[f].encode("utf-8"))
+            rows.append({"file": str(f), "tokens": r.tokens, "bytes": size, "perplexity": r.perplexity,
+                         "bits_per_byte": r.bits_per_byte(size)})
+            nll.append(r.nll)
+            n_bytes += size
     total = torch.cat(nll)
     summary = {"tokens": int(total.numel()), "bytes": n_bytes, "perplexity": float(total.mean().exp()),
                "bits_per_byte": float(total.sum()) / 0.6931471805599453 / n_bytes, "window": window, "stride": stride}

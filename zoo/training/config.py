@@ -359,6 +359,8 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.grad_accum is not None and self.grad_accum < 1:
             raise ValueError(f"TrainConfig.grad_accum must be at least 1, got {self.grad_accum}")
+        if not 0 <= self.seed < 2 ** 63:  # torch.manual_seed's range
+            raise ValueError(f"TrainConfig.seed must be in [0, 2**63), got {self.seed}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from zoo.checkpoints.files.gguf import is_gguf
+from zoo.checkpoints.sources import find
 from zoo.training.checkpointer import Checkpointer, checkpoints, load_full_state_dict, read_checkpoint_state
 from zoo.training.config import MESH_DIMS, ParallelConfig, TrainConfig, TrainResult
 from zoo.training.data import get_tokenizer, open_data
@@ -279,12 +279,9 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
         raise ValueError(f"seq_len {config.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}")
     tok_source = config.tokenizer
     if tok_source is None and config.init_from:
-        from zoo.checkpoints.files.native import checkpoint_dir
-
-        if is_gguf(config.init_from):
-            tok_source = config.init_from  # a GGUF file holds its tokenizer in its metadata
-        elif (checkpoint_dir(config.init_from) / "tokenizer.json").is_file():  # a run directory: its export's
-            tok_source = checkpoint_dir(config.init_from)
+        found = find(config.init_from)  # a local checkpoint (a run directory: its export); a GGUF file's is in it
+        if found is not None and found.holds_tokenizer():
+            tok_source = found
     tokenizer = get_tokenizer(tok_source)
     if tokenizer.vocab_size > spec.vocab_size:
         raise ValueError(
