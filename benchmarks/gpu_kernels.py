@@ -18,7 +18,6 @@ vocabulary; training step >= 1.2x eager's tokens/s.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -55,6 +54,9 @@ def parse_args(argv=None):
 ARGS = parse_args() if __name__ == "__main__" else None
 
 import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers beside this script
+from timing import write_results  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import zoo  # noqa: E402
@@ -280,8 +282,8 @@ def _loss(labels):
     return loss
 
 
-def run_kernels(a, bench, dtype, only):
-    rows = []
+def run_kernels(a, bench, dtype, only, rows=None):
+    rows = [] if rows is None else rows
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     for name, shape, setting, ref, inputs in kernel_cases(a, bench.device, dtype):
         key = name.split()[0]
@@ -399,16 +401,22 @@ def main(a):
     print(f"device: {name}; torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"kernels: {kernels.available()}")
     only = set(a.only.split(",")) if a.only else None
-    rows = run_kernels(a, bench, dtype, only)
-    train = run_training(a, bench, dtype) if not only or "train" in only else None
     result = {"device": name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime()),
-              "dtype": str(dtype), "kernels": rows, "train": train, "targets": targets(rows, train, a.dry_run)}
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
-    if a.markdown:
-        with open(a.markdown, "w") as f:
-            f.write(markdown(result))
+              "dtype": str(dtype), "kernels": [], "train": None, "targets": []}
+
+    def write():  # after each measurement too
+        write_results(result, a.json, a.markdown, markdown)
+
+    class Rows(list):
+        def append(self, row):
+            super().append(row)
+            write()
+
+    result["kernels"] = rows = Rows()
+    run_kernels(a, bench, dtype, only, rows)
+    result["train"] = run_training(a, bench, dtype) if not only or "train" in only else None
+    result["targets"] = targets(rows, result["train"], a.dry_run)
+    write()
     return result
 
 

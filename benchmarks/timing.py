@@ -40,3 +40,16 @@ def interleaved(runs: dict[str, Callable[[], float]], repeat: int) -> dict[str, 
 def rate(n: float, seconds: list[float]) -> float:
     """``n`` (tokens, steps) per second at the median of ``seconds``."""
     return n / statistics.median(seconds)
+
+
+def write_results(result: dict, json_path: str | None, markdown_path: str | None, markdown: Callable[[dict], str]) -> None:
+    """Write ``result`` as JSON and as ``markdown(result)`` where asked. Called after each measurement
+    too, so that a run stopped by a time limit keeps what it measured."""
+    import json
+
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+    if markdown_path:
+        with open(markdown_path, "w") as f:
+            f.write(markdown(result))

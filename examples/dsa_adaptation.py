@@ -3,7 +3,7 @@
     python examples/dsa_adaptation.py            # a few minutes on a laptop CPU
     python examples/dsa_adaptation.py --tiny     # the smoke test's miniature (seconds)
 
-The recipe of DeepSeek-V3.2, at toy scale (docs/deepseek-sparse-attention.md has the numbers):
+The recipe of DeepSeek-V3.2, at toy scale (docs/mechanisms/deepseek-sparse-attention.md has the numbers):
 
 1. train a small dense model (mixer ``mla``);
 2. add an indexer (mixer ``dsa``, same weights; ``index_topk`` at least the sequence length, so

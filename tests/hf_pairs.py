@@ -118,6 +118,14 @@ def assert_several_tokens_continue_the_full_forward(hf, ours, *, cache: str, ato
     torch.testing.assert_close(ours(ids[:, 19:], state=state), full[:, 19:], atol=atol, rtol=0)
 
 
+@torch.no_grad()
+def assert_greedy_tokens_equal(hf, ours, *, prompt: int = 9, new: int = 8, seed: int = 1) -> None:
+    """Two rows of ``prompt`` random tokens: zoo's ``new`` greedy tokens are transformers'."""
+    ids = torch.randint(0, 128, (2, prompt), generator=torch.Generator().manual_seed(seed))
+    want = hf.generate(ids, max_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(ids))
+    assert torch.equal(zoo.generate(ours, ids, max_new_tokens=new), want)
+
+
 def assert_dsa_state_is_the_cache(state, cache, seen: int) -> None:
     """zoo's decode state of a DSA model equals transformers' cache over the first ``seen`` slots:
     per layer the normed latent and the rotated key part, and the indexer keys where the layer has an

@@ -1,5 +1,5 @@
 """A new part of an existing kind, in one file: ScaleNorm (Nguyen & Salazar 2019), the norm of
-docs/plugins.md, with its tensor-parallel plan as one dict. tests/train/test_a_new_part.py checks that
+docs/guides/plugins.md, with its tensor-parallel plan as one dict. tests/train/test_a_new_part.py checks that
 it passes the conformance suite and shards at tp = 2 as one process computes."""
 
 from dataclasses import dataclass

@@ -131,9 +131,9 @@ def test_required_hooks_are_checked_and_optional_ones_are_not(fresh):
 
 
 def test_docs_table_is_the_bases():
-    docs = (ROOT / "docs" / "plugins.md").read_text()
+    docs = (ROOT / "docs" / "guides" / "plugins.md").read_text()
     found = re.search(r"<!-- contract table:.*?-->\n(.*?)\n<!-- end of contract table -->", docs, re.S)
-    assert found, "docs/plugins.md has no contract table"
+    assert found, "docs/guides/plugins.md has no contract table"
     assert found.group(1) == kinds.contract_table()
 
 

@@ -209,6 +209,35 @@ def _cache_keyword():
     assert torch.equal(zoo.generate(model, ids, 3, cache=model.new_state(1, 16)), zoo.generate(model, ids, 3))
 
 
+def _do_sample():
+    model, ids = _model(), _ids()
+    assert torch.equal(zoo.generate(model, ids, 4, do_sample=False, temperature=0.7), zoo.generate(model, ids, 4))
+
+
+def _eos_token_id():
+    model, ids = _model(), _ids()
+    eos = int(zoo.generate(model, ids, 3)[0, -1])
+    assert torch.equal(zoo.generate(model, ids, 3, eos_token_id=eos), zoo.generate(model, ids, 3, stop=eos))
+
+
+def _streamer():
+    model, ids = _model(), _ids()
+
+    class Streamer:
+        def __init__(self):
+            self.put_, self.ended = [], False
+
+        def put(self, column):
+            self.put_.append(column)
+
+        def end(self):
+            self.ended = True
+
+    streamer = Streamer()
+    out = zoo.generate(model, ids, 3, streamer=streamer)
+    assert streamer.ended and torch.equal(torch.stack(streamer.put_, 1), out[:, ids.shape[1]:])
+
+
 def _add_attention():
     manager = zoo.manager()
     with manager.providing("old_plugin"):
@@ -316,6 +345,9 @@ EXERCISES = {
     "Decoder.hidden_states_in": _hidden_states_in,
     "Decoder.generate(...)": _decoder_generate,
     "the cache= keyword": _cache_keyword,
+    "generate(do_sample=)": _do_sample,
+    "generate(eos_token_id=)": _eos_token_id,
+    "generate(streamer=)": _streamer,
     "PluginManager.add_attention": _add_attention,
     "kind 'attention'": _kind_attention,
     "spec key 'attention'": _spec_key_attention,

@@ -1,4 +1,4 @@
-"""A zoo release that adds a name a plugin already had does not break the plugin (docs/plugins.md,
+"""A zoo release that adds a name a plugin already had does not break the plugin (docs/guides/plugins.md,
 "Names zoo and a plugin share"): both entries stay, reachable as ``zoo:name`` and ``plugin:name``;
 the bare name means zoo's, except in the plugin's own families; a warning names both providers."""
 

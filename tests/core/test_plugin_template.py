@@ -1,4 +1,4 @@
-"""docs/plugins.md's pyproject.toml template, as a plugin author would use it: a plugin with a family
+"""docs/guides/plugins.md's pyproject.toml template, as a plugin author would use it: a plugin with a family
 TOML built into a wheel (non-editable), installed, and its preset built. Without the template's
 package-data the TOML is left out, and zoo's error says what to add."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "guides" / "plugins.md"
 
 MODULE = '''
 from pathlib import Path
@@ -43,7 +43,7 @@ description = "a tiny model of the template plugin"
 
 
 def template() -> str:
-    """The pyproject.toml of docs/plugins.md, with zoo's own distribution left out of the
+    """The pyproject.toml of docs/guides/plugins.md, with zoo's own distribution left out of the
     dependencies (it is installed here already)."""
     blocks = re.findall(r"```toml\n(.*?)```", DOCS.read_text(), re.S)
     text = next(b for b in blocks if "[build-system]" in b)

@@ -115,13 +115,13 @@ def test_the_field_table_example_of_docs_checkpoints_runs(tmp_path, monkeypatch)
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "checkpoints.md").read_text()
     section = text[text.index("### A format as a field table"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     try:
-        exec(compile(code, "docs/checkpoints.md (A format as a field table)", "exec"), namespace)
+        exec(compile(code, "docs/reference/checkpoints.md (A format as a field table)", "exec"), namespace)
     finally:
         if "nocontext_llama" in _registry.registry("checkpoint_format").names():
             _registry.registry("checkpoint_format").remove("nocontext_llama", "docs")

@@ -15,7 +15,8 @@ from zoo.checkpoints.tiny import tiny_config
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.parity, pytest.mark.usefixtures("one_thread")]
 
-from hf_pairs import assert_logits_equal_with_a_left_padded_row, assert_several_tokens_continue_the_full_forward  # noqa: E402
+from hf_pairs import (assert_greedy_tokens_equal, assert_logits_equal_with_a_left_padded_row,  # noqa: E402
+                      assert_several_tokens_continue_the_full_forward)
 
 
 def test_the_parts_are_read(hf_pair):
@@ -46,10 +47,7 @@ def test_the_logit_scale_is_reached(hf_pair):
 def test_greedy_tokens_past_the_window_and_several_tokens_onto_a_state(hf_pair, model_type):
     hf, ours, _ = hf_pair(model_type)
     assert_logits_equal_with_a_left_padded_row(hf, ours, atol=5e-5)  # (the float64-bounded check: test_parity.py)
-    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():  # 6 + 14 tokens: past the window of 8
-        want = hf.generate(ids, max_new_tokens=14, do_sample=False, attention_mask=torch.ones_like(ids))
-    assert torch.equal(zoo.generate(ours, ids, max_new_tokens=14), want)
+    assert_greedy_tokens_equal(hf, ours, prompt=6, new=14)  # past the window of 8
     assert_several_tokens_continue_the_full_forward(hf, ours, cache="past_key_values", atol=5e-5)
 
 

@@ -105,7 +105,7 @@ def test_published_sizes():
 @pytest.mark.parametrize("preset", sorted(HEADLINES))
 def test_active_parameters_under_the_three_conventions(preset):
     """The released model's experts are counted top-k of n, the shared experts and dense layers whole
-    (docs/moe.md); DeepSeek's headline lies between the counts without and with embeddings and head."""
+    (docs/mechanisms/moe.md); DeepSeek's headline lies between the counts without and with embeddings and head."""
     a = account(preset)
     c = a["params"]["active_conventions"]
     spec = zoo.get_spec(preset)

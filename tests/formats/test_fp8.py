@@ -30,7 +30,7 @@ QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "
 PARTIAL = {"hidden_size": 128, "intermediate_size": 200, "num_attention_heads": 4, "num_key_value_heads": 2,
            "head_dim": 40, "vocab_size": 128, "num_hidden_layers": 2}
 # Every dimension a multiple of the block or within one block: transformers' dequantising load
-# agrees with the block layout only on such shapes (see docs/checkpoints.md).
+# agrees with the block layout only on such shapes (see docs/reference/checkpoints.md).
 WHOLE = {**PARTIAL, "intermediate_size": 256, "head_dim": 32}
 
 

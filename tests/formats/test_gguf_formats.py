@@ -200,3 +200,83 @@ def test_the_command_line_exports_describes_and_verifies_a_gguf_file(tmp_path, c
     report = capsys.readouterr().out
     assert "vs transformers" in report and "PASS" in report
     assert "relative to the reference's max |h|" in report and "pass rule: max |Δlogits| <= 1e-03" in report
+
+
+# -- metadata of the wrong type or out of range: an error naming the key ----------------------------
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return tiny_file(tmp_path_factory.mktemp("tiny"))
+
+
+def tokenizer_keys():
+    """The tokenizer metadata of a GGUF file: key -> (value, type); a byte-ish vocabulary of 300 tokens."""
+    T = gguf.GGUFValueType
+    tokens = [chr(0x100 + i) for i in range(300)]
+    return {"tokenizer.ggml.model": ("gpt2", T.STRING), "tokenizer.ggml.tokens": (tokens, T.ARRAY),
+            "tokenizer.ggml.token_type": ([1] * 300, T.ARRAY), "tokenizer.ggml.merges": ([], T.ARRAY),
+            "tokenizer.ggml.bos_token_id": (0, T.UINT32), "tokenizer.ggml.eos_token_id": (1, T.UINT32),
+            "tokenizer.chat_template": ("{{ messages[0].content }}", T.STRING)}
+
+
+A, S, U32, F32 = (gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING, gguf.GGUFValueType.UINT32,
+                  gguf.GGUFValueType.FLOAT32)
+
+
+@pytest.mark.parametrize("keys, match", [
+    ({"llama.rope.freq_base": ("fast", S)}, r"'llama\.rope\.freq_base' must be a number, but it holds STRING"),
+    ({"llama.attention.layer_norm_rms_epsilon": ("tiny", S)}, r"'llama\.attention\.layer_norm_rms_epsilon' must be a number"),
+    ({"llama.rope.dimension_count": ("16", S)}, r"'llama\.rope\.dimension_count' must be an integer, but it holds STRING"),
+    ({"llama.attention.head_count": (0, U32)}, r"'llama\.attention\.head_count' = 0 must be a positive integer"),
+    ({"llama.attention.head_count": (4.5, F32)}, r"'llama\.attention\.head_count' = 4\.5 must be a positive integer"),
+    ({"llama.attention.causal": (1, U32)}, r"'llama\.attention\.causal' must be a boolean"),
+    ({"tokenizer.ggml.eos_token_id": (10 ** 6, U32)}, r"'tokenizer\.ggml\.eos_token_id' = 1000000 is outside the vocabulary"),
+])
+def test_metadata_of_the_wrong_type_is_refused_naming_the_key(tiny_gguf, tmp_path, keys, match):
+    from zoo.checkpoints.files.gguf import GGUFFile
+
+    path = rewrite(tiny_gguf, tmp_path / "odd.gguf", keys=keys)
+    with pytest.raises(CheckpointError, match=r"odd\.gguf: metadata key " + match):
+        GGUFFile(path).config()
+
+
+def test_an_architecture_that_is_not_a_string_is_refused_naming_the_key(tiny_gguf, tmp_path):
+    data = tiny_gguf.read_bytes()
+    key = b"general.architecture"
+    at = data.find(key) + len(key)
+    assert int.from_bytes(data[at:at + 4], "little") == 8  # STRING: rewritten as an array of one string
+    odd = data[:at] + (9).to_bytes(4, "little") + (8).to_bytes(4, "little") + (1).to_bytes(8, "little") + data[at + 4:]
+    (tmp_path / "arch.gguf").write_bytes(odd)
+    with pytest.raises(CheckpointError, match=r"arch\.gguf: metadata key 'general\.architecture' must be a string, "
+                                              r"but it holds ARRAY of STRING"):
+        zoo.from_pretrained(tmp_path / "arch.gguf")
+
+
+@pytest.mark.parametrize("change, match", [
+    ("ints", r"'tokenizer\.ggml\.tokens' must be an array of strings, but it holds ARRAY of INT32"),
+    ("short_types", r"'tokenizer\.ggml\.token_type' has 10 entries for \d+ tokens"),
+    ("bos", r"'tokenizer\.ggml\.bos_token_id' = 99999999 is outside the vocabulary"),
+    ("template", r"'tokenizer\.chat_template' must be a string, but it holds INT32"),
+])
+def test_a_broken_gguf_tokenizer_is_refused_naming_the_key(tmp_path, change, match):
+    """A tokenizer's keys, one of them broken, in a file with no tensors (each is checked before the
+    tokenizer is built)."""
+    from zoo.inference.tokenizer import Tokenizer
+
+    writer = gguf.GGUFWriter(tmp_path / "tok.gguf", "llama")
+    for key, (value, kind) in tokenizer_keys().items():
+        if change == "ints" and key == "tokenizer.ggml.tokens":
+            value = list(range(len(value)))
+        if change == "short_types" and key == "tokenizer.ggml.token_type":
+            value = value[:10]
+        if change == "bos" and key == "tokenizer.ggml.bos_token_id":
+            value = 99999999
+        if change == "template" and key == "tokenizer.chat_template":
+            value, kind = 7, gguf.GGUFValueType.INT32
+        (writer.add_array(key, value) if kind == A else writer.add_key_value(key, value, kind))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match=r"tok\.gguf: metadata key " + match):
+        Tokenizer(tmp_path / "tok.gguf")

@@ -14,7 +14,8 @@ from zoo.checkpoints.tiny import tiny_config
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.parity, pytest.mark.usefixtures("one_thread")]
 
-from hf_pairs import assert_logits_equal_with_a_left_padded_row, assert_several_tokens_continue_the_full_forward  # noqa: E402
+from hf_pairs import (assert_greedy_tokens_equal, assert_logits_equal_with_a_left_padded_row,  # noqa: E402
+                      assert_several_tokens_continue_the_full_forward)
 
 
 def test_smollm3_reads_its_nope_layers_and_windows(hf_pair):
@@ -36,10 +37,7 @@ def test_greedy_tokens_past_the_window_and_several_tokens_onto_a_state(hf_pair, 
     hf, ours, _ = hf_pair(model_type)
     # (the float32 error against a float64 run is bounded in test_parity.py; here the two float32 runs agree)
     assert_logits_equal_with_a_left_padded_row(hf, ours, atol=5e-5)
-    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():  # 6 + 14 tokens: past the window of 8
-        want = hf.generate(ids, max_new_tokens=14, do_sample=False, attention_mask=torch.ones_like(ids))
-    assert torch.equal(zoo.generate(ours, ids, max_new_tokens=14), want)
+    assert_greedy_tokens_equal(hf, ours, prompt=6, new=14)  # past the window of 8
     assert_several_tokens_continue_the_full_forward(hf, ours, cache="past_key_values", atol=5e-5)
 
 

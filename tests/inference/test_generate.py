@@ -40,7 +40,7 @@ def greedy_without_cache(model, ids, n):
 def test_cached_decode_matches_full_forward(name):
     model = tiny(name, **FAMILIES[name])
     ids = torch.randint(0, 128, (1, 9))
-    out = model.generate(ids, 12)
+    out = zoo.generate(model, ids, 12)
     assert torch.equal(out, greedy_without_cache(model, ids, 12))
     # Logits of prefill + one-token steps equal the full forward's, position by position.
     state = model.new_state(1)
@@ -88,18 +88,18 @@ def test_left_padded_batch_matches_each_prompt_alone(name):
     mask = torch.zeros(2, 7, dtype=torch.long)
     ids[0], mask[0] = a, 1
     ids[1, 4:], mask[1, 4:] = b, 1
-    out = model.generate(ids, 10, attention_mask=mask)
-    assert torch.equal(out[0, 7:], model.generate(a[None], 10)[0, 7:])
-    assert torch.equal(out[1, 7:], model.generate(b[None], 10)[0, 3:])
+    out = zoo.generate(model, ids, 10, attention_mask=mask)
+    assert torch.equal(out[0, 7:], zoo.generate(model, a[None], 10)[0, 7:])
+    assert torch.equal(out[1, 7:], zoo.generate(model, b[None], 10)[0, 3:])
 
 
 @torch.no_grad()
 def test_stop_token_ends_generation_and_pads_finished_rows():
     model = tiny("llama2-7b")
     ids = torch.randint(0, 128, (2, 5))
-    free = model.generate(ids, 8)
+    free = zoo.generate(model, ids, 8)
     stop = int(free[0, 7])  # row 0's third new token
-    out = model.generate(ids, 8, stop=stop, pad_token_id=0)
+    out = zoo.generate(model, ids, 8, stop=stop, pad_token_id=0)
     ends = []
     for row in range(2):
         hits = (free[row, 5:] == stop).nonzero()
@@ -115,13 +115,13 @@ def test_sampling_is_seeded_and_streams():
     model = tiny("llama2-7b")
     ids = torch.randint(0, 128, (1, 4))
     seen = []
-    a = model.generate(ids, 6, temperature=1.0, top_p=0.9, seed=3, callback=seen.append)
-    b = model.generate(ids, 6, temperature=1.0, top_p=0.9, seed=3)
-    c = model.generate(ids, 6, temperature=1.0, top_p=0.9, seed=4)
+    a = zoo.generate(model, ids, 6, temperature=1.0, top_p=0.9, seed=3, callback=seen.append)
+    b = zoo.generate(model, ids, 6, temperature=1.0, top_p=0.9, seed=3)
+    c = zoo.generate(model, ids, 6, temperature=1.0, top_p=0.9, seed=4)
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert torch.equal(torch.stack(seen, 1), a[:, 4:])
     # top_k=1 leaves only the argmax, whatever the temperature.
-    assert torch.equal(model.generate(ids, 6, temperature=5.0, top_k=1, seed=0), model.generate(ids, 6))
+    assert torch.equal(zoo.generate(model, ids, 6, temperature=5.0, top_k=1, seed=0), zoo.generate(model, ids, 6))
 
 
 def test_top_p_keeps_the_smallest_nucleus():
@@ -135,6 +135,6 @@ def test_top_p_keeps_the_smallest_nucleus():
 def test_bad_arguments_are_named():
     model = tiny("llama2-7b")
     with pytest.raises(ValueError, match="left-padded"):
-        model.generate(torch.ones(2, 3, dtype=torch.long), 2, attention_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]))
+        zoo.generate(model, torch.ones(2, 3, dtype=torch.long), 2, attention_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]))
     with pytest.raises(ValueError, match="top_p"):
-        model.generate(torch.ones(1, 3, dtype=torch.long), 2, temperature=1.0, top_p=1.5)
+        zoo.generate(model, torch.ones(1, 3, dtype=torch.long), 2, temperature=1.0, top_p=1.5)

@@ -1,10 +1,12 @@
-"""transformers' spellings where its users reach for them: ``generate(do_sample=, eos_token_id=)`` and
+"""transformers' spellings where its users reach for them: ``generate``'s ``do_sample=`` and
+``eos_token_id=`` (read at the edges by ``Generation.from_transformers``) and
 ``model(ids, return_dict=True).logits``, beside zoo's own (which keep working unchanged)."""
 
 import pytest
 import torch
 
 import zoo
+from zoo.inference.generate import Generation
 from zoo.model import CausalLMOutput
 
 TINY = {"n_layers": 2, "d_model": 64, "vocab_size": 128, "layers.*.ffn.d_ff": 96,
@@ -19,13 +21,15 @@ def model():
 def test_do_sample_false_is_greedy_and_true_samples(model):
     ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(0))
     greedy = zoo.generate(model, ids, 8)
-    assert torch.equal(zoo.generate(model, ids, max_new_tokens=8, do_sample=False, temperature=0.7), greedy)
+    hf = Generation.from_transformers
+    assert torch.equal(zoo.generate(model, ids, settings=hf(max_new_tokens=8, do_sample=False, temperature=0.7)),
+                       greedy)
     # do_sample=True at transformers' default temperature 1.0 is zoo's temperature=1.0 draw
-    sampled = zoo.generate(model, ids, max_new_tokens=8, do_sample=True, top_p=0.95, seed=1)
+    sampled = zoo.generate(model, ids, settings=hf(max_new_tokens=8, do_sample=True, top_p=0.95, seed=1))
     assert torch.equal(sampled, zoo.generate(model, ids, 8, temperature=1.0, top_p=0.95, seed=1))
     assert not torch.equal(sampled, greedy)  # 8 draws from a near-flat distribution over 128 tokens
     with pytest.raises(ValueError, match="do_sample"):
-        zoo.generate(model, ids, 2, do_sample="yes")
+        hf(max_new_tokens=2, do_sample="yes")
 
 
 def test_eos_token_id_stops_as_stop_does(model):
@@ -33,8 +37,9 @@ def test_eos_token_id_stops_as_stop_does(model):
     free = zoo.generate(model, ids, 8)
     eos = int(free[0, 7])
     expected = zoo.generate(model, ids, 8, stop=eos, pad_token_id=0)
-    assert torch.equal(zoo.generate(model, ids, max_new_tokens=8, eos_token_id=eos, pad_token_id=0), expected)
-    assert torch.equal(zoo.generate(model, ids, max_new_tokens=8, eos_token_id=[eos], pad_token_id=0), expected)
+    for given in (eos, [eos]):
+        settings = Generation.from_transformers(max_new_tokens=8, eos_token_id=given, pad_token_id=0)
+        assert settings.stop == (eos,) and torch.equal(zoo.generate(model, ids, settings=settings), expected)
     assert expected.shape[1] < free.shape[1] or (expected[0, 8:] == 0).all()
 
 

@@ -159,15 +159,22 @@ def test_fused_linear_cross_entropy_matches_reference(softcap, z_loss, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_loss_gradients_against_float64(dtype):
-    """Three vocabulary blocks of the backward (the last partial) and 24 token chunks, soft-cap, z-loss
-    and a bias: each gradient's relative error against float64 from the same inputs is within 1.5x
-    of the unfused loss's own error in ``dtype``."""
+@pytest.mark.parametrize("two_passes", [False, True], ids=["one pass", "two passes"])
+def test_fused_loss_gradients_against_float64(monkeypatch, dtype, two_passes):
+    """Soft-cap, z-loss and a bias, in 24 token chunks (and, in two passes, three vocabulary blocks of
+    the backward, the last partial): each gradient's relative error against float64 from the same
+    inputs is within 1.5x of the unfused loss's own error in ``dtype``."""
     from zoo.components.kernels import cross_entropy as ce
 
     torch.manual_seed(0)
-    n, d, v = 96, 24, 3000
-    assert -(-v // ce._vocab_cols(v, d)) == 3 and n // ce._chunk_rows(n, d, ce._vocab_cols(v, d)) == 24
+    v = 3000
+    if two_passes:
+        monkeypatch.setattr(ce, "FORWARD_SUM_BYTES", -1)
+        n, d = 96, 24
+        assert -(-v // ce._vocab_cols(v, d)) == 3 and n // ce._chunk_rows(n, d, ce._vocab_cols(v, d)) == 24
+    else:  # chunks of 4 rows (one-row products are matrix-vector ones, summed in another order)
+        n, d = 96, 96
+        assert n // ce._chunk_rows(n, d, v) == 24
     h = torch.randn(n, d).to(dtype).requires_grad_()
     w = (torch.randn(v, d) * 0.5).to(dtype).requires_grad_()
     b = torch.randn(v).to(dtype).requires_grad_()
@@ -187,6 +194,31 @@ def test_fused_loss_gradients_against_float64(dtype):
         assert g.dtype == dtype
         err, own_err = (float((x.double() - r).norm() / r.norm()) for x in (g, o))
         assert err <= 1.5 * own_err, (name, err, own_err)
+
+
+@pytest.mark.parametrize("two_passes", [False, True], ids=["one pass", "two passes"])
+def test_fused_loss_gives_ignored_rows_zero_gradient_whatever_their_logits(monkeypatch, two_passes):
+    """Padding rows are ignored: a logit of 200 there (exp overflows float32 past about 88.7) must
+    change no gradient, as if the row were left out, rather than turn them all into NaN."""
+    from zoo.components.kernels import cross_entropy as ce
+
+    if two_passes:
+        monkeypatch.setattr(ce, "FORWARD_SUM_BYTES", -1)
+    torch.manual_seed(0)
+    h = torch.randn(6, 8)
+    w = torch.randn(50, 8)
+    h[2] = 0.0
+    h[2, 0] = 200.0
+    w[:, 0] = 0.0
+    w[7, 0] = 1.0  # row 2's logit 7 is 200, the others 0
+    labels = torch.tensor([1, 2, -100, 3, 4, -100])
+    params = [h.requires_grad_(), w.requires_grad_()]
+    got = torch.autograd.grad(ce.fused_linear_cross_entropy(h, w, labels)[0], params)
+    keep = labels != -100
+    want = torch.autograd.grad(F.cross_entropy(h[keep] @ w.T, labels[keep]), params)
+    for a, b in zip(got, want):
+        assert torch.isfinite(a).all()
+        close(a, b)
 
 
 def test_fused_loss_scales_with_the_incoming_gradient_and_skips_work_without_grad():
@@ -315,12 +347,12 @@ def test_flex_attention_forward_matches_eager_with_softcap_window_gqa_and_paddin
             close(out[keep], ref[keep])
 
 
-def _gpu_benchmark():
+def _gpu_benchmark(name="gpu_kernels"):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_kernels.py"
-    spec = importlib.util.spec_from_file_location("gpu_kernels", path)
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench
@@ -353,6 +385,50 @@ def test_gpu_check_script_stops_without_a_gpu(tmp_path):
     done = subprocess.run(["sh", str(script), str(tmp_path / "out")], capture_output=True, text=True)
     assert done.returncode != 0 and "no CUDA device" in done.stderr
     assert (tmp_path / "out").is_dir() and not (tmp_path / "out" / "pytest.txt").exists()
+
+
+GPU_CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "gpu_check.sh")
+
+
+def test_gpu_check_script_parses_and_refuses_bad_options():
+    import subprocess
+
+    assert subprocess.run(["sh", "-n", GPU_CHECK]).returncode == 0
+    done = subprocess.run(["sh", GPU_CHECK, "--part", "3"], capture_output=True, text=True)
+    assert done.returncode == 2 and "--part is 1 or 2, not 3" in done.stderr
+
+
+@pytest.mark.slow  # builds zoo and pip-installs it (offline) into a throwaway folder
+def test_gpu_check_dry_run_installs_offline_and_finds_its_files(tmp_path):
+    """What the lent machine does first, on the CPU: the environment printed, zoo built and installed
+    with no index and no build isolation into a throwaway folder and imported from outside the
+    checkout, the CUDA tests collected, the anchors' benchmark run at tiny shapes."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run(["sh", GPU_CHECK, "--dry-run", str(tmp_path)], capture_output=True, text=True, env=env)
+    log = (tmp_path / "check.log").read_text()
+    assert done.returncode == 0, log[-4000:] + done.stderr[-2000:]
+    assert log.index("torch ") < log.index("== install")  # the environment first
+    assert "== import: done" in log
+    assert "/site/zoo/__init__.py" in log  # the installed copy, not the checkout
+    assert "== collect: done" in log and "== anchors: done" in log
+    assert json.loads((tmp_path / "anchors.json").read_text())["rows"]
+
+
+def test_gpu_vs_anchors_dry_run_measures_zoo_and_names_missing_anchors(tmp_path, monkeypatch):
+    bench = _gpu_benchmark("gpu_vs_anchors")
+    monkeypatch.setattr(bench, "anchor", lambda module, name: (None, f"{module}.{name}: not installed"))
+    out = bench.main(bench.parse_args(["--dry-run", "--only", "loss,rmsnorm", "--json", str(tmp_path / "a.json"),
+                                       "--markdown", str(tmp_path / "a.md")]))
+    assert [(r["kernel"], r["impl"]) for r in out["rows"]] == [("rmsnorm", "zoo"), ("rmsnorm", "eager"),
+                                                                ("loss", "zoo"), ("loss", "eager")]
+    assert all(r["zoo_vs_this"] < 1e-4 for r in out["rows"])  # fp32: zoo agrees with eager
+    assert [m["anchor"] for m in out["missing"]] == ["liger", "liger"]
+    assert json.loads((tmp_path / "a.json").read_text()) == out
+    assert "| loss | | liger | missing |" in (tmp_path / "a.md").read_text()
 
 
 def test_gpu_benchmark_without_a_gpu_says_so(monkeypatch):

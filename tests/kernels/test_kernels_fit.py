@@ -1,7 +1,7 @@
 """zoo's recurrent Triton kernels compiled for sm_90 (H100/H200) on the CPU, at the shapes the presets
 give them: every launch of the forward and backward, in fp32 and bf16, fits the 232,448 bytes of
 shared memory a block may use there. Registers and stack bytes per thread are printed as a table
-(``pytest -s``; docs/kernels.md shows it). The compile runs in a subprocess without
+(``pytest -s``; docs/reference/kernels.md shows it). The compile runs in a subprocess without
 ``TRITON_INTERPRET`` (under the interpreter nothing is compiled); Triton caches what it compiled,
 so a second run takes seconds."""
 
@@ -36,6 +36,8 @@ def assert_fit(rows):
     misfits = [r for r in rows if not r["fits"]]
     assert not misfits, "\n" + fit.table(misfits)
     assert all(r["shared_limit"] == 232_448 and r["registers"] <= fit.MAX_REGISTERS for r in rows)
+    spilling = [r for r in rows if r["stack"] > fit.MAX_STACK[r["inputs"]]]
+    assert not spilling, "stack per thread over fit.MAX_STACK:\n" + fit.table(spilling)
 
 
 def test_the_presets_give_the_recurrent_kernels_their_shapes():
@@ -95,3 +97,24 @@ def test_every_recurrent_kernel_fits_sm90_at_every_preset_shape_and_configuratio
     assert {r["inputs"] for r in rows} == {"fp32", "bf16"}
     assert {r["constexprs"]["BK"] for r in rows} == {64, 128, 256}
     assert_fit(rows)
+
+
+@pytest.mark.slow  # pip-installs the GPU image's Triton (190 MB) into a throwaway folder
+@needs_ptxas
+def test_the_survey_compiles_with_the_gpu_images_triton_from_a_throwaway_folder(tmp_path):
+    """The lent GPU has Triton 3.6 while CI has a newer one, and shared memory moves between
+    versions: the survey compiles with the Triton found in --triton-site instead of its own."""
+    site = tmp_path / "site"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), "triton==3.6.0"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = survey(tmp_path, "--triton-site", str(site), "--presets", "minimax-text-01", "--widths", "", "--dtypes", "bf16",
+                  "--kernels", "recurrent._fwd", "--first-config")
+    assert {r["triton"] for r in rows} == {"3.6.0"}
+    assert_fit(rows)
+
+
+def test_the_survey_refuses_a_folder_without_triton(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "zoo.tools.kernel_fit", "--triton-site", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and f"--triton-site {tmp_path}: no triton package there" in done.stderr

@@ -3,12 +3,16 @@ the selection compared tie-aware (ReLU scores tie exactly at 0, and which of the
 cut a top-k returns depends on the implementation and the sequence length)."""
 
 import contextlib
+import copy
 
 import pytest
 import torch
 
-from zoo.components.mixers.dsa import IndexKeys, LightningIndexer
-from zoo.core.spec import SpecError
+import zoo
+from zoo.components.mixers.dsa import IndexKeys, LightningIndexer, Selections
+from zoo.core.context import ForwardContext
+from zoo.core.spec import ModelSpec, SpecError
+from zoo.testing import one_of_each
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32  # noqa: E402
@@ -269,3 +273,40 @@ def test_the_adaptation_example_runs_in_miniature():
     assert all(torch.isfinite(torch.tensor(r[1])) for r in rows)
     assert rows[0][2] is None and all(r[2] is not None and r[2] >= 0 for r in rows[1:])
     assert abs(rows[2][1] - rows[0][1]) < 1e-5  # top-k covers the sequence and only the indexer moved
+
+
+def _shared_spec(pattern):
+    """DeepSeek-V3.2's tiny dense layers, with a second layer kind whose indexer is shared, in ``pattern``."""
+    data = one_of_each("deepseek-v3.2-exp", vocab_size=256).to_dict()
+    data["layers"].pop("moe", None)
+    kind = next(iter(data["layers"]))
+    data["layers"]["shared"] = copy.deepcopy(data["layers"][kind])
+    data["layers"]["shared"]["mixer"]["indexer"] = "shared"
+    data.update(n_layers=len(pattern), layer_pattern=[kind if p == "F" else "shared" for p in pattern], mtp=None)
+    return data
+
+
+def test_a_shared_indexer_finds_its_source_layer_by_index_resolved_when_the_spec_is_checked():
+    spec = ModelSpec.from_dict(_shared_spec("FSSFS"))
+    assert spec.sources == (None, 0, 0, None, 3)  # through the chain of shared layers to the full one
+    model = zoo.build_model(spec)
+    assert [m.mixer.source for m in model.layers] == list(spec.sources)
+    assert [m.mixer.shares for m in model.layers] == [True, False, False, True, False]
+    with pytest.raises(SpecError, match=r"layers\.shared\.mixer\.indexer.*'shared' at layer 0"):
+        ModelSpec.from_dict(_shared_spec("SF"))
+
+
+def test_the_selection_a_shared_layer_reads_is_the_one_its_source_left_in_the_forward_context():
+    spec = ModelSpec.from_dict(_shared_spec("FS"))
+    model = zoo.build_model(spec, seed=0).eval()
+    seen = []
+    full = model.layers[0].mixer
+    plain = full.indexer.top
+    full.indexer.top = lambda scores, allowed: seen.append(plain(scores, allowed)) or seen[-1]
+    model(torch.randint(0, 256, (1, 12)))
+    assert len(seen) == 1  # one selection, made by layer 0 and read by layer 1
+    ctx = ForwardContext(torch.zeros(1, 3, dtype=torch.long), torch.arange(3))
+    with pytest.raises(RuntimeError, match="DSA layer 1 shares layer 0's top-k selection, which this forward has not made"):
+        model.layers[1].mixer(torch.zeros(1, 3, spec.d_model), ctx, None)
+    ctx.slot(Selections).by_layer[0] = None  # every visible key selected
+    assert model.layers[1].mixer(torch.zeros(1, 3, spec.d_model), ctx, None).shape == (1, 3, spec.d_model)

@@ -75,8 +75,10 @@ def test_flex_attention_under_bf16_autocast_gets_one_dtype(monkeypatch):
 
 def test_fused_loss_sums_a_bf16_weight_gradient_in_fp32_by_default(monkeypatch):
     """Relative error (Frobenius) of the bf16 weight gradient against fp64 from the same bf16
-    inputs: summed over 128 chunks it must be no worse than in one chunk (the error of the bf16
-    logits and gradient rows), which summing in bf16 is not."""
+    inputs: summed in float32 over 128 chunks, each chunk's bf16 product rounded once (on the CPU;
+    on CUDA the GEMM's float32 result is added, and test_kernels_cuda asserts one chunk's error), it
+    stays within 1.5x of one chunk's (the error of the bf16 logits and gradient rows), which summing
+    in bf16 does not."""
     from zoo.components.kernels import cross_entropy
 
     torch.manual_seed(0)
@@ -96,8 +98,53 @@ def test_fused_loss_sums_a_bf16_weight_gradient_in_fp32_by_default(monkeypatch):
     default, in_bf16 = error(), error(accumulate_dtype=torch.bfloat16)
     monkeypatch.setattr(cross_entropy, "_chunk_rows", lambda n, d, v: n)
     one_chunk = error()
-    assert default <= 1.05 * one_chunk, (default, one_chunk)
+    assert default <= 1.5 * one_chunk, (default, one_chunk)
     assert in_bf16 > 2 * one_chunk, (in_bf16, one_chunk)  # what the default avoids
+
+
+class Products(TorchDispatchMode):
+    """The operand dtypes of every matrix product the fused loss runs, inside its custom operators
+    too (their functions are run under this mode instead of the opaque operators)."""
+
+    PRODUCTS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "matmul", "linear"}
+
+    def __init__(self, module):
+        super().__init__()
+        self.inside = {module._forward_op._opoverload: module._forward, module._backward_op._opoverload: module._backward}
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.inside:
+            with self:
+                return self.inside[func](*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in self.PRODUCTS:
+            self.seen.append((func.overloadpacket.__name__,) + tuple(
+                a.dtype for a in args if isinstance(a, torch.Tensor) and a.dim() == 2))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("path", ["one pass", "two passes"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16 weights", "fp32 weights under bf16 autocast"])
+def test_every_head_product_of_the_fused_loss_takes_bf16_operands(monkeypatch, path, autocast):
+    """Every product with the head, forward and backward, with one vocabulary block or several, takes
+    bf16 operands (fp32 sums are added to outside the product): none is a float32 GEMM, which runs
+    on CUDA cores at a fifteenth of the tensor cores' rate."""
+    from zoo.components.kernels import cross_entropy
+
+    if path == "two passes":
+        monkeypatch.setattr(cross_entropy, "FORWARD_SUM_BYTES", -1)
+    torch.manual_seed(0)
+    dtype = torch.float32 if autocast else torch.bfloat16
+    h = torch.randn(40, 16, dtype=dtype, requires_grad=True)
+    w = torch.randn(3000, 16, dtype=dtype, requires_grad=True)  # three backward blocks
+    labels = torch.randint(0, 3000, (40,))
+    with Products(cross_entropy) as mode:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = cross_entropy.fused_linear_cross_entropy(h, w, labels)[0]
+        loss.backward()
+    assert len(mode.seen) >= 3, mode.seen  # the logits, and the two gradients' products at least
+    assert all(d == torch.bfloat16 for op in mode.seen for d in op[1:]), mode.seen
+    assert h.grad.dtype == w.grad.dtype == dtype and torch.isfinite(w.grad).all()
 
 
 def test_fused_loss_refuses_labels_outside_the_vocabulary():
@@ -131,13 +178,12 @@ class FullSizeResults(TorchDispatchMode):
         return out
 
 
-def test_fused_loss_keeps_no_gradient_from_forward_to_backward():
-    """Between the forward and the backward the fused loss holds, beyond its inputs, one float per
-    token (the log-partition) and the mean's 1/n; the backward allocates one head-sized tensor, the
-    gradient it returns (the float32 sums it adds up are one vocabulary block's)."""
+def fused_loss_memory(monkeypatch, forward_sum_bytes):
+    """What the fused loss holds from its forward to its backward beyond its inputs (bytes), and the
+    operations of its backward that make a new tensor of the head's size."""
     from zoo.components.kernels import cross_entropy
-    from zoo.components.kernels.cross_entropy import fused_linear_cross_entropy
 
+    monkeypatch.setattr(cross_entropy, "FORWARD_SUM_BYTES", forward_sum_bytes)
     torch.manual_seed(0)
     n, d, v = 64, 32, 4096
     h = torch.randn(n, d, dtype=torch.bfloat16, requires_grad=True)
@@ -145,13 +191,30 @@ def test_fused_loss_keeps_no_gradient_from_forward_to_backward():
     labels = torch.randint(0, v, (n,))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        loss = fused_linear_cross_entropy(h, w, labels)[0]
+        loss = cross_entropy.fused_linear_cross_entropy(h, w, labels)[0]
     inputs = {t.untyped_storage().data_ptr() for t in (h, w, labels)}
     held = sum(t.numel() * t.element_size() for t in saved if t.untyped_storage().data_ptr() not in inputs)
-    assert held <= 4 * n + 4, held  # the float32 head gradient alone would be 4 * v * d
     with FullSizeResults(w.numel(), inside=(cross_entropy._backward_op, cross_entropy._backward)) as seen:
         loss.backward()
-    assert [op for op in seen.ops if op != "detach"] == ["empty_like"], seen.ops  # detach: a view
+    return held, [op for op in seen.ops if op != "detach"], (n, d, v)  # detach: a view
+
+
+def test_fused_loss_in_two_passes_keeps_no_gradient_from_forward_to_backward(monkeypatch):
+    """When the weight gradient's float32 sum would not fit ``FORWARD_SUM_BYTES``: between the forward
+    and the backward the fused loss holds, beyond its inputs, one float per token (the log-partition)
+    and the mean's 1/n; the backward allocates one head-sized tensor, the gradient it returns (the
+    float32 sums it adds up are one vocabulary block's)."""
+    held, ops, (n, d, v) = fused_loss_memory(monkeypatch, 4 * 4096 * 32 - 1)
+    assert held <= 4 * n + 4, held  # the float32 head gradient alone would be 4 * v * d
+    assert ops == ["empty_like"], ops
+
+
+def test_fused_loss_in_one_pass_holds_only_the_gradients_it_returns(monkeypatch):
+    """When it fits: the forward computes the gradients (three head products, not four) and holds
+    them, in their own dtype, until the backward, which scales them by the incoming gradient."""
+    held, ops, (n, d, v) = fused_loss_memory(monkeypatch, 4 * 4096 * 32)
+    assert held == 2 * (n * d + v * d), held
+    assert ops == ["mul"], ops
 
 
 def test_fused_loss_gradients_accumulate_and_a_second_backward_repeats_them():

@@ -228,14 +228,14 @@ def test_an_attention_plugin_written_before_mixers_still_builds_and_trains(tmp_p
 
 
 def test_the_plugin_guides_mixer_example_passes_the_contract():
-    """docs/plugins.md's decayed linear attention is run as written, and decodes as it computes."""
+    """docs/guides/plugins.md's decayed linear attention is run as written, and decodes as it computes."""
     from pathlib import Path
 
     import torch.nn.functional as F
 
     from zoo.core.kinds import Cost
 
-    guide = (Path(__file__).parents[2] / "docs" / "plugins.md").read_text()
+    guide = (Path(__file__).parents[2] / "docs" / "guides" / "plugins.md").read_text()
     code = guide.split("## 5. A mixer with its own state")[1].split("```python")[1].split("```")[0]
     scope = {"torch": torch, "nn": nn, "F": F, "dataclass": dataclass, "Cost": Cost}
     exec(code, scope)
@@ -273,3 +273,18 @@ def test_a_loss_pooled_over_layers_is_computed_once_at_the_end(toy):
         h.remove()
     assert set(out.aux) == {"pooled"}
     torch.testing.assert_close(out.aux["pooled"], torch.stack(means).mean())
+
+
+def test_a_context_slot_is_one_instance_of_its_kind_for_the_whole_forward():
+    """``ctx.slot(kind)``: what the layers of one forward share of a kind its producer defines (the
+    mixture of experts' layer count and pooled statistics), typed where ``ctx.shared`` takes strings."""
+    from zoo.components.ffn.moe import MoEForward
+    from zoo.components.mixers.dsa import Selections
+    from zoo.core.context import ForwardContext
+
+    ctx = ForwardContext(torch.zeros(1, 2, dtype=torch.long), torch.arange(2))
+    seen = ctx.slot(MoEForward)
+    seen.layers += 1
+    assert ctx.slot(MoEForward) is seen and ctx.slot(MoEForward).layers == 1
+    assert isinstance(ctx.slot(Selections), Selections) and ctx.slot(Selections).by_layer == {}
+    assert ForwardContext(torch.zeros(1, 2, dtype=torch.long), torch.arange(2)).slot(MoEForward).layers == 0

@@ -16,7 +16,7 @@ def test_llama2_70b_kv_cache_worked_example():
     mha = account("llama2-70b", context=4096, batch=64, overrides={"layers.*.mixer.n_kv_heads": 64})
     assert mha["kv_cache"]["bytes_per_token"] == 2 * 80 * 64 * 128 * 2 == 2_621_440  # ~2.6 MB, 8x
     # 4k context x batch 64: GQA needs 85.9 GB and MHA 687 GB. The notes call it "85 GB vs
-    # 10.7 GB"; 10.7 GB is GQA at batch 8 (docs/accounting.md).
+    # 10.7 GB"; 10.7 GB is GQA at batch 8 (docs/reference/accounting.md).
     assert gqa["kv_cache"]["bytes"] == 327_680 * 4096 * 64 == 85_899_345_920
     assert mha["kv_cache"]["bytes"] == 2_621_440 * 4096 * 64 == 687_194_767_360
     assert account("llama2-70b", context=4096, batch=8)["kv_cache"]["bytes"] == 10_737_418_240

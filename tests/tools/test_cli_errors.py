@@ -170,3 +170,73 @@ def test_export_of_a_checkpoint_with_a_truncated_shard(trained, tmp_path, capsys
                 key=lambda p: p.stat().st_size)
     shard.write_bytes(shard.read_bytes()[:-100])
     one_line_error(capsys, ["export", str(step), str(tmp_path / "out")], "cut short")
+
+
+# -- eval, generate and export: each bad value named ---------------------------------------------
+
+@pytest.mark.parametrize("args, match", [
+    (["--stride", "0"], "--stride must be at least 1, got 0"),
+    (["--window", "1"], "--window must be at least 2, got 1"),
+    (["--window", "8", "--stride", "9"], "--stride 9 is longer than the window 8"),
+    (["--device", "nonsense"], "--device 'nonsense' is not a device"),
+])
+def test_eval_settings_are_refused_by_name(checkpoint, tmp_path, capsys, args, match):
+    (tmp_path / "a.txt").write_text("some text to score, long enough")
+    one_line_error(capsys, ["eval", str(checkpoint), "--text", str(tmp_path / "a.txt"), "--no-progress", *args], match)
+
+
+@pytest.mark.parametrize("content, match", [(b"", "a.txt: the file is empty"), (b"   \n", "a.txt: the file is empty"),
+                                            (b"x", "a.txt: the text is 1 token(s) long"),
+                                            (b"\x89PNG\r\n\x1a\n\xff\xfe", "a.txt: not UTF-8 text")])
+def test_eval_names_a_text_file_it_cannot_score(checkpoint, tmp_path, capsys, content, match):
+    (tmp_path / "a.txt").write_bytes(content)
+    one_line_error(capsys, ["eval", str(checkpoint), "--text", str(tmp_path / "a.txt"), "--no-progress"], match)
+
+
+def test_eval_shows_progress_and_scores_each_token_once_by_default(checkpoint, tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 4)
+    assert main(["eval", str(checkpoint), "--text", str(tmp_path / "a.txt"), "--window", "64", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["total"]["stride"] == 64
+    assert "eval" in captured.err and "tok/s" in captured.err
+
+
+def test_generate_with_a_device_that_does_not_exist(checkpoint, capsys):
+    one_line_error(capsys, ["generate", str(checkpoint), "--prompt", "Hi", "--device", "tpu:9"],
+                   "--device 'tpu:9' is not a device")
+
+
+def test_export_gguf_onto_a_directory(checkpoint, tmp_path, capsys):
+    pytest.importorskip("gguf")
+    one_line_error(capsys, ["export", str(checkpoint), str(tmp_path), "--gguf"], "is a directory; a GGUF is one file")
+
+
+def test_train_with_a_seed_beyond_torch_s_range(tmp_path, capsys):
+    one_line_error(capsys, TRAIN + ["--seed", str(2 ** 70), "--out-dir", str(tmp_path)],
+                   "TrainConfig.seed must be in [0, 2**63), got 1180591620717411303424")
+
+
+@pytest.mark.parametrize("name, content, match", [
+    ("tokenizer_config.json", "{not json", "tokenizer_config.json is not valid JSON"),
+    ("tokenizer_config.json", "[1]", "tokenizer_config.json must hold a JSON object"),
+    ("generation_config.json", "{", "generation_config.json is not valid JSON"),
+    ("chat_template.jinja", b"\xff\xfe\x00", "chat_template.jinja is not UTF-8 text"),
+])
+def test_a_broken_tokenizer_file_is_named(checkpoint, tmp_path, capsys, name, content, match):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(checkpoint, bad)
+    (bad / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    one_line_error(capsys, ["generate", str(bad), "--prompt", "Hi"], match)
+
+
+def test_a_config_with_no_attention_heads_is_refused_by_name(checkpoint, tmp_path, capsys):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(checkpoint, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "num_attention_heads": 0}))
+    one_line_error(capsys, ["generate", str(bad), "--prompt", "Hi"],
+                   "'num_attention_heads' (llama): must be a positive integer, got 0")

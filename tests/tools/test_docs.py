@@ -24,7 +24,7 @@ def python_block(path: Path, after: str, containing: str = "") -> str:
 
 
 def test_spec_overrides_run_and_each_override_holds():
-    code = python_block(DOCS / "spec.md", "## Overrides")
+    code = python_block(DOCS / "reference" / "spec.md", "## Overrides")
     tree = ast.parse(code)
     built = []
     for i, node in enumerate(tree.body):  # keep each line's model, to check what its override set
@@ -47,7 +47,7 @@ def test_the_decayed_linear_mixer_of_plugins_md_runs_and_conforms():
     import zoo.testing as zt
 
     ns: dict = {}
-    exec(compile(python_block(DOCS / "plugins.md", "## 5. A mixer", "class DecayedLinear"), "plugins.md", "exec"), ns)
+    exec(compile(python_block(DOCS / "guides" / "plugins.md", "## 5. A mixer", "class DecayedLinear"), "plugins.md", "exec"), ns)
     zoo.register("mixer", "docs_decayed_linear")(ns["DecayedLinear"])
     mixers = zoo.manager().registry("mixer")
     try:
@@ -59,7 +59,7 @@ def test_the_decayed_linear_mixer_of_plugins_md_runs_and_conforms():
 
 
 def test_checkpoints_md_lists_every_format_zoo_ships():
-    text = (DOCS / "checkpoints.md").read_text()
+    text = (DOCS / "reference" / "checkpoints.md").read_text()
     table = text[text.index("## Supported `model_type`s"):]
     table = table[: table.index("\n\n", table.index("|---|"))]
     listed = {m for row in table.splitlines()[2:] for m in re.findall(r"`([a-z0-9_]+)`", row.split("|")[1])}
@@ -74,3 +74,24 @@ def test_readme_list_models_comments_are_what_the_calls_return():
     assert lines
     for call, comment in lines:
         assert eval(call, {"zoo": zoo}) == ast.literal_eval(comment), call
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a markdown file's headings: lower case, punctuation dropped, spaces as hyphens."""
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", path.read_text(), re.M)}
+
+
+def test_every_relative_link_of_the_docs_resolves():
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *DOCS.rglob("*.md"),
+             *(ROOT / "plugins").glob("*/README.md")]
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code blocks hold no links
+        for target, anchor in re.findall(r"\]\(([^)\s#:]*)(?:#([^)\s]*))?\)", text):
+            path = (page.parent / target).resolve() if target else page
+            if not path.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+                broken.append(f"{page.relative_to(ROOT)}: {target}#{anchor}")
+    assert not broken, broken

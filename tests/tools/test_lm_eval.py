@@ -278,3 +278,21 @@ def test_the_real_smollm2_gguf_scores_and_generates_as_the_hf_model(tmp_path, of
                                                       apply_chat_template=True), "zoo_gen")]
              for model, args, bs in (("zoo", zoo_args, 2), (hflm, None, None))]
     assert chats[0] == chats[1] and chats[0] != texts and all(chats[0]), chats
+
+
+def test_zoo_lm_eval_defaults_to_the_device_zoo_would_use(monkeypatch):
+    """lm_eval's command line defaults to cuda:0, which fails on a machine without CUDA: zoo passes the
+    device it would use unless --device is given."""
+    import lm_eval.__main__ as lm_main
+
+    from zoo.tools import harness
+
+    seen = []
+    monkeypatch.setattr(lm_main, "cli_evaluate", lambda: seen.append(list(sys.argv)))
+    monkeypatch.setattr(sys, "argv", ["zoo"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    harness.main(["--model", "zoo", "--tasks", "x"])
+    harness.main(["--model", "zoo", "--device", "cuda:1"])
+    harness.main(["--model", "zoo", "--device=mps"])
+    assert seen == [["lm-eval", "--model", "zoo", "--tasks", "x", "--device", "cpu"],
+                    ["lm-eval", "--model", "zoo", "--device", "cuda:1"], ["lm-eval", "--model", "zoo", "--device=mps"]]

@@ -42,7 +42,7 @@ def test_a_training_step_of_each_family_traces_without_graph_breaks(name, one_th
     ids = torch.randint(0, model.spec.vocab_size, (2, 9))  # longer than the shrunk windows (4)
     if any(layer.ffn.name == "moe" for layer in spec.layers.values()):
         # A mixture of experts sorts tokens by expert: how many each gets is data, so its dispatch
-        # breaks the graph (docs/moe.md); nothing else may.
+        # breaks the graph (docs/mechanisms/moe.md); nothing else may.
         assert breaks(lambda ids: model(ids, labels=ids).loss, ids, where=True) == {"moe.py"}
     else:
         assert breaks(lambda ids: model(ids, labels=ids).loss, ids) == []

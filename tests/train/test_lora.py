@@ -249,7 +249,7 @@ def test_lora_options_and_toml_table_read_as_settings(tmp_path):
     import re
     from pathlib import Path
 
-    docs = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "training.md").read_text()
     toml.write_text(re.search(r"```toml\n(# lora.toml.*?)```", docs, re.S).group(1))  # the docs' example
     assert TrainConfig.from_toml(toml).lora == LoraSettings(r=16, alpha=32, targets=("q_proj", "v_proj"))
     toml.write_text('[lora]\nrank = 8\n')

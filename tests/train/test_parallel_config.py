@@ -182,7 +182,7 @@ def test_the_toml_example_in_the_docs_reads_as_it_says(tmp_path):
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "training.md").read_text()
     example = re.search(r"```toml\n(# train.toml.*?)```", text, re.S).group(1)
     (tmp_path / "train.toml").write_text(example)
     config = TrainConfig.from_toml(tmp_path / "train.toml")

@@ -66,7 +66,9 @@ def test_zoo_train_reads_sequences_that_start_with_bos(tmp_path, monkeypatch, po
             seen.append(out)
             return out
 
-    monkeypatch.setattr(T, "TokenData", Recording)
+    import zoo.training.data
+
+    monkeypatch.setattr(zoo.training.data, "TokenData", Recording)  # the loop's text files are read there
     T.train("llama3-8b", overrides=TINY, steps=1, seq_len=16, global_batch=2, micro_batch=2, warmup_steps=0,
             data=(str(tmp_path / "a.txt"),), tokenizer=str(tok), out_dir=str(tmp_path / "run"), progress=False,
             plot=False, export=False, cpu=True)

@@ -4,7 +4,7 @@ the summary table (markdown and JSON) and the plots.
 One process: ``zoo ablate examples/ablations/qk-norm.toml``. Several (each run DDP):
 ``accelerate launch -m zoo.cli ablate FILE``. Runs already done (a ``result.json`` made with the
 same settings) are skipped, so running again only finishes what is missing and redraws the report.
-See docs/ablations.md.
+See docs/reports/ablations.md.
 """
 
 import argparse

@@ -2,6 +2,8 @@
 
 import sys
 
+from zoo.commands import add_device, device_of
+
 
 def add_sampling(p):
     """The generation settings ``zoo chat`` and ``zoo generate --chat`` share."""
@@ -14,6 +16,7 @@ def add_sampling(p):
     p.add_argument("--dtype", default=None, help="load weights as this dtype (float32, bfloat16, float16)")
     p.add_argument("--adapter", default=None, metavar="DIR",
                    help="a PEFT LoRA adapter directory to apply (what zoo train --lora writes to OUT_DIR/adapter)")
+    add_device(p)
 
 
 def add_parser(sub):
@@ -27,16 +30,15 @@ def add_parser(sub):
     return p
 
 
-def load(checkpoint, dtype, adapter=None, fp8="dequantize"):
-    from zoo.checkpoints import from_pretrained, resolve
-    from zoo.checkpoints.files import gguf
+def load(checkpoint, dtype, adapter=None, fp8="dequantize", device=None):
+    from zoo.checkpoints import from_pretrained, open_source
     from zoo.inference.tokenizer import Tokenizer
 
-    source = checkpoint if gguf.is_gguf(checkpoint) else resolve(checkpoint)
+    source = open_source(checkpoint)
     tokenizer = Tokenizer(source)
     if not tokenizer.chat_template:
         raise ValueError(f"{checkpoint}: its tokenizer has no chat template; use zoo generate --prompt instead")
-    return from_pretrained(source, dtype=dtype, adapter=adapter, fp8=fp8), tokenizer
+    return from_pretrained(source, dtype=dtype, adapter=adapter, fp8=fp8, device=device_of(device)), tokenizer
 
 
 def reply(model, tokenizer, messages, args, out=None):
@@ -55,7 +57,7 @@ def reply(model, tokenizer, messages, args, out=None):
 
 
 def run(args):
-    model, tokenizer = load(args.checkpoint, args.dtype, args.adapter)
+    model, tokenizer = load(args.checkpoint, args.dtype, args.adapter, device=args.device)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     while True:

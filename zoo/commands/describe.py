@@ -95,7 +95,7 @@ def run(args):
 
     from zoo.model.recipes import build
 
-    from zoo.checkpoints.files.native import spec_of
+    from zoo.checkpoints.sources import spec_of
 
     # a GGUF file, a checkpoint or training run directory, an HF config.json: its spec (no tensor is read)
     source = spec_of(args.name) or args.name

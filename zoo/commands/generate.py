@@ -2,6 +2,8 @@
 
 import sys
 
+from zoo.commands import add_device, device_of
+
 
 def add_parser(sub):
     p = sub.add_parser(
@@ -21,6 +23,7 @@ def add_parser(sub):
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set reaching this probability")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    add_device(p)
     p.add_argument("--dtype", default=None, help="load weights as this dtype (float32, bfloat16, float16); default as stored")
     p.add_argument("--fp8", choices=["dequantize", "keep"], default="dequantize",
                    help="an FP8 checkpoint's linear weights: dequantised on load (default) or kept in FP8")
@@ -41,35 +44,27 @@ def run(args):
     if args.chat:
         from zoo.commands.chat import load, reply
 
-        model, tokenizer = load(args.checkpoint, args.dtype, args.adapter, fp8=args.fp8)
+        model, tokenizer = load(args.checkpoint, args.dtype, args.adapter, fp8=args.fp8, device=args.device)
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]
         reply(model, tokenizer, messages, args)
         return 0
-    from zoo.checkpoints import from_pretrained
+    from zoo.checkpoints import from_pretrained, open_source
     from zoo.inference.generate import generate
     from zoo.inference.tokenizer import TextStream, Tokenizer
 
-    from zoo.checkpoints import resolve
-    from zoo.checkpoints.files import gguf
-
-    # a GGUF file, a local directory, or the hub repo's cached snapshot
-    from zoo.checkpoints.files.native import checkpoint_dir
-
-    directory = args.checkpoint if gguf.is_gguf(args.checkpoint) else checkpoint_dir(resolve(args.checkpoint))
+    source = open_source(args.checkpoint)  # a GGUF file, a local directory or run, or the hub repo's snapshot
     if args.tokenizer is None:
-        from pathlib import Path
-
-        if Path(directory).is_dir() and not (Path(directory) / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"{directory} holds no tokenizer.json; pass --tokenizer FILE_OR_DIRECTORY, or "
+        if not source.holds_tokenizer():
+            raise FileNotFoundError(f"{source.path} holds no tokenizer.json; pass --tokenizer FILE_OR_DIRECTORY, or "
                                     "--tokenizer bytes for a model trained on bytes (zoo train's default corpus)")
-        tokenizer = Tokenizer(directory)
+        tokenizer = Tokenizer(source)
     else:
         from zoo.training.data import get_tokenizer
 
         tokenizer = get_tokenizer(args.tokenizer)
-    model = from_pretrained(directory, dtype=args.dtype, adapter=args.adapter, fp8=args.fp8)
-    ids = torch.tensor([tokenizer.encode(args.prompt)])
+    model = from_pretrained(source, dtype=args.dtype, adapter=args.adapter, fp8=args.fp8, device=device_of(args.device))
+    ids = torch.tensor([tokenizer.encode(args.prompt)], device=next(model.parameters()).device)
     stream = TextStream(tokenizer)
     out = sys.stdout
     shown = []

@@ -7,6 +7,8 @@ field is an option (``--global-batch 64``, ``--fsdp``, ``--data a.txt b.txt``), 
 :class:`~zoo.training.config.ParallelConfig` field (``--dp-replicate 2 --dp-shard 4 --ac block``);
 ``--config train.toml`` reads the fields (and ``[parallel]`` and ``[lora]`` tables) from a file.
 LoRA: ``zoo train --init-from DIR --lora r=16,alpha=32,targets=q_proj,v_proj``.
+Prepared data (``zoo data prepare``): ``--data DIR`` or a weighted mixture ``--data A@0.7 B@0.3``;
+``--sft`` for chat data; ``--val fraction=0.05,every=50`` or ``--val path=VAL_DIR``.
 """
 
 import dataclasses
@@ -60,7 +62,39 @@ def add_parser(sub):
                         "OUT_DIR/adapter as a PEFT adapter; settings r, alpha, dropout, targets, rslora, merge, "
                         "e.g. --lora r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj (none: the defaults, "
                         "every linear projection of the blocks)")
+    p.add_argument("--val", default=__import__("argparse").SUPPRESS, metavar="KEY=VALUE,...",
+                   help="validation during training: path=PREPARED_DIR or fraction=F (held out of the training "
+                        "data), every=N steps (default 100), samples=N sequences (default 64)")
     return p
+
+
+def _data_entry(text: str):
+    """``PATH`` or ``PATH@WEIGHT`` (one source of a weighted mixture)."""
+    path, at, weight = text.rpartition("@")
+    if not at:
+        return text
+    try:
+        return {"path": path, "weight": float(weight)}
+    except ValueError:
+        raise ValueError(f"--data {text!r}: the weight after @ must be a number (e.g. --data corpus@0.7)") from None
+
+
+def _val_settings(text: str) -> dict:
+    import typing
+
+    from zoo.training.config import ValSettings
+
+    hints = typing.get_type_hints(ValSettings)
+    out = {}
+    for item in (i.strip() for i in text.split(",") if i.strip()):
+        key, eq, value = item.partition("=")
+        if not eq or key not in hints:
+            raise ValueError(f"--val: {item!r} is not one of {', '.join(f'{k}=...' for k in hints)}")
+        try:
+            out[key] = value if key == "path" else (float(value) if key == "fraction" else int(value))
+        except ValueError:
+            raise ValueError(f"--val: {key}={value!r} is not a number") from None
+    return out
 
 
 def config_of(args):
@@ -72,7 +106,11 @@ def config_of(args):
     parallel = {k.split(".", 1)[1]: given.pop(k) for k in list(given) if k.startswith("parallel.")}
     fields = {k: v for k, v in given.items() if k in {f.name for f in dataclasses.fields(TrainConfig)}}
     if "data" in fields:
-        fields["data"] = tuple(fields["data"])
+        fields["data"] = tuple(_data_entry(d) for d in fields["data"])
+    if "val" in fields:  # the file's [val] table, with the settings given here
+        from zoo.training.config import ValSettings
+
+        fields["val"] = dataclasses.replace(base.val or ValSettings(), **_val_settings(fields["val"]))
     if fields.get("resume") in ("none", "None", ""):
         fields["resume"] = None
     if "lora" in fields:  # the file's [lora] table, with the settings given here

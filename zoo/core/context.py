@@ -4,11 +4,13 @@ auxiliary losses and metrics)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 import torch
 
 from zoo.core import deprecations as _deprecations
 
+
+T = TypeVar("T")
 
 _RECOMPUTING = [False]  # a plain global (not a ContextVar): torch.compile traces a read of it without a break
 
@@ -71,8 +73,10 @@ class ForwardContext:
         self.metrics: dict[str, torch.Tensor] = {}
         self._metric_counts: dict[str, int] = {}
         #: Room for parts to gather what they share across layers in one forward (router statistics
-        #: pooled over every layer, say), keyed by a name the parts agree on.
+        #: pooled over every layer, say), keyed by a name the parts agree on; zoo's own parts use the
+        #: typed :meth:`slot` instead.
         self.shared: dict[str, Any] = {}
+        self._slots: dict[type, Any] = {}
         self._at_end: dict[str, Callable[["ForwardContext"], None]] = {}
         #: The optional metrics parts are asked to report (see :func:`asking`), and who reads them.
         self.asked: frozenset = frozenset().union(*(names for names, _ in _ASKING))
@@ -88,9 +92,19 @@ class ForwardContext:
         """Whether a part should report the optional metric ``name`` (costly to compute) in this forward."""
         return name in self.asked
 
+    def slot(self, kind: type[T]) -> T:
+        """What the layers of this forward share of one kind: the one instance of ``kind``, a class the
+        producing part defines (made with no arguments on first use): DSA's selections by the layer that
+        made them, a mixture of experts' layer count and pooled statistics. Typed and owned by its
+        producer, where :attr:`shared` is keyed by strings the parts must agree on."""
+        out = self._slots.get(kind)
+        if out is None:
+            out = self._slots[kind] = kind()
+        return out
+
     def at_end(self, key: str, fn: Callable[["ForwardContext"], None]) -> None:
         """Run ``fn(ctx)`` once after the last layer (registered once per ``key``, however many layers
-        ask): where a loss pooled over layers is computed from what ``shared`` gathered."""
+        ask): where a loss pooled over layers is computed from what a :meth:`slot` gathered."""
         self._at_end.setdefault(key, fn)
 
     def finish(self) -> None:

@@ -43,6 +43,10 @@ ALIASES: dict[str, str] = {
     "Decoder.hidden_states_in": "Decoder.run_layers",
     "Decoder.generate(...)": "zoo.generate(model, ...)",
     "the cache= keyword": "state=",
+    "generate(do_sample=)": "temperature= (0: greedy), or Generation.from_transformers(do_sample=...) where "
+                            "transformers' keywords come in",
+    "generate(eos_token_id=)": "stop=",
+    "generate(streamer=)": "callback=streamer.put (and streamer.end() after)",
     "PluginManager.add_attention": "PluginManager.add_mixer",
     "kind 'attention'": "kind 'mixer'",
     "spec key 'attention'": "spec key 'mixer' (layers.*.mixer.*)",
@@ -54,7 +58,7 @@ ALIASES: dict[str, str] = {
     "zoo-side parameter names layers.{i}.attention.*": "layers.{i}.mixer.*",
     OLD_EXPERT_NAMES: "layers.{i}.ffn.experts.w_*",
     "MoE.w_gate, MoE.w_up, MoE.w_down": "MoE.experts.w_gate, .w_up, .w_down (GroupedExperts)",
-    "LlamaStyle class flags": "the format's fields, template, windows and ropes (docs/checkpoints.md)",
+    "LlamaStyle class flags": "the format's fields, template, windows and ropes (docs/reference/checkpoints.md)",
 }
 
 #: deprecated calls whose new home is in a wing above the caller's -> "module:function" of the new home
@@ -126,7 +130,8 @@ SINCE: dict[str, str] = {old: "0.3" for old in (
     "a block's .attention", "zoo-side parameter names layers.{i}.attention.*", "Decoder.generate(...)",
     OLD_EXPERT_NAMES, "MoE.w_gate, MoE.w_up, MoE.w_down", "LlamaStyle class flags",
     "zoo.train", "zoo.train.loop", "zoo.train.config", "zoo.train.checkpointer", "zoo.train.data", "zoo.train.resume",
-    "zoo.components.kernels.fit", *(m for m in MOVED_MODULES if m.startswith("zoo.checkpoints.")))}
+    "zoo.components.kernels.fit", *(m for m in MOVED_MODULES if m.startswith("zoo.checkpoints.")),
+    "generate(do_sample=)", "generate(eos_token_id=)", "generate(streamer=)")}
 
 
 def since(old: str) -> str:

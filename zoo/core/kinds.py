@@ -7,7 +7,7 @@ One base per kind (:class:`Norm`, :class:`Activation`, :class:`FFN`, :class:`Rou
 :class:`Part`; :class:`LayerState` for decode states) declares the constructor context
 (``CONTEXT``: ``cls(config, **context)``), the forward arguments (``FORWARD``) and every hook, with
 its default and its caller. This is the one statement of the contract: :data:`BASES`, the tables
-derived from it, the registration check and docs/plugins.md's table (:func:`contract_table`) all
+derived from it, the registration check and docs/guides/plugins.md's table (:func:`contract_table`) all
 read it. A part states its own facts (:class:`Cost`, ``facts``, ``shrink``); nothing outside a part
 reads its attributes. It also states how it shards under tensor parallelism (:func:`parallelize`,
 the ``parallelize`` hook).
@@ -279,6 +279,14 @@ class Mixer(Part):
         Position modules are built per (position, this width)."""
         return None
 
+    @classmethod
+    def reads_from(cls, cfg: Any, *, spec: Any, index: int) -> Optional[int]:
+        """Called once per layer when a ``ModelSpec`` is checked (:attr:`zoo.core.spec.ModelSpec.sources`):
+        the earlier layer whose output of the same forward this layer's mixer reads (DSA's shared
+        indexer: the nearest full layer's selection, which that layer leaves in a ``ctx.slot``), or None;
+        raise ``SpecError`` when there is none to read. Default: None, the layer reads no other."""
+        return None
+
     def new_state(self, batch: int, max_len: Optional[int], *, dtype: torch.dtype, device: Any) -> Optional["LayerState"]:
         """Called by ``Decoder.new_state``: this layer's decode state for ``batch`` rows of up to
         ``max_len`` tokens (None: unknown), or None when the mixer cannot decode incrementally
@@ -433,7 +441,7 @@ def no_plan(part: nn.Module, where: str = "") -> NotImplementedError:
     return NotImplementedError(
         f"{at}({type(part).__module__}.{type(part).__qualname__}) has no tensor-parallel plan: it does not "
         "state a tp_plan (or define parallelize(tp_mesh, ...)), so parallel.tp > 1 cannot shard it; set tp = 1, "
-        "or give the part a plan (docs/training.md, 'Tensor and sequence parallelism')")
+        "or give the part a plan (docs/reference/training.md, 'Tensor and sequence parallelism')")
 
 
 def parallelize(part: nn.Module, tp_mesh: Any, where: str, **kw: Any) -> None:
@@ -510,7 +518,7 @@ def implements(obj: Any, hook: str) -> bool:
 #: accounting, memory, checkpoint transforms, parallel plans) rather than computes. In a part file they
 #: follow the mechanism, below one line, :data:`FACTS_DIVIDER` (tests/parts/test_part_files.py checks
 #: zoo's own). ``check_experts`` is a router's, read by the mixture of experts' spec check.
-FACT_HOOKS = ("shrink", "shrink_to", "resolved", "check_in_model", "check_experts", "rotary_dim", "max_positions",
+FACT_HOOKS = ("shrink", "shrink_to", "resolved", "check_in_model", "check_experts", "reads_from", "rotary_dim", "max_positions",
               "heads", "cost", "facts", "activation_bytes", "tp_plan", "tp_divides", "parallelize",
               "parallelize_experts", "expert_parameters")
 FACTS_DIVIDER = "# -- what this part states about itself --"
@@ -521,7 +529,7 @@ _MIXED: dict[type, tuple[str, ...]] = {}
 
 def contract_table() -> str:
     """The constructor contract and hooks of every module-like kind, as the markdown table in
-    docs/plugins.md (tests/core/test_contract.py checks that the two agree)."""
+    docs/guides/plugins.md (tests/core/test_contract.py checks that the two agree)."""
     lines = ["| kind | base | built as | called as | hooks (default in the base) |", "|---|---|---|---|---|"]
     for kind, base in BASES.items():
         built = ", ".join(("config", *(f"{k}=" for k in base.CONTEXT)))

@@ -431,6 +431,25 @@ class ModelSpec:
                 except SpecError as exc:
                     raise exc.under(where) from None
 
+        self.__dict__["sources"] = self._sources()  # resolved once, here: each read of it is a lookup
+
+    def _sources(self) -> tuple[Optional[int], ...]:
+        out = []
+        for i in range(self.n_layers):
+            mixer = self.layer(i).mixer
+            try:
+                out.append(mixer.cls.reads_from(mixer.config, spec=self, index=i))
+            except SpecError as exc:
+                raise exc.under(f"layers.{self.layer_kind(i)}.mixer") from None
+        return tuple(out)
+
+    @property
+    def sources(self) -> tuple[Optional[int], ...]:
+        """Per layer, the earlier layer whose output of the same forward its mixer reads (its mixer's
+        ``reads_from``: DSA's shared indexer, the nearest full layer), or None; resolved when the spec is
+        checked, so a mixer finds its source by its index instead of searching the spec."""
+        return self.__dict__.get("sources") or self._sources()
+
     # -- convenience ----------------------------------------------------------------------------
     def layer_kind(self, i: int) -> str:
         return self.layer_pattern[i % len(self.layer_pattern)]

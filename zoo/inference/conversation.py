@@ -204,7 +204,7 @@ def chat(model, messages: list[dict], tokenizer, *, max_new_tokens: int = 256, o
                          "use zoo generate with a plain prompt instead")
     text = render(template, messages, bos_token=tokenizer.bos_token or "")
     # The template writes the special tokens (BOS included) itself.
-    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)], device=next(model.parameters()).device)
     stream, reply = TextStream(tokenizer), []
     stop = set(tokenizer.eos_token_ids)
 

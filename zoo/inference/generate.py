@@ -7,12 +7,18 @@ never becomes a key and position ids skip it, so each row generates what it woul
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Union
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
 from zoo.core.deprecations import warn
+from zoo.core.spec import MAX_SIZES
 from zoo.core.state import DecodeState
+from zoo.inference.compiled import CompiledDecoder
+from zoo.inference.speculative import speculative_generate
 
 
 def _stop_ids(stop: Union[None, int, Iterable[int]]) -> list[int]:
@@ -27,8 +33,6 @@ def _stop_ids(stop: Union[None, int, Iterable[int]]) -> list[int]:
 def length_limit(spec) -> tuple[int, str]:
     """The longest sequence the model can generate, and what sets it: a position encoding with a
     hard limit (a learned table: max_seq_len), else zoo's bound on any context (RoPE extrapolates)."""
-    from zoo.core.spec import MAX_SIZES
-
     if spec is not None:
         for i in range(spec.n_layers):
             part = spec.position_for(i)
@@ -41,8 +45,6 @@ def length_limit(spec) -> tuple[int, str]:
 def _check_generate_inputs(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_mask, stops: list[int],
                            pad_token_id: Optional[int], temperature, top_k, top_p) -> None:
     """Refuse, naming the argument, every input that would fail (or silently misbehave) midway."""
-    import math
-
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
         raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
@@ -111,57 +113,117 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+@dataclass(frozen=True)
+class Generation:
+    """How to continue a prompt, one name per idea.
+
+    ``max_new_tokens``: at most this many new tokens. ``temperature`` 0 decodes greedily; above 0 it
+    samples from softmax(logits / temperature), within the ``top_k`` tokens and the smallest set
+    whose probability reaches ``top_p``, from a generator seeded with ``seed``. ``stop``: the token
+    ids that end a sequence; a row that produced one is filled with ``pad_token_id`` (default: the
+    first stop id) until every row is, then generation ends. ``callback`` receives each new (B,)
+    column of tokens as it is produced. ``compile=True``: prefill eagerly, then decode with one
+    ``torch.compile``d step over a static decode state (zoo.inference.compiled).
+    ``speculative="mtp"``: greedy self-speculative decoding, the model's multi-token prediction module
+    drafting and the main model verifying (one sequence at a time; the same tokens as plain greedy).
+
+    transformers' spellings (``do_sample``, ``eos_token_id``, ``streamer``) are read at the edges,
+    by :meth:`from_transformers`."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: tuple[int, ...] = ()
+    pad_token_id: Optional[int] = None
+    callback: Optional[Callable[[torch.Tensor], None]] = None
+    compile: bool = False
+    speculative: Optional[str] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop", tuple(_stop_ids(self.stop)))
+
+    @classmethod
+    def from_transformers(cls, *, do_sample: Optional[bool] = None, eos_token_id: Union[None, int, Iterable[int]] = None,
+                          streamer: Any = None, **settings: Any) -> "Generation":
+        """The settings transformers' ``generate`` keywords ask for: ``do_sample=False`` decodes
+        greedily whatever ``temperature`` says, ``do_sample=True`` samples at ``temperature`` or, when
+        that is 0, at transformers' default of 1.0; ``eos_token_id`` (an id or ids) adds to ``stop``; a
+        ``streamer`` (``put`` each column, ``end``; its ``end`` is the caller's to call) is the
+        ``callback``. The other keywords are :class:`Generation`'s own."""
+        if do_sample is not None and not isinstance(do_sample, bool):
+            raise ValueError(f"do_sample must be True or False, got {do_sample!r}")
+        if do_sample is False:
+            settings["temperature"] = 0.0
+        elif do_sample and not settings.get("temperature"):
+            settings["temperature"] = 1.0
+        if eos_token_id is not None:
+            settings["stop"] = list(dict.fromkeys(_stop_ids(settings.get("stop")) + _stop_ids(eos_token_id)))
+        if streamer is not None:
+            settings["callback"] = streamer.put
+        return cls(**settings)
+
+
+#: generate's keywords that are transformers' spellings of a Generation setting, read at the edges
+_TRANSFORMERS = {"do_sample": "generate(do_sample=)", "eos_token_id": "generate(eos_token_id=)",
+                 "streamer": "generate(streamer=)"}
+
+
 @torch.no_grad()
 def generate(
     model,
     input_ids: torch.Tensor,
-    max_new_tokens: int = 32,
+    max_new_tokens: Optional[int] = None,
+    settings: Optional[Generation] = None,
     *,
-    temperature: float = 0.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    seed: Optional[int] = None,
-    stop: Union[None, int, Iterable[int]] = None,
     attention_mask: Optional[torch.Tensor] = None,
-    pad_token_id: Optional[int] = None,
-    callback: Optional[Callable[[torch.Tensor], None]] = None,
-    streamer=None,
     state: Optional[DecodeState] = None,
-    compile: bool = False,
-    cache: Optional[DecodeState] = None,
-    speculative: Optional[str] = None,
     stats=None,
-    do_sample: Optional[bool] = None,
-    eos_token_id: Union[None, int, Iterable[int]] = None,
+    cache: Optional[DecodeState] = None,
+    **keywords: Any,
 ) -> torch.Tensor:
-    """Continue ``input_ids`` (B, T) by up to ``max_new_tokens``; returns (B, T + n) token ids.
+    """Continue ``input_ids`` (B, T) as ``settings`` (a :class:`Generation`) say; returns (B, T + n)
+    token ids. ``max_new_tokens`` and keywords named as :class:`Generation`'s fields
+    (``temperature=``, ``stop=``, ...) set those fields (over ``settings``).
 
-    ``stop``: a token id or ids (end of sequence); a row that produced one is finished and is
-    filled with ``pad_token_id`` (default: the first stop id) until every row is, then generation
-    ends. ``attention_mask`` (B, T): 1 for real tokens, 0 for left padding. ``callback`` (or a
-    transformers-style ``streamer`` with ``put``/``end``) receives each new (B,) column of tokens
-    as it is produced. ``compile=True``: prefill eagerly, then decode with one ``torch.compile``d
-    step over a static decode state (zoo.inference.compiled); the first call pays the compilation. ``state``
-    (``cache`` is its old name) continues a decode state the caller keeps. ``speculative="mtp"``:
-    greedy self-speculative decoding, the model's multi-token prediction module drafting and the
-    main model verifying (one sequence at a time; same tokens as plain greedy); ``stats`` (a
-    :class:`zoo.inference.speculative.SpeculationStats`) then receives the drafts made and accepted.
-
-    transformers' spellings work too: ``eos_token_id`` (an id or ids) adds to ``stop``;
-    ``do_sample=False`` decodes greedily whatever ``temperature`` says, ``do_sample=True`` samples,
-    at ``temperature`` or, when that is 0, at transformers' default of 1.0.
+    ``attention_mask`` (B, T): 1 for real tokens, 0 for left padding. ``state`` continues a decode
+    state the caller keeps. ``stats`` (a :class:`zoo.inference.speculative.SpeculationStats`)
+    receives the drafts made and accepted by ``speculative="mtp"``. transformers' spellings
+    (``do_sample``, ``eos_token_id``, ``streamer``) and ``cache`` (``state``'s old name) still work and
+    warn: read them with :meth:`Generation.from_transformers` where they come in.
     """
-    if do_sample is not None and not isinstance(do_sample, bool):
-        raise ValueError(f"do_sample must be True or False, got {do_sample!r}")
-    if do_sample is False:
-        temperature = 0.0
-    elif do_sample and temperature == 0:
-        temperature = 1.0
-    if eos_token_id is not None:
-        stop = list(dict.fromkeys(_stop_ids(stop) + _stop_ids(eos_token_id)))
+    unknown = sorted(set(keywords) - set(_FIELDS) - set(_TRANSFORMERS))
+    if unknown:
+        raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}; its settings are "
+                        f"{', '.join(_FIELDS)} (zoo.inference.generate.Generation)")
+    streamer = keywords.get("streamer")
+    for name in _TRANSFORMERS:
+        if name in keywords:
+            warn(_TRANSFORMERS[name])
+    fields = {name: getattr(settings or _DEFAULT, name) for name in _FIELDS}
+    if max_new_tokens is not None:
+        fields["max_new_tokens"] = max_new_tokens
+    fields.update(keywords)
+    settings = Generation.from_transformers(**fields)
     if cache is not None:
         warn("the cache= keyword")
     state = state if state is not None else cache
+    out = _generate(model, input_ids, settings, attention_mask=attention_mask, state=state, stats=stats)
+    if streamer is not None and hasattr(streamer, "end"):
+        streamer.end()
+    return out
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Generation))
+_DEFAULT = Generation()
+
+
+def _generate(model, input_ids: torch.Tensor, settings: Generation, *, attention_mask, state, stats) -> torch.Tensor:
+    max_new_tokens, temperature, top_k, top_p = (settings.max_new_tokens, settings.temperature, settings.top_k,
+                                                 settings.top_p)
+    pad_token_id, callback, compile, speculative = (settings.pad_token_id, settings.callback, settings.compile,
+                                                    settings.speculative)
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -170,35 +232,27 @@ def generate(
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; it must match input_ids {tuple(input_ids.shape)}")
-    stops = _stop_ids(stop)
+    stops = list(settings.stop)
     _check_generate_inputs(model, input_ids, max_new_tokens, attention_mask=attention_mask, stops=stops,
                            pad_token_id=pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p)
     if attention_mask is not None and not bool(attention_mask[:, -1].all()):
         raise ValueError("attention_mask: batched prompts must be left-padded (the last column must be all ones)")
     if speculative is not None:
-        from zoo.inference.speculative import speculative_generate
-
         if speculative != "mtp":
             raise ValueError(f"speculative must be None or 'mtp', got {speculative!r}")
         if temperature or compile or state is not None:
             raise ValueError("speculative='mtp' decodes greedily with its own decode state: "
                              "pass temperature=0, compile=False and no state")
-        emit = streamer.put if streamer is not None else callback
-        out = speculative_generate(model, input_ids, max_new_tokens, attention_mask=attention_mask, stops=stops,
-                                   stats=stats, emit=emit)
-        if streamer is not None and hasattr(streamer, "end"):
-            streamer.end()
-        return out
+        return speculative_generate(model, input_ids, max_new_tokens, attention_mask=attention_mask, stops=stops,
+                                    stats=stats, emit=callback)
     pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)
     device = input_ids.device
     gen = None
-    if seed is not None:
-        gen = torch.Generator(device=device).manual_seed(seed)
+    if settings.seed is not None:
+        gen = torch.Generator(device=device).manual_seed(settings.seed)
     if compile:
         if state is not None:
             raise ValueError("state: compile=True decodes with its own static state; pass state=None")
-        from zoo.inference.compiled import CompiledDecoder
-
         step = CompiledDecoder(model, input_ids.shape[1], max_new_tokens)
     else:
         if state is None:
@@ -207,9 +261,6 @@ def generate(
         def step(ids, mask):
             return model.logits_from_hidden(model.hidden_states(ids, attention_mask=mask, state=state)[:, -1])
     emit = callback
-    if streamer is not None:
-        emit = streamer.put
-
     B = input_ids.shape[0]
     out = [input_ids]
     done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -227,6 +278,4 @@ def generate(
             if bool(done.all()):
                 break
         step_ids, mask = nxt[:, None], None
-    if streamer is not None and hasattr(streamer, "end"):
-        streamer.end()
     return torch.cat(out, dim=1)

@@ -29,7 +29,7 @@ def check_speculative(model, state: DecodeState) -> None:
         if not kinds.implements(s, "truncate"):
             raise ValueError(
                 f"speculative decoding: layer {i}'s decode state ({type(s).__name__}) has no truncate(n), so rejected "
-                "draft tokens cannot be rolled back; see docs/plugins.md, 'A mixer with its own state'")
+                "draft tokens cannot be rolled back; see docs/guides/plugins.md, 'A mixer with its own state'")
 
 
 @torch.no_grad()

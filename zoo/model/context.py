@@ -80,6 +80,6 @@ def new_state(model: nn.Module, batch: Optional[int], max_len: Optional[int] = N
             raise ValueError(
                 f"layer {i}'s mixer {type(mixer).__name__} ({model.spec.layer(i).mixer.name!r}) keeps no decode state "
                 "(it has no new_state, or it returned None), so this model cannot decode incrementally; "
-                "see docs/plugins.md, 'A mixer with its own state'")
+                "see docs/guides/plugins.md, 'A mixer with its own state'")
         layers.append(state)
     return DecodeState(layers, batch=batch, max_len=max_len, device=device)

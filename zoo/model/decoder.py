@@ -14,7 +14,6 @@ from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from zoo.core import deprecations as _deprecations

@@ -10,10 +10,11 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from zoo.core import registry as _registry
 from zoo.core.spec import Family, ModelSpec, SpecError, apply_overrides
+from zoo.model.decoder import build_model
 
 
 def _index() -> tuple[dict[str, tuple[Family, str]], dict[str, str]]:
@@ -65,6 +66,17 @@ def _overridden(data: dict[str, Any], overrides: dict[str, Any]) -> ModelSpec:
     return ModelSpec.from_dict(apply_overrides(full, overrides))
 
 
+#: Functions that read the spec of a checkpoint without its weights (None: not a checkpoint). The
+#: checkpoints wing, above this one, adds its reader (zoo.checkpoints.sources.spec_of) when imported.
+_SPEC_READERS: list[Callable[[Any], Optional[ModelSpec]]] = []
+
+
+def add_spec_reader(read: Callable[[Any], Optional[ModelSpec]]) -> None:
+    """Let :func:`get_spec` (and :func:`build`) take what ``read`` reads a spec from."""
+    if read not in _SPEC_READERS:
+        _SPEC_READERS.append(read)
+
+
 def get_spec(name_or_spec: Any, overrides: Optional[dict[str, Any]] = None, **kw: Any) -> ModelSpec:
     """Resolve a preset name, HF repo id, recipe file, dict or ModelSpec into a validated spec,
     with dotted-path ``overrides`` (and keyword overrides) applied."""
@@ -73,12 +85,8 @@ def get_spec(name_or_spec: Any, overrides: Optional[dict[str, Any]] = None, **kw
         return name_or_spec.with_overrides(overrides) if overrides else name_or_spec
     if isinstance(name_or_spec, dict):
         return _overridden(name_or_spec, overrides)
-    if isinstance(name_or_spec, (str, Path)) and (Path(name_or_spec).is_dir() or str(name_or_spec).endswith(".json")):
-        # a checkpoint directory, a training run or an HF config.json: its spec, read by the checkpoint
-        # layer (above this one, hence the lazy import), without its weights
-        from zoo.checkpoints.files.native import spec_of
-
-        spec = spec_of(name_or_spec)
+    for read in _SPEC_READERS:  # a checkpoint (a directory, a GGUF file, an HF config.json, a Source)
+        spec = read(name_or_spec)
         if spec is not None:
             return spec.with_overrides(overrides) if overrides else spec
     if isinstance(name_or_spec, Path) or (
@@ -114,8 +122,6 @@ def build(
     ``overrides={"layers.local.mixer.window": 64}`` (``__`` may stand for ``.``; ``*``
     matches every layer kind). ``device="meta"`` allocates nothing.
     """
-    from zoo.model.decoder import build_model
-
     spec = get_spec(name_or_spec, {**(overrides or {}), **kw})
     return build_model(spec, device=device, dtype=dtype, seed=seed)
 

@@ -1,7 +1,7 @@
 """Resource accounting: what a model costs, computed from its spec on the meta device (no memory,
 about a second even for a 405B model).
 
-The formulas are the lecture notes' (see docs/accounting.md); each part reports its own share
+The formulas are the lecture notes' (see docs/reference/accounting.md); each part reports its own share
 (``cost(context)`` and ``facts()``, see zoo.core.kinds), and this module only adds them up:
 
 - parameters, split into embedding (token embeddings, an untied output head, learned positions)

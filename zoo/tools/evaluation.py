@@ -57,8 +57,9 @@ def windows(n: int, window: int, stride: int):
 
 
 @torch.no_grad()
-def perplexity(model, ids, *, window: int, stride: int) -> Perplexity:
-    """Score token ids ``ids`` (a list or a 1-D tensor) with ``model``; see the module docstring."""
+def perplexity(model, ids, *, window: int, stride: int, progress=None) -> Perplexity:
+    """Score token ids ``ids`` (a list or a 1-D tensor) with ``model``; see the module docstring.
+    ``progress``: called with the number of tokens each window scores, as it is scored."""
     ids = torch.as_tensor(ids).reshape(-1)
     if ids.numel() < 2:
         raise ValueError("the text has fewer than two tokens: nothing to score")
@@ -72,4 +73,6 @@ def perplexity(model, ids, *, window: int, stride: int) -> Perplexity:
         logp = torch.log_softmax(model(chunk)[0, :-1].float(), -1)
         nll = -logp.gather(-1, chunk[0, 1:, None])[:, 0]
         out.append(nll[-min(scored, nll.numel()):].double().cpu())  # the first window cannot score its first token
+        if progress is not None:
+            progress(scored)
     return Perplexity(torch.cat(out), window, stride)

@@ -35,6 +35,11 @@ except ImportError as exc:  # the optional extra is not installed
     raise ImportError(f"zoo's lm-evaluation-harness adapter needs lm_eval ({exc}): pip install 'zoo-lm[lmeval]'") from None
 from tqdm import tqdm
 
+from zoo.checkpoints import from_pretrained, open_source
+from zoo.inference.conversation import render
+from zoo.inference.generate import Generation, generate
+from zoo.inference.tokenizer import Tokenizer
+
 # The generation settings zoo.generate takes from a task's generation_kwargs; any other is refused.
 _SAMPLING = ("do_sample", "temperature", "top_k", "top_p")
 
@@ -72,11 +77,7 @@ class ZooLM(TemplateLM):
         if model is not None and tokenizer is None:
             raise ValueError("ZooLM(model=...) needs its tokenizer= (a zoo.inference.tokenizer.Tokenizer)")
         if pretrained is not None:
-            from zoo.checkpoints import from_pretrained, resolve
-            from zoo.checkpoints.files import gguf
-            from zoo.inference.tokenizer import Tokenizer
-
-            source = pretrained if gguf.is_gguf(pretrained) else resolve(pretrained)
+            source = open_source(pretrained)
             tokenizer = Tokenizer(source)
             model = from_pretrained(source, dtype=None if dtype in (None, "auto") else dtype, device=device,
                                     progress=False)
@@ -139,8 +140,6 @@ class ZooLM(TemplateLM):
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
-        from zoo.inference.conversation import render
-
         if not self.tokenizer.chat_template:
             raise ValueError(f"--apply_chat_template: the tokenizer ({self.tokenizer.path}) has no chat template")
         return render(self.tokenizer.chat_template, chat_history, add_generation_prompt=add_generation_prompt,
@@ -207,8 +206,6 @@ class ZooLM(TemplateLM):
         """Greedy (or sampled, as the task says) continuations by zoo.generate, each cut at the first
         of the task's stop sequences and the end-of-text token, batched among requests that share
         their generation settings."""
-        from zoo.inference.generate import generate
-
         order = Collator([r.args for r in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
                          group_by="gen_kwargs", group_fn=lambda r: r[1])
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
@@ -242,9 +239,10 @@ class ZooLM(TemplateLM):
                     raise _Stopped  # every row holds a stop sequence: what follows it is cut anyway
 
             try:
-                generate(self.model, ids.to(self.device), budget, attention_mask=mask.to(self.device),
-                         stop=self.tokenizer.eos_token_ids or None, callback=watch,
-                         **{k: kwargs[k] for k in _SAMPLING if k in kwargs})
+                # the task's settings are transformers' spellings (do_sample, temperature, ...): read here
+                asked = Generation.from_transformers(max_new_tokens=budget, stop=self.tokenizer.eos_token_ids,
+                                                        callback=watch, **{k: kwargs[k] for k in _SAMPLING if k in kwargs})
+                generate(self.model, ids.to(self.device), settings=asked, attention_mask=mask.to(self.device))
             except _Stopped:
                 pass
             for i, context in enumerate(contexts):
@@ -256,11 +254,19 @@ class ZooLM(TemplateLM):
         return order.get_original(res)
 
 
+def default_device() -> str:
+    """The device zoo would use: the first GPU when there is one, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """lm_eval's own command line, with the ``zoo`` model registered (``argv``: its arguments)."""
     from lm_eval.__main__ import cli_evaluate
 
-    sys.argv = ["lm-eval", *(sys.argv[1:] if argv is None else argv)]
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--device" or a.startswith("--device=") for a in argv):
+        argv += ["--device", default_device()]  # lm_eval's own default is cuda:0, even on a machine without CUDA
+    sys.argv = ["lm-eval", *argv]
     cli_evaluate()
     return 0
 

@@ -13,6 +13,8 @@ every launch configuration its call site may choose (:mod:`zoo.components.kernel
 
     python -m zoo.tools.kernel_fit                # every preset's kernels, a markdown table
     python -m zoo.tools.kernel_fit --json fit.json --presets qwen3-next-80b-a3b
+    python -m zoo.tools.kernel_fit --triton-site DIR  # with the Triton installed in DIR instead, e.g.
+        # pip install --no-deps --target DIR triton==3.6.0   (the GPU image's: shared memory moves between versions)
 
 Run it with ``TRITON_INTERPRET`` unset: under the interpreter kernels are not compiled at all.
 """
@@ -32,9 +34,19 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+import zoo.core.kernels as zk
+from zoo.core.kinds import Kernels, PositionState
+from zoo.model.decoder import Decoder
+from zoo.model.recipes import get_spec, list_models
+
 #: Shared memory one block may use, by compute capability (sm_90: 227 KiB of the SM's 228).
 SHARED_LIMIT = {90: 232_448}
 MAX_REGISTERS = 255
+#: Stack bytes per thread (what spilled) a build may use, by input dtype: the TF32 builds bf16 models
+#: run spill at most 3.8 KB on Triton 3.9 (8 warps: 1.5 KB); the IEEE fp32 builds, whose ``tl.dot``
+#: is scalar FMA code, up to 17 KB. A build past these spills pathologically (before the launch
+#: configurations were chosen, one spilled 35 KB).
+MAX_STACK = {"bf16": 4096, "fp16": 4096, "fp32": 20480}
 #: The components whose Triton kernels are driven from the presets' mixers.
 RECURRENT = ("scalar_decay", "gated_delta")
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
@@ -147,7 +159,7 @@ def compile_launch(launch: Launch, capability: int = 90) -> dict:
         usage = subprocess.run([cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
     shared = kernel.metadata.shared
-    return {"kernel": launch.name, "constexprs": _plain(launch.constexprs()), "grid": list(launch.grid),
+    return {"kernel": launch.name, "triton": triton.__version__, "constexprs": _plain(launch.constexprs()), "grid": list(launch.grid),
             "num_warps": launch.num_warps, "num_stages": launch.num_stages, "shared": shared,
             "shared_limit": SHARED_LIMIT[capability], "fits": shared <= SHARED_LIMIT[capability],
             "registers": regs, "stack": stack}
@@ -185,11 +197,6 @@ def preset_problems(names=None) -> list[Problem]:
     the shapes their mixers pass: each preset is built on the meta device with one period of its
     layer pattern, and each layer with a recurrent mixer runs on a meta input with the kernel
     forced until the kernel would be called."""
-    import zoo
-    import zoo.core.kernels as zk
-    from zoo.core.kinds import Kernels, PositionState
-    from zoo.model.decoder import Decoder
-
     found: dict[tuple, list[str]] = {}
 
     def recorder(component, backend):
@@ -204,9 +211,9 @@ def preset_problems(names=None) -> list[Problem]:
     saved = zk.implementation, zk.interpreting
     zk.implementation, zk.interpreting = recorder, (lambda: True)
     try:
-        for current in names or zoo.list_models():
-            spec = zoo.get_spec(current)
-            spec = zoo.get_spec(current, {"n_layers": len(spec.layer_pattern) if spec.layer_pattern else 1})
+        for current in names or list_models():
+            spec = get_spec(current)
+            spec = get_spec(current, {"n_layers": len(spec.layer_pattern) if spec.layer_pattern else 1})
             with torch.device("meta"):
                 model = Decoder(spec)
             layers = [(i, layer) for i, layer in enumerate(model.layers)
@@ -306,7 +313,19 @@ def main(argv=None):
     p.add_argument("--kernels", default=None, help="only these kernels, e.g. gated_deltanet._bwd,recurrent._fwd")
     p.add_argument("--first-config", action="store_true", help="only the configuration used off a GPU")
     p.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON")
+    p.add_argument("--triton-site", default=None, metavar="DIR",
+                   help="compile with the Triton installed in DIR (pip install --no-deps --target DIR triton==VERSION)")
     a = p.parse_args(argv)
+    if a.triton_site:  # again, in a fresh interpreter that finds DIR's Triton first
+        import os
+
+        if not os.path.isdir(os.path.join(a.triton_site, "triton")):
+            sys.exit(f"--triton-site {a.triton_site}: no triton package there")
+        args = list(sys.argv[1:] if argv is None else argv)
+        i = args.index("--triton-site") if "--triton-site" in args else None
+        args = args[:i] + args[i + 2:] if i is not None else [x for x in args if not x.startswith("--triton-site=")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [a.triton_site, os.environ.get("PYTHONPATH")]))}
+        sys.exit(subprocess.run([sys.executable, "-m", "zoo.tools.kernel_fit", *args], env=env).returncode)
     if cuobjdump() is None:
         sys.exit("Triton's ptxas/cuobjdump are missing: cannot compile for sm_90 here")
     problems = preset_problems(a.presets.split(",") if a.presets else None)

@@ -16,7 +16,10 @@ from typing import Optional
 
 import torch
 
+from zoo.checkpoints import CheckpointError, config_to_spec, from_pretrained, ignored_fields, open_source
+from zoo.checkpoints.files.io import WeightFiles, reading
 from zoo.core import registry as _registry
+from zoo.inference.generate import length_limit
 
 # Default pass criteria. fp32 must match closely; bf16 rounds every matmul, so it is judged by
 # the distributions (KL, top-1), not by single logits. In bfloat16 and float16 these are floors:
@@ -175,8 +178,6 @@ def _check_verify_inputs(spec, *, dtype: str, batch_size: int, seq_len: int, ref
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        from zoo.inference.generate import length_limit
-
         limit, why = length_limit(spec)  # RoPE may run past max_seq_len, as transformers lets it
         if seq_len > limit:
             raise ValueError(f"seq_len {seq_len} is beyond {why}, {limit}")
@@ -244,18 +245,11 @@ def verify(
     """
     from safetensors.torch import save_file
 
-    from zoo.checkpoints import config_to_spec, from_pretrained, ignored_fields, read_config
-    from zoo.checkpoints.files.hub import resolve
-    from zoo.checkpoints.files.io import WeightFiles, reading
-
-    from zoo.checkpoints.files import gguf
-
-    if gguf.is_gguf(path_or_repo_id):
-        directory = gguf.gguf_file(path_or_repo_id)
-        config = gguf.GGUFFile(directory).config()
-    else:
-        directory = resolve(path_or_repo_id, revision=revision)
-        config = read_config(directory)
+    source = open_source(path_or_repo_id, revision=revision)
+    directory, config = source.path, source.config()
+    if config is None:
+        raise CheckpointError(f"{directory}: zoo's own layout (spec.toml) has no HF config; transformers cannot "
+                              "build it, so there is nothing to verify against")
     spec = config_to_spec(config)
     _check_verify_inputs(spec, dtype=dtype, batch_size=batch_size, seq_len=seq_len, reference=reference,
                          save_reference=save_reference)

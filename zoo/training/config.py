@@ -8,7 +8,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "ep", "tp")
@@ -233,11 +233,40 @@ def _parsed(key: str, value: str, hint: Any) -> Any:
 
 
 @dataclass
+class ValSettings:
+    """Validation during training (the ``[val]`` table; ``--val path=DIR,every=50`` on the command line):
+    the evaluation loss (mean next-token cross-entropy over the validation tokens that count) every
+    ``every`` steps and at the end, in the log, the progress line, ``metrics.jsonl`` (``val_loss``),
+    the loss plot and the result. The validation set is the prepared corpus ``path``, or, with
+    ``fraction``, the last ``fraction`` of each training source, held out of training. At most
+    ``samples`` sequences are evaluated, in order, split over the data-parallel processes."""
+
+    path: Optional[str] = None  # a prepared corpus; None: hold out `fraction` of the training data
+    fraction: float = 0.0
+    every: int = 100
+    samples: int = 64
+
+    def check(self) -> None:
+        check_types(self, "val")
+        if self.path is None and not 0.0 < self.fraction < 1.0:
+            raise ValueError(f"val: give a prepared corpus (val.path) or a held-out fraction in (0, 1) (val.fraction), "
+                             f"got path={self.path!r}, fraction={self.fraction}")
+        if self.path is not None and self.fraction:
+            raise ValueError("val: give val.path or val.fraction, not both")
+        for name in ("every", "samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"val.{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass
 class TrainConfig:
     """What to train on and how. Batch sizes count sequences of ``seq_len`` tokens."""
 
-    # data
-    data: tuple[str, ...] = ()  # text files; empty: the built-in corpus (Python stdlib sources)
+    # data: text files, or prepared corpora (zoo data prepare) as paths or {path, weight} tables (a mixture);
+    # empty: the built-in corpus (Python stdlib sources)
+    data: tuple[Union[str, dict], ...] = ()
+    packing: str = "documents"  # prepared corpora: documents (positions and attention per document) or plain
+    sft: bool = False  # supervised fine-tuning: whole conversations, loss on the assistant's tokens only
     tokenizer: Optional[str] = None  # a tokenizer.json or a checkpoint directory; None: bytes (or init_from's)
     seq_len: int = 256
     # batch: global_batch = processes x micro_batch x grad_accum (grad_accum derived when None)
@@ -275,10 +304,14 @@ class TrainConfig:
     export_format: Optional[str] = None  # HF model_type to export as; None: the first that fits the spec
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # a dict is read as its fields
     lora: Optional[LoraSettings] = None  # LoRA fine-tuning (a dict is read as its fields); None: every weight trains
+    val: Optional[ValSettings] = None  # validation during training (a dict is read as its fields)
 
     def __post_init__(self):
         self.parallel = _section(ParallelConfig, self.parallel, "parallel")
         self.lora = _section(LoraSettings, self.lora, "lora")
+        self.val = _section(ValSettings, self.val, "val")
+        if isinstance(self.data, (list, str)):
+            self.data = (self.data,) if isinstance(self.data, str) else tuple(self.data)
 
     @classmethod
     def from_toml(cls, path: str | Path, **fields: Any) -> "TrainConfig":
@@ -302,6 +335,18 @@ class TrainConfig:
         self.parallel.check()
         if self.lora is not None:
             self.lora.check()
+        if self.val is not None:
+            self.val.check()
+        if self.packing not in ("documents", "plain"):
+            raise ValueError(f"TrainConfig.packing must be 'documents' or 'plain', got {self.packing!r}")
+        for i, entry in enumerate(self.data):
+            if isinstance(entry, dict):
+                unknown = sorted(set(entry) - {"path", "weight"})
+                if unknown or not isinstance(entry.get("path"), (str, os.PathLike)):
+                    raise ValueError(f"data[{i}]: a data source is a path or {{path, weight}}, got {entry!r}")
+                w = entry.get("weight", 1.0)
+                if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w > 0):
+                    raise ValueError(f"data[{i}].weight must be a positive number, got {w!r}")
         for f in dataclasses.fields(self):  # NaN passes every comparison below: refuse it first
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -314,6 +359,8 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.grad_accum is not None and self.grad_accum < 1:
             raise ValueError(f"TrainConfig.grad_accum must be at least 1, got {self.grad_accum}")
+        if not 0 <= self.seed < 2 ** 63:  # torch.manual_seed's range
+            raise ValueError(f"TrainConfig.seed must be in [0, 2**63), got {self.seed}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
@@ -354,3 +401,6 @@ class TrainResult:
     extra: dict[str, Any] = field(default_factory=dict)
     # Every term the loss output carried (loss, ce, z, each auxiliary loss and metric), per step.
     terms: list[dict[str, float]] = field(default_factory=list)
+    # The validation loss ({step, val_loss}) at each evaluation of this invocation (with config.val; a
+    # fresh run's first is at step 0, before training).
+    val: list[dict[str, float]] = field(default_factory=list)

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from zoo.inference.tokenizer import Tokenizer
+from zoo.training.tokens import ByteTokenizer, get_tokenizer  # noqa: F401  (this module's names too)
 
 #: Standard-library modules whose source makes the built-in corpus (about 0.6 MB of text).
 STDLIB_MODULES = (
@@ -26,46 +26,6 @@ STDLIB_MODULES = (
     "fractions", "functools", "glob", "heapq", "pprint", "random", "shlex", "statistics", "string",
     "textwrap",
 )
-
-
-class ByteTokenizer:
-    """Text as UTF-8 bytes: 256 tokens, nothing to download, nothing unknown."""
-
-    vocab_size = 256
-
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-    def save(self, directory: str | Path) -> Path:
-        """Write this tokenizer as a ``tokenizer.json`` (byte-level, no merges: token id = byte value),
-        so that a byte-level run's export reads and writes text like any checkpoint."""
-        from tokenizers import Tokenizer as _HFTokenizer
-        from tokenizers import decoders, models, pre_tokenizers
-
-        tok = _HFTokenizer(models.BPE(vocab={ch: b for b, ch in _byte_chars().items()}, merges=[]))
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        tok.decoder = decoders.ByteLevel()
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        tok.save(str(Path(directory) / "tokenizer.json"))
-        return Path(directory)
-
-
-def _byte_chars() -> dict[int, str]:
-    """The printable character byte-level tokenizers stand for each byte (printable Latin-1 bytes
-    stand for themselves, the others for 256, 257, ... in byte order)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
-    shifted = [b for b in range(256) if b not in keep]
-    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
-
-
-def get_tokenizer(tokenizer: Optional[str | Path] = None):
-    """``None`` or ``"bytes"``: :class:`ByteTokenizer`; otherwise a tokenizer.json or a directory holding one."""
-    if tokenizer is None or str(tokenizer) == "bytes":
-        return ByteTokenizer()
-    return Tokenizer(tokenizer)
 
 
 def builtin_corpus() -> str:
@@ -164,3 +124,57 @@ def unigram_entropy(tokens: torch.Tensor) -> float:
     counts = torch.bincount(tokens.flatten()).double()
     p = counts[counts > 0] / counts.sum()
     return float(-(p * p.log()).sum())
+
+
+class _Stream:
+    """A :class:`TokenData` as the loop reads data: batches of ids, targets (the ids) and no documents."""
+
+    def __init__(self, data: TokenData):
+        self.data, self.n_samples = data, data.n_seqs
+
+    def batch(self, start: int, count: int):
+        from zoo.training.loader import Batch
+
+        ids = self.data.batch(start, count)
+        return Batch(ids, ids, None)
+
+
+def data_entries(data: Sequence) -> list[dict]:
+    """``config.data`` as ``[{path, weight}]``."""
+    return [dict(e) if isinstance(e, dict) else {"path": str(e)} for e in data]
+
+
+def open_data(config, tokenizer):
+    """The training stream and the validation set (None without ``config.val``) of a run: prepared corpora
+    (:mod:`zoo.training.loader`: packing, SFT, mixtures) or, as before, text files / the built-in corpus
+    tokenised into one stream (no documents, no validation)."""
+    from zoo.training.loader import open_sources
+    from zoo.training.shards import DataError, is_prepared
+
+    entries = data_entries(config.data)
+    prepared = [is_prepared(e["path"]) for e in entries]
+    if entries and all(prepared):
+        pad = getattr(tokenizer, "pad_token_id", None)
+        pad = pad if pad is not None else (getattr(tokenizer, "eos_token_ids", None) or [0])[0]
+        common = dict(packing=config.packing, sft=config.sft, seed=config.seed, pad_id=pad)
+        fraction = config.val.fraction if config.val is not None and config.val.path is None else 0.0
+        train = open_sources(entries, tokenizer, config.seq_len, val_fraction=fraction, **common)
+        val = None
+        if config.val is not None:
+            val_entries = [{"path": config.val.path}] if config.val.path else entries
+            val = open_sources(val_entries, tokenizer, config.seq_len, val_fraction=fraction or 0.0,
+                               split="val" if fraction else "train", **common)
+            if not fraction:  # a separate corpus: all of it, in order
+                from zoo.training.loader import Ordered
+
+                val = Ordered(val.sources)
+        return train, val
+    if any(prepared):
+        raise DataError(f"data: {', '.join(e['path'] for e, p in zip(entries, prepared) if not p)} are not prepared "
+                        "corpora, but others are; prepare every source (zoo data prepare) or give text files only")
+    for what, on in (("sft", config.sft), ("val", config.val is not None), ("a weight", any("weight" in e for e in entries))):
+        if on:
+            raise DataError(f"data: {what} needs prepared corpora (zoo data prepare SOURCES --out DIR, then data = "
+                            "[{path = DIR}]); text files are read as one stream")
+    texts = read_texts([e["path"] for e in entries]) if entries else [builtin_corpus()]
+    return _Stream(TokenData(tokenize(texts, tokenizer), config.seq_len, seed=config.seed, bos=bos_id(tokenizer))), None

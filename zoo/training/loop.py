@@ -38,10 +38,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from zoo.checkpoints.files.gguf import is_gguf
+from zoo.checkpoints.sources import find
 from zoo.training.checkpointer import Checkpointer, checkpoints, load_full_state_dict, read_checkpoint_state
 from zoo.training.config import MESH_DIMS, ParallelConfig, TrainConfig, TrainResult
-from zoo.training.data import TokenData, bos_id, builtin_corpus, get_tokenizer, read_texts, tokenize
+from zoo.training.data import get_tokenizer, open_data
 from zoo.core import kinds as _kinds
 from zoo.model.decoder import build_model
 from zoo.model.recipes import get_spec
@@ -276,7 +276,6 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
     # Data parallelism is over dp_replicate x dp_shard: the processes of one tensor-parallel group read one batch.
     dp_size, dp_rank = acc.num_processes // tp, acc.process_index // tp
     accum = config.accumulation(dp_size)
-    texts = read_texts(config.data) if config.data else [builtin_corpus()]
 
     # Every check before any compute: model, tokenizer, checkpoint.
     pretrained = None
@@ -296,12 +295,9 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
         raise ValueError(f"seq_len {config.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}")
     tok_source = config.tokenizer
     if tok_source is None and config.init_from:
-        from zoo.checkpoints.files.native import checkpoint_dir
-
-        if is_gguf(config.init_from):
-            tok_source = config.init_from  # a GGUF file holds its tokenizer in its metadata
-        elif (checkpoint_dir(config.init_from) / "tokenizer.json").is_file():  # a run directory: its export's
-            tok_source = checkpoint_dir(config.init_from)
+        found = find(config.init_from)  # a local checkpoint (a run directory: its export); a GGUF file's is in it
+        if found is not None and found.holds_tokenizer():
+            tok_source = found
     tokenizer = get_tokenizer(tok_source)
     if tokenizer.vocab_size > spec.vocab_size:
         raise ValueError(
@@ -342,7 +338,7 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
             f"checkpoint {resume_from} (of the earlier layout) was written {'with' if ckpt_state['sharded'] else 'without'}"
             f" FSDP or TP; resume it the same way (fsdp={ckpt_state['sharded']}, or the same tp)"
         )
-    data = TokenData(tokenize(texts, tokenizer), config.seq_len, seed=config.seed, bos=bos_id(tokenizer))
+    data, val_data = open_data(config, tokenizer)
 
     # Model: meta first; FSDP2 shards before anything is allocated.
     torch.manual_seed(config.seed)
@@ -388,6 +384,9 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
 
     bar = tqdm(total=config.steps, initial=step, disable=not (config.progress and acc.is_local_main_process),
                desc="train", unit="step", dynamic_ncols=True)
+    if val_data is not None and step == 0 and last > 0:  # where a fresh run starts from
+        result.val.append({"step": 0, "val_loss": evaluate(wrapped, val_data, config, acc, dp_rank, dp_size)})
+        acc.print(f"step 0: val_loss {result.val[-1]['val_loss']:.4f}")
     started, tokens_seen = time.perf_counter(), 0
     saved: Optional[Path] = None
     while step < last:
@@ -395,13 +394,14 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
         batch = data.batch(position + dp_rank * per_rank, per_rank)
         sums: dict[str, torch.Tensor] = {}
         for m in range(accum):
-            ids = batch[m * config.micro_batch:(m + 1) * config.micro_batch].to(acc.device)
+            part = batch.rows(m * config.micro_batch, (m + 1) * config.micro_batch, acc.device)
             sync = m == accum - 1
             if use_fsdp:
                 wrapped.set_requires_gradient_sync(sync)
             with acc.no_sync(wrapped) if not (sync or use_fsdp) else nullcontext():
                 with acc.autocast():
-                    out = wrapped(ids, labels=ids)  # the model's own loss: fused where a fast path runs
+                    # the model's own loss: fused where a fast path runs
+                    out = wrapped(part.ids, labels=part.labels, **_documents(part))
                 acc.backward(out.loss / accum)  # outside autocast, as PyTorch advises
             for name, value in out.terms().items():
                 sums[name] = sums.get(name, 0.0) + value.detach().float() / accum
@@ -424,6 +424,10 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
         result.terms.append(terms)
         row = {"step": step, **terms, "lr": schedule.get_last_lr()[0], "tokens_per_s": tps,
                "grad_norm": float(grad_norm)}
+        if val_data is not None and (step % config.val.every == 0 or step == config.steps):
+            row["val_loss"] = evaluate(wrapped, val_data, config, acc, dp_rank, dp_size)
+            result.val.append({"step": step, "val_loss": row["val_loss"]})
+            acc.print(f"step {step}: val_loss {row['val_loss']:.4f}")
         if on_step is not None:
             on_step(row, net)
         if acc.is_main_process:
@@ -431,7 +435,8 @@ def train(model: Any = None, config: Optional[TrainConfig] = None, *, overrides:
                 f.write(json.dumps(row) + "\n")
         bar.update(1)
         if step % config.log_every == 0 or step == last:
-            bar.set_postfix(loss=f"{loss:.4f}", z=f"{z:.3g}", tok_s=f"{tps:,.0f}")
+            bar.set_postfix(loss=f"{loss:.4f}", z=f"{z:.3g}", tok_s=f"{tps:,.0f}",
+                            **({"val": f"{result.val[-1]['val_loss']:.4f}"} if result.val else {}))
         if config.save_every and step % config.save_every == 0 and step < last:
             saved = ckpt.save(model=net, optimizer=optimizer.optimizer, scheduler=schedule.scheduler, step=step,
                               data_position=position, spec=spec, sharded=per_process, config=config)
@@ -492,6 +497,37 @@ def _add_lora(net: nn.Module, config: TrainConfig, log: Callable[[str], None]) -
     log(f"LoRA r={lora.r} alpha={lora.alpha:g} on {len(layers)} modules ({', '.join(leaves)}): {count:,} trainable "
         f"parameters of {total:,} ({100 * count / total:.3f}%)")
     return {"trainable": count, "total": total, "percent": 100 * count / total, "modules": sorted(layers)}
+
+
+def _documents(batch) -> dict[str, Any]:
+    return {} if batch.documents is None else {"document_ids": batch.documents}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val, config: TrainConfig, accelerator, dp_rank: int, dp_size: int) -> float:
+    """The mean next-token cross-entropy over the first ``config.val.samples`` validation sequences
+    (every token that counts: labels not -100), each data-parallel process scoring its share in
+    micro-batches; every process runs the same number of forwards (FSDP2 gathers in each), a share
+    that runs short repeating its first sequence with no weight."""
+    n = min(val.n_samples, config.val.samples)
+    share = -(-n // dp_size)
+    mine = range(dp_rank * share, min(n, (dp_rank + 1) * share))
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    for a in range(0, share, config.micro_batch):
+        rows = [i for i in mine[a:a + config.micro_batch]]
+        batch = val.batch(rows[0], len(rows)) if rows else val.batch(0, 1)
+        batch = batch.rows(0, len(batch.ids), accelerator.device)
+        with accelerator.autocast():
+            out = model(batch.ids, labels=batch.labels, **_documents(batch))
+        counted = (batch.labels[:, 1:] != -100).sum()
+        if rows:
+            total += torch.stack([out.ce.double() * counted, counted.double()])
+    if accelerator.num_processes > 1:
+        total = accelerator.reduce(total, reduction="sum")
+    model.train(was_training)
+    return float(total[0] / total[1].clamp(min=1))
 
 
 def step_terms(sums: dict[str, torch.Tensor], accelerator) -> dict[str, float]:
@@ -591,7 +627,7 @@ def check_stored_shapes(checkpoint: Path, model: nn.Module, weights) -> None:
 
 
 def plot_losses(metrics_file: Path, png: Path) -> Path:
-    """A PNG of loss and cross-entropy against step, from ``metrics.jsonl``."""
+    """A PNG of loss, cross-entropy and (where evaluated) validation cross-entropy against step, from ``metrics.jsonl``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -601,6 +637,9 @@ def plot_losses(metrics_file: Path, png: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="loss (ce + z-loss)")
     ax.plot([r["step"] for r in rows], [r["ce"] for r in rows], label="cross-entropy", alpha=0.7)
+    val = [r for r in rows if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation cross-entropy")
     ax.set_xlabel("step")
     ax.set_ylabel("nats / token")
     ax.grid(alpha=0.3)

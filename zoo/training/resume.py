@@ -26,7 +26,7 @@ def step_of(path: Path) -> int:
 
 # Settings a resumed run cannot change: the optimizer's restored state would silently override
 # them (lr, weight decay, betas, eps) or the data position would point elsewhere (the rest).
-RESUME_FIXED = ("data", "tokenizer", "seq_len", "global_batch", "seed", "lr", "weight_decay", "beta1", "beta2", "eps", "lora")
+RESUME_FIXED = ("data", "packing", "sft", "tokenizer", "seq_len", "global_batch", "seed", "lr", "weight_decay", "beta1", "beta2", "eps", "lora")
 # Settings a resumed run applies on purpose: the schedule and clipping read the new values.
 RESUME_APPLIED = ("steps", "warmup_steps", "min_lr_ratio", "grad_clip")
 

@@ -50,7 +50,7 @@ class DataError(ValueError):
 def tokenizer_facts(tokenizer) -> dict[str, Any]:
     """What a prepared corpus records of its tokenizer: a fingerprint of its vocabulary and rules, its
     size, and the BOS and EOS it adds. Two tokenizers with the same facts encode every text alike."""
-    from zoo.training.data import ByteTokenizer
+    from zoo.training.tokens import ByteTokenizer
 
     if isinstance(tokenizer, ByteTokenizer):
         return {"kind": "bytes", "fingerprint": "bytes", "vocab_size": 256, "bos": None, "eos": None}
@@ -221,7 +221,7 @@ def _init_worker(tokenizer) -> None:
 
 def _offsets_encode(tokenizer, text: str):
     """Token ids of ``text`` (no special tokens added) and each token's (start, end) characters."""
-    from zoo.training.data import ByteTokenizer
+    from zoo.training.tokens import ByteTokenizer
 
     if isinstance(tokenizer, ByteTokenizer):
         ids, spans, pos = [], [], 0
@@ -350,13 +350,13 @@ def prepare(sources: Sequence[str | Path], out_dir: str | Path, tokenizer=None, 
     writing that many shards in this call (as an interruption would; the tests resume from it)."""
     from tqdm.auto import tqdm
 
-    from zoo.training.data import get_tokenizer
+    from zoo.training.tokens import get_tokenizer
 
     if not isinstance(shard_tokens, int) or shard_tokens < 1:
         raise ValueError(f"shard_tokens must be a positive integer, got {shard_tokens!r}")
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
-    tokenizer = tokenizer if hasattr(tokenizer, "encode") else get_tokenizer(tokenizer)
+    tokenizer = get_tokenizer(tokenizer) if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)) else tokenizer
     sources = [Path(s) for s in sources]
     if not sources:
         raise ValueError("prepare needs at least one source file or dataset directory")

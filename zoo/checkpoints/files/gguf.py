@@ -27,8 +27,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from zoo.checkpoints.hf.format import BOUNDED, CheckpointError, get_format, is_kind
+from zoo.checkpoints.hf.format import BOUNDED, CheckpointError, ConfigError, get_format, is_kind
+from zoo.checkpoints.hf.maps import Heads, _concat_fuse, _concat_split, _grouped_fuse, _grouped_split, bind
+from zoo.checkpoints.weights import load_weights
 from zoo.core import registry as _registry
+from zoo.model.decoder import build_model
 
 SUFFIX = ".gguf"
 
@@ -121,8 +124,6 @@ def _falcon_qkv_to_hf(t, c):
     architecture groups them per kv head ([q of the group, k, v])."""
     if not c.get("new_decoder_architecture"):
         return t  # one kv head (multi-query): the two layouts are the same
-    from zoo.checkpoints.hf.maps import Heads, _concat_split, _grouped_fuse
-
     h = Heads(c["num_attention_heads"], c["num_kv_heads"], c["hidden_size"] // c["num_attention_heads"])
     return _grouped_fuse(_concat_split(t, h), h)
 
@@ -130,8 +131,6 @@ def _falcon_qkv_to_hf(t, c):
 def _falcon_qkv_to_gguf(t, c):
     if not c.get("new_decoder_architecture"):
         return t
-    from zoo.checkpoints.hf.maps import Heads, _concat_fuse, _grouped_split
-
     h = Heads(c["num_attention_heads"], c["num_kv_heads"], c["hidden_size"] // c["num_attention_heads"])
     return _concat_fuse(_grouped_split(t, h), h)
 
@@ -282,10 +281,15 @@ def architecture_of(model_type: str) -> Optional[GGUFArch]:
 # -- the header, walked before any reader loops over it --------------------------------------------
 
 # GGUF value types (gguf.GGUFValueType) -> bytes per item; 8 (string) and 9 (array) have a length first.
+_INTS = {"UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64"}
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 MAX_ARRAY = 1 << 22  # items in one metadata array: zoo's vocabulary limit (gguf's reader keeps a view per item)
 MAX_NESTING = 4  # arrays of arrays
 MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+def gguf_types():
+    return require_gguf().GGUFValueType
 
 
 def scan_header(path: Path) -> None:
@@ -401,10 +405,20 @@ class GGUFFile:
     def __contains__(self, key: str) -> bool:
         return key in self.reader.fields
 
-    def value(self, key: str, default: Any = None) -> Any:
+    def value(self, key: str, default: Any = None, kind: Optional[str] = None) -> Any:
+        """The value of metadata key ``key`` (``default`` when absent); ``kind`` (``int``, ``number``,
+        ``str``, ``bool``) is the GGUF type it must have, else a CheckpointError names the key."""
         f = self.reader.fields.get(key)
         if f is None:
             return default
+        if kind is not None:
+            stored = f.types[0].name if f.types else "?"
+            allowed = {"int": _INTS, "number": _INTS | {"FLOAT32", "FLOAT64"}, "str": {"STRING"}, "bool": {"BOOL"}}[kind]
+            if stored not in allowed:
+                what = {"int": "an integer", "number": "a number", "str": "a string", "bool": "a boolean"}[kind]
+                inner = f" of {f.types[1].name}" if stored == "ARRAY" and len(f.types) > 1 else ""
+                raise CheckpointError(f"{self.path}: metadata key {key!r} must be {what}, but it holds "
+                                      f"{stored}{inner}")
         v = f.contents()
         if f.types and f.types[0].name == "FLOAT32":  # 1e-5, not 9.999999747378752e-06
             import numpy as np
@@ -412,8 +426,16 @@ class GGUFFile:
             v = float(np.format_float_positional(np.float32(v), unique=True))
         return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
 
+    def token_id(self, key: str, vocab_size: Optional[int]) -> Optional[int]:
+        """A special token id (``tokenizer.ggml.eos_token_id`` ...): an integer inside the vocabulary."""
+        v = self.value(key, kind="int")
+        if v is not None and vocab_size is not None and not 0 <= v < vocab_size:
+            raise CheckpointError(f"{self.path}: metadata key {key!r} = {v} is outside the vocabulary "
+                                  f"[0, {vocab_size})")
+        return v
+
     def architecture(self) -> GGUFArch:
-        name = self.value("general.architecture")
+        name = self.value("general.architecture", kind="str")
         if name is None:
             raise CheckpointError(f"{self.path}: metadata key 'general.architecture' is missing")
         return architecture(name, self.path)
@@ -429,7 +451,7 @@ class GGUFFile:
                 continue
             sub = key[len(a) + 1:]
             if sub in fields:
-                cfg[fields[sub]] = self.value(key)
+                cfg[fields[sub]] = self.value(key, kind="number")
             elif sub not in READ_APART:
                 raise CheckpointError(f"{self.path}: metadata key {key!r} = {self.value(key)!r} is not one zoo's "
                                       f"{a} reader knows, so zoo cannot tell what it changes in the model")
@@ -441,26 +463,31 @@ class GGUFFile:
             if limit is not None and v is not None and (not is_kind(v, int) or not 0 < v <= limit):
                 raise CheckpointError(f"{self.path}: metadata key '{a}.{sub}' = {v!r} is not a size zoo reads (a "
                                       f"positive integer of at most {limit:,})")
-        if self.value(f"{a}.attention.causal", True) is not True:
+        for sub in ("embedding_length", "attention.head_count", "attention.head_count_kv", "attention.key_length"):
+            if f"{a}.{sub}" in self and not (is_kind(cfg[fields[sub]], int) and cfg[fields[sub]] > 0):
+                raise CheckpointError(f"{self.path}: metadata key '{a}.{sub}' = {cfg[fields[sub]]!r} must be a positive "
+                                      "integer")
+        if self.value(f"{a}.attention.causal", True, kind="bool") is not True:
             raise CheckpointError(f"{self.path}: {a}.attention.causal is false; zoo's decoders are causal")
         d_key, h_key = fields["embedding_length"], fields["attention.head_count"]
         head_dim = cfg.get("head_dim") or cfg[d_key] // cfg[h_key]
-        value_dim = self.value(f"{a}.attention.value_length", head_dim)
+        value_dim = self.value(f"{a}.attention.value_length", head_dim, kind="int")
         if value_dim != head_dim:
             raise CheckpointError(f"{self.path}: {a}.attention.value_length {value_dim} differs from the key length "
                                   f"{head_dim}; zoo's attention has one head dimension")
-        rotary = self.value(f"{a}.rope.dimension_count")
+        rotary = self.value(f"{a}.rope.dimension_count", kind="int")
         if rotary is not None and rotary != head_dim:
             if not arch.partial_rotary:
                 raise CheckpointError(f"{self.path}: {a}.rope.dimension_count {rotary} is not the head dimension "
                                       f"{head_dim}; zoo's {arch.model_type} rotates whole heads")
         if f"{a}.rope.freq_base" in self or rotary is not None:
-            rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(self.value(f"{a}.rope.freq_base", 10000.0))}
-            kind = self.value(f"{a}.rope.scaling.type", "none")
+            rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(self.value(f"{a}.rope.freq_base", 10000.0, kind="number"))}
+            kind = self.value(f"{a}.rope.scaling.type", "none", kind="str")
             if kind in ("linear", "yarn"):
-                rope.update(rope_type=kind, factor=float(self.value(f"{a}.rope.scaling.factor")))
+                rope.update(rope_type=kind, factor=float(self.value(f"{a}.rope.scaling.factor", kind="number")))
                 if kind == "yarn":
-                    rope["original_max_position_embeddings"] = self.value(f"{a}.rope.scaling.original_context_length")
+                    rope["original_max_position_embeddings"] = self.value(f"{a}.rope.scaling.original_context_length",
+                                                                          kind="int")
             elif kind != "none":
                 raise CheckpointError(f"{self.path}: {a}.rope.scaling.type {kind!r} is not one zoo reads "
                                       "(none, linear, yarn)")
@@ -478,7 +505,7 @@ class GGUFFile:
         for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                         ("padding_token_id", "pad_token_id")):
             if f"tokenizer.ggml.{key}" in self:
-                cfg[hf] = self.value(f"tokenizer.ggml.{key}")
+                cfg[hf] = self.token_id(f"tokenizer.ggml.{key}", cfg.get(fields["vocab_size"]))
         if arch.extra is not None:
             cfg.update(arch.extra({**{k: self.value(k) for k in self.keys() if not k.startswith("tokenizer.")},
                                    "_tensors": self.tensors}, cfg))
@@ -603,10 +630,6 @@ def load(path: str | Path, *, dtype: Optional[torch.dtype] = None, device=None, 
 
     Quantised tensors are dequantised to ``dtype`` (default float32) as they are read.
     """
-    from zoo.checkpoints import load_weights
-    from zoo.checkpoints.hf.format import ConfigError
-    from zoo.model.decoder import build_model
-
     file = GGUFFile(gguf_file(path))
     arch = file.architecture()
     config = file.config()
@@ -616,8 +639,6 @@ def load(path: str | Path, *, dtype: Optional[torch.dtype] = None, device=None, 
     except ConfigError as exc:
         raise CheckpointError(f"{file.path}: its metadata gives {exc}") from None
     model = build_model(spec, device="meta")
-    from zoo.checkpoints.hf.maps import bind
-
     bound = list(bind(fmt.rules(spec), model))
     weights = GGUFWeights(file, arch, config, [h for b in bound for h in b.hf], spec.n_layers, dtype)
     check_shapes(model, bound, weights)
@@ -660,6 +681,18 @@ def tokenizer_parts(path: str | Path) -> dict[str, Any]:
         if key not in file:
             raise CheckpointError(f"{file.path}: holds no tokenizer (metadata key {key!r} is missing); pass token "
                                   "ids, or a tokenizer.json of this model with --tokenizer")
+    tokens = file.reader.fields["tokenizer.ggml.tokens"]
+    if tokens.types[:2] != [gguf_types().ARRAY, gguf_types().STRING]:
+        raise CheckpointError(f"{file.path}: metadata key 'tokenizer.ggml.tokens' must be an array of strings, but it "
+                              f"holds {' of '.join(t.name for t in tokens.types)}")
+    for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        if key in file and len(file.reader.fields[key].data) != len(tokens.data):
+            raise CheckpointError(f"{file.path}: metadata key {key!r} has {len(file.reader.fields[key].data)} entries "
+                                  f"for {len(tokens.data)} tokens")
+    file.value("tokenizer.ggml.model", kind="str")
+    for k in ("bos", "eos", "eot", "eom", "padding", "unknown", "seperator"):  # (llama.cpp's spelling)
+        file.token_id(f"tokenizer.ggml.{k}_token_id", len(tokens.data))
+    file.value("tokenizer.chat_template", kind="str")
     try:
         from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
     except ImportError:
@@ -671,11 +704,12 @@ def tokenizer_parts(path: str | Path) -> dict[str, Any]:
     except (KeyError, ValueError, NotImplementedError) as exc:
         raise CheckpointError(f"{file.path}: its tokenizer (tokenizer.ggml.model "
                               f"{file.value('tokenizer.ggml.model')!r}) cannot be built ({exc})") from None
-    eos = [file.value(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    vocab = len(tokens.data)
+    eos = [file.token_id(f"tokenizer.ggml.{k}", vocab) for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
     return {
         "path": file.path, "tokenizer": backend, "bos_token": tok_config.get("bos_token"),
         "add_bos": bool(tok_config.get("add_bos_token", False)) and tok_config.get("bos_token") is not None,
         "eos_token_ids": list(dict.fromkeys(int(e) for e in eos if e is not None)),
-        "pad_token_id": file.value("tokenizer.ggml.padding_token_id"),
+        "pad_token_id": file.token_id("tokenizer.ggml.padding_token_id", vocab),
         "chat_template": file.value("tokenizer.chat_template"),
     }

@@ -26,7 +26,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from zoo.checkpoints.hf.config import _architecture, spec_to_config
 from zoo.checkpoints.hf.format import CheckpointError, get_format
+from zoo.checkpoints.hf.maps import bind
+from zoo.core.spec import differences
 from zoo.checkpoints.files.gguf import COMMON, GGUFFile, architecture_of, name_map, require_gguf
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -110,12 +113,11 @@ def save_gguf(model, path: str | Path, *, dtype: str = "f16", tokenizer: Optiona
     model was loaded from, if it was a GGUF. A model loaded from safetensors has no GGUF tokenizer
     to copy, so its file carries none unless one is given (llama.cpp then cannot tokenize text).
     """
-    from zoo.checkpoints import _architecture, differences, spec_to_config
-    from zoo.checkpoints.hf.maps import bind
-
     gguf = require_gguf()
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: GGUF is written as one of {', '.join(DTYPES)}")
+    if Path(path).is_dir():
+        raise ValueError(f"{path} is a directory; a GGUF is one file: name it (such as {Path(path) / 'model.gguf'})")
     model_type = model_type or getattr(model, "checkpoint_format", None)
     if not model_type:
         raise CheckpointError("save_gguf needs the model's HF model_type: this model was not loaded from a checkpoint, "

@@ -2,18 +2,20 @@
 multi-token prediction, GPT-3, PaLM): the spec as ``spec.toml`` beside ``model.safetensors`` under
 zoo's own parameter names, with the tokenizer files where known. ``zoo train`` exports such a model
 this way to ``out_dir/final``; :func:`zoo.from_pretrained` loads it (or the run directory holding
-it), and :func:`spec_of` reads the spec of it or of any other checkpoint without its weights.
+it); :func:`zoo.checkpoints.sources.open_source` finds it.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 import torch
+from safetensors.torch import load_model
 
+from zoo.checkpoints.files.io import replace_checkpoint, stream_shards
 from zoo.core.spec import ModelSpec
+from zoo.model.decoder import build_model
 
 SPEC_FILE = "spec.toml"
 WEIGHTS_FILE = "model.safetensors"
@@ -56,8 +58,6 @@ def save_native(model, directory: str | Path, *, state: Optional[Mapping[str, to
     training checkpoint's :class:`zoo.training.checkpointer.CheckpointWeights` is read tensor by tensor,
     never gathered whole. Tied parameters are stored once, under the name safetensors' ``save_model``
     keeps (the first in sorted order), so that ``load_model`` reads the file either way."""
-    from zoo.checkpoints.files.io import replace_checkpoint, stream_shards
-
     groups: dict[int, list[str]] = {}  # one entry per distinct tensor: the names it goes by
     for name, t in model.state_dict(keep_vars=True).items():
         groups.setdefault(id(t), []).append(name)
@@ -76,10 +76,6 @@ def save_native(model, directory: str | Path, *, state: Optional[Mapping[str, to
 def load_native(directory: str | Path, *, dtype: Optional[torch.dtype] = None,
                 device: Optional[torch.device | str] = None):
     """The model a :func:`save_native` directory holds."""
-    from safetensors.torch import load_model
-
-    from zoo.model.decoder import build_model
-
     directory = Path(directory)
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
@@ -96,39 +92,3 @@ def load_native(directory: str | Path, *, dtype: Optional[torch.dtype] = None,
     if device is not None:
         model = model.to(device)
     return model.eval()
-
-
-def _is_hf_config(path: Path) -> bool:
-    if path.suffix != ".json" or not path.is_file():
-        return False
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # not a config: the recipe reader names why
-        return False
-    return isinstance(data, dict) and "model_type" in data
-
-
-def spec_of(source: Any) -> Optional[ModelSpec]:
-    """The spec of a checkpoint named by path, without its weights: a GGUF file, an HF checkpoint
-    directory or its ``config.json`` (read as transformers reads it), zoo's own layout, or a training
-    run directory (its export). None when ``source`` is none of these (a preset name, a recipe file)."""
-    from zoo.checkpoints import config_to_spec, read_config
-    from zoo.checkpoints.files import gguf
-
-    if not isinstance(source, (str, Path)):
-        return None
-    if gguf.is_gguf(source):
-        return config_to_spec(gguf.GGUFFile(gguf.gguf_file(source)).config())
-    path = Path(source)
-    if path.is_dir():
-        path = checkpoint_dir(path)
-        if is_native(path):
-            return ModelSpec.from_file(path / SPEC_FILE)
-        if (path / "config.json").exists():
-            return config_to_spec(read_config(path))
-        if (path / "checkpoints").is_dir():
-            raise FileNotFoundError(unfinished_run(path))
-        return None  # a folder that happens to share a preset's name, say
-    if _is_hf_config(path):
-        return config_to_spec(read_config(path.parent) if path.name == "config.json" else json.loads(path.read_text()))
-    return None

@@ -68,6 +68,10 @@ BOUNDED = {
     "vocab_size": MAX_SIZES["vocab_size"],
 }
 
+# Counts that divide or size something, so must be at least 1 when stated.
+COUNTS = frozenset(("num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "hidden_size", "n_embd",
+                    "vocab_size"))
+
 # What a JSON value must be, by the Python type a field's default has.
 KINDS = {bool: "a boolean (true or false)", int: "an integer", float: "a number", str: "a string",
          list: "a list", dict: "an object"}
@@ -130,6 +134,8 @@ class Fields:
         kind = kind or (type(default) if default is not None else None)
         if kind is not None and not is_kind(value, kind):
             raise self.error(key, f"must be {KINDS.get(kind, kind.__name__)}, got {value!r} (zoo does not coerce it)")
+        if key in COUNTS and is_kind(value, int) and value < 1:  # a divisor: 0 heads is no ZeroDivisionError
+            raise self.error(key, f"must be a positive integer, got {value}")
         limit = BOUNDED.get(key)
         if limit is not None and is_kind(value, int) and value > limit:  # before any per-layer list is made
             raise self.error(key, f"{value} is beyond zoo's limit of {limit:,} (larger than any model it describes); "

@@ -479,8 +479,8 @@ class MoE(FFN):
             z = torch.logsumexp(r.logits, dim=-1).pow(2)
             ctx.add_loss("router_z", self._summed((z * mask).sum()) / real, cfg.z_loss)
         with torch.no_grad():
-            j = ctx.shared.get("moe_layers", 0)
-            ctx.shared["moe_layers"] = j + 1
+            seen = ctx.slot(MoEForward)
+            j, seen.layers = seen.layers, seen.layers + 1
             load = f / k
             ratio = load.max() / load.mean()
             ctx.add_metric("moe_load_max", ratio)
@@ -495,13 +495,14 @@ class MoE(FFN):
         probs = r.logits.softmax(-1)
         top = probs.topk(cfg.top_k, dim=-1).indices
         counts = torch.zeros_like(probs).scatter_(1, top, 1.0)
-        pool = ctx.shared.setdefault("moe_switch_pooled", {"E": E, "counts": 0.0, "probs": 0.0, "rows": 0.0,
-                                                           "weight": cfg.switch_pooled_loss})
-        if pool["E"] != E:
-            raise ValueError(f"moe switch_pooled_loss pools layers of {pool['E']} and {E} experts; use switch_loss")
-        pool["counts"] = pool["counts"] + self._summed((counts * mask[:, None]).sum(0))
-        pool["probs"] = pool["probs"] + self._summed((probs * mask[:, None]).sum(0))
-        pool["rows"] = pool["rows"] + self._summed(mask.sum())
+        pool = ctx.slot(MoEForward)
+        if pool.n_experts is None:
+            pool.n_experts, pool.weight = E, cfg.switch_pooled_loss
+        if pool.n_experts != E:
+            raise ValueError(f"moe switch_pooled_loss pools layers of {pool.n_experts} and {E} experts; use switch_loss")
+        pool.counts = pool.counts + self._summed((counts * mask[:, None]).sum(0))
+        pool.probs = pool.probs + self._summed((probs * mask[:, None]).sum(0))
+        pool.rows = pool.rows + self._summed(mask.sum())
         ctx.at_end("moe_switch_pooled", _pooled_loss)
 
     @torch.no_grad()
@@ -604,11 +605,25 @@ def _old_expert(moe: "MoE", name: str) -> Optional[torch.Tensor]:
     return getattr(moe.experts, name)
 
 
+@dataclass
+class MoEForward:
+    """What the mixture-of-experts layers of one forward share (``ctx.slot(MoEForward)``): how many have
+    run (numbering their ``moe_load_max.{j}`` metrics), and for ``switch_pooled_loss`` the expert
+    counts, router probabilities and real rows summed over the layers that pool."""
+
+    layers: int = 0
+    n_experts: Optional[int] = None  # of the first pooling layer (all must agree)
+    weight: float = 0.0
+    counts: Any = 0.0
+    probs: Any = 0.0
+    rows: Any = 0.0
+
+
 def _pooled_loss(ctx) -> None:
-    pool = ctx.shared["moe_switch_pooled"]
-    rows = pool["rows"].clamp(min=1)
-    loss = pool["E"] * ((pool["counts"] / rows) * (pool["probs"] / rows)).sum()
-    ctx.add_loss("moe_switch_pooled", loss, pool["weight"])
+    pool = ctx.slot(MoEForward)
+    rows = pool.rows.clamp(min=1)
+    loss = pool.n_experts * ((pool.counts / rows) * (pool.probs / rows)).sum()
+    ctx.add_loss("moe_switch_pooled", loss, pool.weight)
 
 
 def _token_mask(ctx, lead: torch.Size, device, tp_mesh=None) -> torch.Tensor:

@@ -1,25 +1,33 @@
 """Linear + cross-entropy fused and chunked: the loss from hidden states and the head weight
 without ever holding the (tokens x vocab) logits, let alone an fp32 copy of them.
 
-Forward: tokens are processed in chunks. For each chunk the logits are computed by one matmul in
-the input dtype (as the reference head does); one Triton program per token then reads its row in
-blocks, applies the final-logit soft-cap and finds the log-partition ``lse`` online. The forward
-keeps only ``lse`` (one float per token) for the backward, besides its inputs.
+Every product with the head takes the matmul dtype's operands (bf16 under bf16 autocast or with
+bf16 weights) and accumulates in fp32 inside the GEMM, as the reference head does; a sum across
+chunks is kept in ``accumulate_dtype`` by adding each chunk's product to it, never by casting the
+operands up (a float32 GEMM runs on CUDA cores at a fifteenth of the tensor cores' rate).
 
-Backward: block by block of the vocabulary (about a sixteenth of it), token chunk by chunk, the
-logits are computed again and a Triton program per token overwrites its row with the gradient of
-``CE + z_loss * lse^2`` (soft-cap derivative included; entries in [-1, 1]). Two matmuls turn the
-tile into its share of the hidden-state gradient and the block's weight gradient; the mean's 1/n
-and the incoming gradient are applied after them, so fp16 rows do not underflow. The price of
-holding no full-size gradient from the forward to the backward is the recomputed logits: four
-head-sized matmuls instead of three.
+One pass, when gradients are wanted (the default): token chunk by chunk, the chunk's logits over
+the whole vocabulary are computed by one matmul; one Triton program per token finds its row's
+log-partition ``lse`` online (final-logit soft-cap applied), a second overwrites the row with the
+gradient of ``CE + z_loss * lse^2`` (soft-cap derivative included; entries in [-1, 1]; ignored
+rows are zero, whatever their logits). Two matmuls turn the rows into the chunk's hidden-state
+gradient and its share of the weight gradient: three head products in all, as Liger-Kernel does.
+The forward returns the gradients, scaled by the mean's 1/n, and the backward only multiplies
+them by the incoming gradient. Memory: one chunk's logits (about the size of the hidden states),
+the gradients themselves (held from the forward to the backward, which comes straight after), and,
+for bf16/fp16 weights, the weight gradient's float32 sum (``4 * V * d`` bytes, 2.1 GB for
+Llama-3-8B's head). With fp32 weights (master weights under autocast) the sum is the gradient itself.
 
-Each block's weight gradient is summed across chunks in fp32 for bf16/fp16 (in the dtype otherwise;
-``accumulate_dtype`` changes that) and rounded once into the gradient returned, so the float32 sum
-held is one block's, not the head's (4.2 GB for llama3-70b). With several blocks the hidden-state
-gradient is summed across them in the same dtype. Ignored labels (``ignore_index``) count neither
-in the mean nor in z; any other label outside [0, V) is refused. Nothing waits for the device: the
-mean's 1/n stays a tensor.
+Two passes, when that float32 sum would exceed ``FORWARD_SUM_BYTES`` (Llama-3-70B's 4.2 GB): the
+forward keeps only ``lse`` (one float per token); the backward, block by block of the vocabulary
+(about a sixteenth of it) and token chunk by chunk, computes the logits again, overwrites them with
+their gradient, and sums the block's weight gradient in float32 before rounding it once into the
+gradient returned, so the float32 sum held is one block's. Four head products instead of three.
+With several blocks the hidden-state gradient is summed across them in ``accumulate_dtype``.
+
+Ignored labels (``ignore_index``) count neither in the mean nor in z and get zero gradient; any
+other label outside [0, V) is refused. The mean's 1/n and the incoming gradient are applied after
+the matmuls, so fp16 rows do not underflow. Nothing waits for the device: the 1/n stays a tensor.
 
 Forward and backward are custom operators (``zoo::fused_linear_ce`` and its backward), so
 ``torch.compile`` calls them as they are, one node each, and the compiled loss never holds the logits.
@@ -35,6 +43,9 @@ import triton.language as tl
 from zoo.components.kernels import on_device
 
 BLOCK_V = 1024
+# The one-pass path is taken when the weight gradient's float32 sum, beyond the gradient itself,
+# takes at most this many bytes (Llama-3-8B's head: 2.1 GB); else the two-pass, block-bounded path.
+FORWARD_SUM_BYTES = 2 ** 31
 
 
 @triton.jit
@@ -81,8 +92,7 @@ def _ce_grad(TILE, stride, LABELS, LSE, col0, C, softcap, z_scale, ignore_index,
     label = tl.load(LABELS + row)
     valid = label != ignore_index
     lse = tl.load(LSE + row)
-    coef = tl.where(valid, 1.0 + 2.0 * z_scale * lse, 0.0)
-    hit = tl.where(valid, 1.0, 0.0)
+    coef = 1.0 + 2.0 * z_scale * lse
     for start in range(0, C, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < C
@@ -92,7 +102,9 @@ def _ce_grad(TILE, stride, LABELS, LSE, col0, C, softcap, z_scale, ignore_index,
             x = softcap * t
         else:
             x = raw
-        g = coef * tl.exp(x - lse) - tl.where(col0 + cols == label, hit, 0.0)
+        # An ignored row's lse is 0: exp(x - 0) overflows past x = 88.7, and 0 * inf is NaN, so
+        # the row is zeroed by selection, never by multiplying.
+        g = tl.where(valid, coef * tl.exp(x - lse) - tl.where(col0 + cols == label, 1.0, 0.0), 0.0)
         if HAS_CAP:
             g = g * (1.0 - t * t)
         tl.store(ptr + cols, g.to(TILE.dtype.element_ty), mask=mask)
@@ -116,15 +128,47 @@ def _logits(h, weight, bias, dtype):
     return out.contiguous()
 
 
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``a`` and ``b`` as they are (bf16 operands, fp32 accumulation in the
+    GEMM): in place when ``acc`` has their dtype; into a float32 sum on CUDA, the GEMM's float32
+    result is added (``out_dtype``, torch >= 2.8); elsewhere the product, rounded once, is."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif a.is_cuda and acc.dtype == torch.float32:
+        acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+    else:
+        acc.add_(a @ b)
+
+
+def _scaled(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x * factor`` in ``dtype``, multiplied in float32 (in place when ``x`` is float32 already)."""
+    return (x.mul_(factor) if x.dtype == torch.float32 else x.float().mul_(factor)).to(dtype)
+
+
+def _grad_rows(tile, labels, lse, col0, softcap, z_loss, ignore_index):
+    """Overwrite ``tile`` (logits of vocabulary columns ``col0 ..``) with the rows' gradients."""
+    _ce_grad[(tile.shape[0],)](
+        tile, tile.stride(0), labels, lse, col0, tile.shape[1], float(softcap or 1.0), z_loss, ignore_index,
+        HAS_CAP=softcap is not None, BLOCK_V=min(BLOCK_V, triton.next_power_of_2(tile.shape[1])),
+    )
+
+
+def one_pass(weight: torch.Tensor, acc_dtype: torch.dtype, need_w: bool) -> bool:
+    """Whether the forward computes the gradients: when the weight gradient's float32 sum beyond
+    the gradient itself (none with fp32 weights, or no weight gradient) fits ``FORWARD_SUM_BYTES``."""
+    extra = weight.numel() * torch.finfo(acc_dtype).bits // 8 if need_w and acc_dtype != weight.dtype else 0
+    return extra <= FORWARD_SUM_BYTES
+
+
 # The loss is two custom operators, so that ``torch.compile`` calls them as they are (one opaque node
 # each, forward and backward) instead of tracing into the Triton launches and the Python loops.
 
 def _forward(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
              softcap: Optional[float], z_loss: float, ignore_index: int, dtype: torch.dtype,
-             acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss, ce, z, lse, scale)``: the loss and its parts, the log-partition of each token and the
-    mean's 1/n, both kept for the backward (one float per token, nothing gradient-sized).
-    ``acc_dtype`` is the backward's (setup_context reads it from here)."""
+             acc_dtype: torch.dtype, need_h: bool, need_w: bool, need_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, ce, z, lse, scale, grad_h, grad_w, grad_b)``: the loss and its parts, the
+    log-partition of each token and the mean's 1/n, and the gradients asked for by ``need_*``
+    (each empty when not asked for), for an incoming gradient of 1."""
     n, d = h.shape
     v = weight.shape[0]
     valid = labels != ignore_index
@@ -136,39 +180,65 @@ def _forward(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     loss_rows = torch.empty(n, dtype=torch.float32, device=h.device)
     lse_rows = torch.empty(n, dtype=torch.float32, device=h.device)
     w = weight.to(dtype)  # autocast's cast of the head, for the forward only
+    grad_h = torch.empty(n, d, dtype=dtype, device=h.device) if need_h else h.new_empty(0)
+    acc_w = grad_w = h.new_empty(0)
+    if need_w:
+        grad_w = torch.zeros_like(weight)
+        acc_w = grad_w if acc_dtype == weight.dtype else torch.zeros(weight.shape, dtype=acc_dtype, device=h.device)
+    acc_b = torch.zeros(v, dtype=torch.float32, device=h.device) if need_b else h.new_empty(0)
     rows = _chunk_rows(n, d, v)
     with on_device(h):
         for start in range(0, n, rows):
             hc = h[start:start + rows].to(dtype)
+            lc = labels[start:start + rows]
             logits = _logits(hc, w, bias, dtype)
             _ce_rows[(hc.shape[0],)](
-                logits, logits.stride(0), labels[start:start + rows], loss_rows[start:], lse_rows[start:], v,
+                logits, logits.stride(0), lc, loss_rows[start:], lse_rows[start:], v,
                 float(softcap or 1.0), ignore_index,
                 HAS_CAP=softcap is not None, BLOCK_V=min(BLOCK_V, triton.next_power_of_2(v)),
             )
+            if need_h or need_w or need_b:
+                _grad_rows(logits, lc, lse_rows[start:start + rows], 0, softcap, z_loss, ignore_index)
+                if need_h:
+                    torch.mm(logits, w, out=grad_h[start:start + rows])
+                if need_w:
+                    _add_product(acc_w, logits.t(), hc)
+                if need_b:
+                    acc_b += logits.float().sum(0)
+            del logits
     ce = loss_rows.sum() * scale
     z = lse_rows.pow(2).sum() * scale
-    return ce + z_loss * z, ce, z, lse_rows, scale
+    # The mean's 1/n after the products (fp16 rows would underflow), multiplied in float32: rounded
+    # to bf16 first, the factor alone would be off by up to 2^-9.
+    if need_h:
+        grad_h = _scaled(grad_h, scale, h.dtype)
+    if need_w:
+        grad_w.copy_(_scaled(acc_w, scale, acc_w.dtype))
+    grad_b = _scaled(acc_b, scale, bias.dtype) if need_b else h.new_empty(0)
+    return ce + z_loss * z, ce, z, lse_rows, scale, grad_h, grad_w, grad_b
 
 
 _forward_op = torch.library.custom_op("zoo::fused_linear_ce", _forward, mutates_args=())
 
 
 @_forward_op.register_fake
-def _(h, weight, bias, labels, softcap, z_loss, ignore_index, dtype, acc_dtype):
+def _(h, weight, bias, labels, softcap, z_loss, ignore_index, dtype, acc_dtype, need_h, need_w, need_b):
     loss, ce, z, scale = (h.new_empty((), dtype=torch.float32) for _ in range(4))
-    return loss, ce, z, h.new_empty(h.shape[0], dtype=torch.float32), scale
+    return (loss, ce, z, h.new_empty(h.shape[0], dtype=torch.float32), scale,
+            torch.empty_like(h) if need_h else h.new_empty(0), torch.empty_like(weight) if need_w else h.new_empty(0),
+            torch.empty_like(bias) if need_b else h.new_empty(0))
 
 
 def _backward(grad_loss: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
               labels: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, softcap: Optional[float], z_loss: float,
               ignore_index: int, dtype: torch.dtype, acc_dtype: torch.dtype, need_h: bool, need_w: bool,
               need_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block by block of the vocabulary, the logits are computed again and overwritten with their
-    gradient rows: the block's weight gradient is summed over the token chunks in ``acc_dtype`` and
-    rounded once into the gradient returned, and the hidden-state gradient is summed over the
-    blocks (in ``acc_dtype`` when there are several). Beyond the gradients returned, the backward
-    holds one block's float32 sums and one chunk's logits. A gradient not asked for is returned empty."""
+    """The two-pass backward. Block by block of the vocabulary, the logits are computed again and
+    overwritten with their gradient rows: the block's weight gradient is summed over the token
+    chunks in ``acc_dtype`` and rounded once into the gradient returned, and the hidden-state
+    gradient is summed over the blocks (in ``acc_dtype`` when there are several). Beyond the
+    gradients returned, the backward holds one block's float32 sums and one chunk's logits. A
+    gradient not asked for is returned empty."""
     n, d = h.shape
     v = weight.shape[0]
     factor = grad_loss.float() * scale  # the mean's 1/n and the incoming gradient
@@ -187,31 +257,26 @@ def _backward(grad_loss: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bi
             bc = bias[c0:c0 + cols] if bias is not None else None
             acc_w = torch.zeros(wc.shape, dtype=acc_dtype, device=h.device) if need_w else None
             acc_b = torch.zeros(wc.shape[0], dtype=torch.float32, device=h.device) if need_b else None
-            w_acc = wc if single else wc.to(acc_dtype)
             for r0 in range(0, n, rows):
                 hc = h[r0:r0 + rows].to(dtype)
                 tile = _logits(hc, wc, bc, dtype)
-                _ce_grad[(hc.shape[0],)](
-                    tile, tile.stride(0), labels[r0:r0 + rows], lse[r0:r0 + rows], c0, wc.shape[0],
-                    float(softcap or 1.0), z_loss, ignore_index,
-                    HAS_CAP=softcap is not None, BLOCK_V=min(BLOCK_V, triton.next_power_of_2(wc.shape[0])),
-                )
+                _grad_rows(tile, labels[r0:r0 + rows], lse[r0:r0 + rows], c0, softcap, z_loss, ignore_index)
                 if need_h and single:
                     torch.mm(tile, wc, out=grad_h[r0:r0 + rows])
                 elif need_h:
-                    grad_h[r0:r0 + rows].addmm_(tile.to(acc_dtype), w_acc)
+                    _add_product(grad_h[r0:r0 + rows], tile, wc)
                 if need_w:
-                    acc_w.addmm_(tile.t().to(acc_dtype), hc.to(acc_dtype))
+                    _add_product(acc_w, tile.t(), hc)
                 if need_b:
                     acc_b += tile.float().sum(0)
                 del tile
             if need_w:
-                grad_w[c0:c0 + cols] = acc_w.mul_(factor.to(acc_dtype))
+                grad_w[c0:c0 + cols] = _scaled(acc_w, factor, acc_dtype)
             if need_b:
-                grad_b[c0:c0 + cols] = acc_b.mul_(factor)
-            del wc, w_acc, acc_w, acc_b
+                grad_b[c0:c0 + cols] = _scaled(acc_b, factor, torch.float32)
+            del wc, acc_w, acc_b
     if need_h:
-        grad_h = grad_h.mul_(factor.to(grad_h.dtype)).to(h.dtype)
+        grad_h = _scaled(grad_h, factor, h.dtype)
     return grad_h, grad_w, grad_b
 
 
@@ -226,19 +291,28 @@ def _(grad_loss, h, weight, bias, labels, lse, scale, softcap, z_loss, ignore_in
 
 
 def _setup_context(ctx, inputs, output):
-    h, weight, bias, labels, softcap, z_loss, ignore_index, dtype, acc_dtype = inputs
-    _, ce, z, lse, scale = output
-    # Kept for the backward: the inputs themselves and one float per token (no gradient-sized tensor).
-    ctx.save_for_backward(h, weight, bias, labels, lse, scale)
+    h, weight, bias, labels, softcap, z_loss, ignore_index, dtype, acc_dtype, *early = inputs
+    _, ce, z, lse, scale, *grads = output
+    ctx.early = any(early)
+    if ctx.early:  # the gradients, computed in the forward: the backward scales them
+        ctx.save_for_backward(*grads)
+    else:  # the inputs themselves and one float per token (no gradient-sized tensor)
+        ctx.save_for_backward(h, weight, bias, labels, lse, scale)
     ctx.settings = (softcap, z_loss, ignore_index, dtype, acc_dtype)
-    ctx.mark_non_differentiable(ce, z, lse, scale)
+    ctx.mark_non_differentiable(ce, z, lse, scale, *grads)
+    ctx.set_materialize_grads(False)  # no zeros for the outputs that take no gradient (head-sized ones too)
 
 
-def _grads(ctx, grad_loss, _ce, _z, _lse, _scale):
-    h, weight, bias, labels, lse, scale = ctx.saved_tensors
+def _grads(ctx, grad_loss, _ce, _z, _lse, _scale, *_grads):
     need = ctx.needs_input_grad[:3]
-    grads = _backward_op(grad_loss, h, weight, bias, labels, lse, scale, *ctx.settings, *need)
-    return (*(g if wanted else None for g, wanted in zip(grads, need)), *[None] * 6)
+    if grad_loss is None:  # only the non-differentiable outputs were used
+        return (None,) * 12
+    if ctx.early:
+        grads = [g * grad_loss.to(g.dtype) if g.numel() else g for g in ctx.saved_tensors]
+    else:
+        h, weight, bias, labels, lse, scale = ctx.saved_tensors
+        grads = _backward_op(grad_loss, h, weight, bias, labels, lse, scale, *ctx.settings, *need)
+    return (*(g if wanted else None for g, wanted in zip(grads, need)), *[None] * 9)
 
 
 _forward_op.register_autograd(_grads, setup_context=_setup_context)
@@ -263,9 +337,12 @@ def fused_linear_cross_entropy(h, weight, labels, *, bias=None, softcap=None, z_
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     if accumulate_dtype is None:
         accumulate_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    need = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in (h, weight, bias)]
+    if not any(need) or not one_pass(weight, accumulate_dtype, need[1]):
+        need = [False] * 3  # the two-pass path: the backward computes what autograd asks for
     with torch.autocast(device, enabled=False):
         return _forward_op(h2.contiguous(), weight, bias, labels2.contiguous(), None if softcap is None else float(softcap),
-                        float(z_loss), ignore_index, dtype, accumulate_dtype)[:3]
+                           float(z_loss), ignore_index, dtype, accumulate_dtype, *need)[:3]
 
 
 def decoder_loss(model, hidden, labels, *, z_loss, ignore_index=-100):

@@ -179,7 +179,7 @@ def _configs(BK, BV):
     """The (num_warps, num_stages) a launch at these widths may take, the first off a GPU. Two
     pipeline stages: three put the gated delta backward over sm_90's shared memory (with fp32 inputs
     at 128-wide heads, with bf16 at 64-wide ones in chunks of 64). Wide tiles try eight warps first,
-    as they spill about half of four's stack (docs/kernels.md)."""
+    as they spill about half of four's stack (docs/reference/kernels.md)."""
     return ((8, 2), (4, 2)) if max(BK, BV) > 64 else ((4, 2),)
 
 

@@ -18,14 +18,14 @@ the attention's own cache.
 A layer may also share its selection (GLM-5's IndexShare, arXiv:2603.12201): with ``indexer =
 "shared"`` it has no indexer of its own and attends to the keys the nearest earlier ``"full"`` layer
 selected for the same queries (through a chain of shared layers). That selection crosses layers in
-the forward context (``ctx.shared["dsa_topk"]``, one entry per full layer a shared layer reads), so
+the forward context (``ctx.slot(Selections)``, one entry per full layer a shared layer reads), so
 a decode step carries it from the full layer to its sharers exactly as a full forward does; the
 shared layer's decode state is MLA's alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
 import torch
@@ -184,6 +184,14 @@ class DSAState(LayerState):
         return DSAState(self.kv.to_static(max_len), self.keys.to_static(max_len) if self.keys is not None else None)
 
 
+@dataclass
+class Selections:
+    """The top-k selections of one forward that later layers reuse (``ctx.slot(Selections)``): layer
+    index -> its (indices, allowed), or None while every visible key is selected."""
+
+    by_layer: dict[int, Optional[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+
+
 def selection_source(spec, index: int) -> int:
     """The layer whose indexer a ``"shared"`` DSA layer ``index`` reuses: the nearest earlier layer
     with ``indexer = "full"``, reached through DSA layers only."""
@@ -250,10 +258,10 @@ class DSA(MLA):
     def __init__(self, cfg, *, d_model: int, layer, spec, index: int = 0):
         super().__init__(cfg, d_model=d_model, layer=layer, spec=spec, index=index)
         # The layer whose selection this one reuses (None: its own indexer selects), and whether a later
-        # layer reuses this one's (then the forward keeps it in ctx.shared).
-        self.source = selection_source(spec, index) if cfg.indexer == "shared" else None
-        later = spec.layer(index + 1).mixer if index + 1 < spec.n_layers else None
-        self.shares = later is not None and later.name == "dsa" and later.config.indexer == "shared"
+        # layer reuses this one's (then the forward keeps it in ctx.slot(Selections)).
+        main = index < spec.n_layers  # (not a multi-token prediction block's)
+        self.source = spec.sources[index] if main else self.reads_from(cfg, spec=spec, index=index)
+        self.shares = index in spec.sources
         if self.source is None:
             self.indexer = LightningIndexer(d_model=d_model, q_dim=cfg.q_lora_rank, n_heads=cfg.index_n_heads,
                                             head_dim=cfg.index_head_dim, rope_dim=cfg.qk_rope_head_dim,
@@ -296,9 +304,9 @@ class DSA(MLA):
             # None while every visible key is selected; else each query's top-k (indices, allowed)
             picked = None if c.shape[2] <= self.cfg.index_topk else self.indexer.top(scores, visible[:, 0])
             if self.shares:
-                ctx.shared.setdefault("dsa_topk", {})[self.index] = picked
+                ctx.slot(Selections).by_layer[self.index] = picked
         else:
-            made = ctx.shared.get("dsa_topk", {})
+            made = ctx.slot(Selections).by_layer
             if self.source not in made:
                 raise RuntimeError(f"DSA layer {self.index} shares layer {self.source}'s top-k selection, which this "
                                    "forward has not made: run the layers in order")
@@ -361,12 +369,9 @@ class DSA(MLA):
         super().parallelize(tp_mesh)
 
     @classmethod
-    def check_in_model(cls, cfg, *, spec, layer):
-        super().check_in_model(cfg, spec=spec, layer=layer)
-        if cfg.indexer == "shared":
-            for i in range(spec.n_layers):
-                if spec.layer(i) is layer:
-                    selection_source(spec, i)
+    def reads_from(cls, cfg, *, spec, index):
+        """A shared indexer's source: the nearest earlier full layer (:func:`selection_source`)."""
+        return selection_source(spec, index) if cfg.indexer == "shared" else None
 
     @staticmethod
     def shrink(cfg, *, head_dim: int = 8, **sizes) -> dict:

@@ -130,12 +130,6 @@ class RoPE(PositionEncoding):
             if self.rotary_dim is not None and (self.rotary_dim <= 0 or self.rotary_dim % 2):
                 raise SpecError("rotary_dim", f"must be a positive even number, got {self.rotary_dim}")
 
-    @classmethod
-    def shrink(cls, cfg, *, head_dim: int, **sizes):
-        """A fixed ``rotary_dim`` stays partial in a tiny copy: half of the tiny head (so that some
-        channels are rotated and some passed, as in the model); a fraction needs no change."""
-        return {"rotary_dim": max(2, head_dim // 4 * 2)} if cfg.rotary_dim is not None else {}
-
     @staticmethod
     def rotary_dim_for(cfg, head_dim: int) -> int:
         return cfg.rotary_dim if cfg.rotary_dim is not None else int(head_dim * cfg.rotary_fraction)
@@ -204,6 +198,12 @@ class RoPE(PositionEncoding):
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     # -- what this part states about itself ---------------------------------------------------------
+    @classmethod
+    def shrink(cls, cfg, *, head_dim: int, **sizes):
+        """A fixed ``rotary_dim`` stays partial in a tiny copy: half of the tiny head (so that some
+        channels are rotated and some passed, as in the model); a fraction needs no change."""
+        return {"rotary_dim": max(2, head_dim // 4 * 2)} if cfg.rotary_dim is not None else {}
+
     @classmethod
     def check_in_model(cls, cfg, *, spec, layer):
         hd = rotary_dim_of(layer, spec.d_model)

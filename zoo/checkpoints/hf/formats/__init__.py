@@ -5,7 +5,7 @@ import importlib
 from zoo.core.hooks import hookimpl
 
 MODULES = ("llama", "moe", "gpt2", "gpt_neox", "gptj", "falcon", "deepseek", "deepseek_v32", "glm_moe_dsa", "deepseek_moe",
-           "minimax", "minimax_m2", "mamba2", "qwen3_next", "nemotron_h", "dbrx", "cohere")
+           "minimax", "minimax_m2", "mamba2", "qwen3_next", "nemotron_h", "dbrx", "cohere", "glm4_moe")
 
 
 @hookimpl

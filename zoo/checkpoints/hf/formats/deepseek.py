@@ -56,8 +56,7 @@ class DeepSeek(CheckpointFormat):
     # -- the weight-name map ------------------------------------------------------------------
     def rules(self, spec):
         rules = [*embed_and_head(), *layer_norms(LAYER, {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"})]
-        for hf, z in ATTENTION.items():
-            rules += linear(f"{LAYER}self_attn.{hf}", f"{ZOO_MIXER}{z}")
+        rules += self.attention_rules(spec)
         rules += gated_mlp(f"{LAYER}mlp.") + gated_mlp(f"{LAYER}mlp.shared_experts.", f"{ZOO_LAYER}ffn.shared.", ("weight",))
         moe = moe_part(spec)
         if moe is not None:
@@ -66,6 +65,10 @@ class DeepSeek(CheckpointFormat):
             rules += stacked_experts(f"{LAYER}mlp.experts.", moe.n_experts)
         # The multi-token prediction modules (V3) as layers n_layers, n_layers + 1, ...
         return mtp_rules(rules, spec) + rules
+
+    def attention_rules(self, spec) -> list:
+        """The ``self_attn`` tensors: MLA's projections and norms."""
+        return [r for hf, z in ATTENTION.items() for r in linear(f"{LAYER}self_attn.{hf}", f"{ZOO_MIXER}{z}")]
 
     # -- config -> spec -------------------------------------------------------------------------
     def rope_layout(self, f: Fields) -> str:
@@ -80,18 +83,8 @@ class DeepSeek(CheckpointFormat):
     def config_to_spec(self, config, *, strict=False):
         f = Fields(config, self.model_type, self.defaults)
         d, n_heads, L = f.require("hidden_size"), f.require("num_attention_heads"), f.require("num_hidden_layers")
-        n_kv = f.get("num_key_value_heads", n_heads)
-        if n_kv != n_heads:
-            raise f.error("num_key_value_heads", f"{n_kv} differs from num_attention_heads {n_heads}: MLA up-projects "
-                                                 "a key and a value for every head (transformers fails on it too)")
-        f.get("head_dim"), f.get("qk_head_dim")  # transformers derives both from the MLA widths
-        rope_dim = f.require("qk_rope_head_dim")
         max_pos = f.get("max_position_embeddings", 2048)
-        mla = {"name": "mla", "n_heads": n_heads, "kv_lora_rank": f.require("kv_lora_rank"),
-               "qk_nope_head_dim": f.require("qk_nope_head_dim"), "qk_rope_head_dim": rope_dim,
-               "v_head_dim": f.require("v_head_dim"), "q_lora_rank": f.get("q_lora_rank", kind=int),
-               "bias": f.get("attention_bias", False)}
-        position = rope_part(f, rope_parameters(f), max_pos=max_pos, layout=self.rope_layout(f))
+        mla, position = self.attention(f, d, n_heads, max_pos)
         act = activation(f, "hidden_act", "silu")
         expert = {"name": "swiglu"} if act == {"name": "silu"} else {"name": "glu", "activation": act}
         dense = {**expert, "d_ff": f.require("intermediate_size"), "bias": bool(f.get("mlp_bias", False))}
@@ -120,8 +113,22 @@ class DeepSeek(CheckpointFormat):
         f.finish(strict)
         return ModelSpec.from_dict(spec)
 
+    def attention(self, f: Fields, d: int, n_heads: int, max_pos: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Every layer's mixer (MLA) and the position part."""
+        n_kv = f.get("num_key_value_heads", n_heads)
+        if n_kv != n_heads:
+            raise f.error("num_key_value_heads", f"{n_kv} differs from num_attention_heads {n_heads}: MLA up-projects "
+                                                 "a key and a value for every head (transformers fails on it too)")
+        f.get("head_dim"), f.get("qk_head_dim")  # transformers derives both from the MLA widths
+        mla = {"name": "mla", "n_heads": n_heads, "kv_lora_rank": f.require("kv_lora_rank"),
+               "qk_nope_head_dim": f.require("qk_nope_head_dim"), "qk_rope_head_dim": f.require("qk_rope_head_dim"),
+               "v_head_dim": f.require("v_head_dim"), "q_lora_rank": f.get("q_lora_rank", kind=int),
+               "bias": f.get("attention_bias", False)}
+        return mla, rope_part(f, rope_parameters(f), max_pos=max_pos, layout=self.rope_layout(f))
+
     # -- spec -> config -------------------------------------------------------------------------
-    def spec_to_config(self, spec):
+    def attention_to_config(self, spec) -> dict[str, Any]:
+        """The config fields of every layer's mixer (one MLA) and the position."""
         mixers = {repr(spec.layer(i).mixer) for i in range(spec.n_layers)}
         mla = spec.layer(0).mixer
         if mla.name != "mla" or len(mixers) > 1:
@@ -129,6 +136,13 @@ class DeepSeek(CheckpointFormat):
         if mla.decode != "absorbed" or mla.latent_norm.to_dict() != {"name": "rmsnorm", "eps": 1e-6,
                                                                       "unit_offset": False, "scale_in_fp32": False}:
             raise ValueError(f"{self.model_type}'s MLA has RMSNorm(eps 1e-6) latents and no other decode setting")
+        return {"num_attention_heads": mla.n_heads, "num_key_value_heads": mla.n_heads,
+                "kv_lora_rank": mla.kv_lora_rank, "q_lora_rank": mla.q_lora_rank, "qk_nope_head_dim": mla.qk_nope_head_dim,
+                "qk_rope_head_dim": mla.qk_rope_head_dim, "v_head_dim": mla.v_head_dim, "attention_bias": mla.bias,
+                "rope_parameters": rope_to_hf(spec.position, mla.qk_rope_head_dim)}
+
+    def spec_to_config(self, spec):
+        attention = self.attention_to_config(spec)
         sparse = [spec.layer(i).ffn.name == "moe" for i in range(spec.n_layers)]
         first_dense = sparse.index(True) if any(sparse) else spec.n_layers
         if any(not s for s in sparse[first_dense:]):
@@ -151,9 +165,7 @@ class DeepSeek(CheckpointFormat):
         norm = spec.layer(0).norm
         cfg: dict[str, Any] = {
             "vocab_size": spec.vocab_size, "hidden_size": spec.d_model, "num_hidden_layers": spec.n_layers,
-            "num_attention_heads": mla.n_heads, "num_key_value_heads": mla.n_heads,
-            "kv_lora_rank": mla.kv_lora_rank, "q_lora_rank": mla.q_lora_rank, "qk_nope_head_dim": mla.qk_nope_head_dim,
-            "qk_rope_head_dim": mla.qk_rope_head_dim, "v_head_dim": mla.v_head_dim, "attention_bias": mla.bias,
+            **attention,
             "intermediate_size": dense.d_ff if dense is not None else moe.d_ff,
             "moe_intermediate_size": moe.d_ff, "n_routed_experts": moe.n_experts,
             "num_experts_per_tok": moe.top_k, "n_shared_experts": (moe.shared_d_ff or 0) // moe.d_ff,
@@ -161,7 +173,6 @@ class DeepSeek(CheckpointFormat):
             "hidden_act": act,
             "max_position_embeddings": spec.max_seq_len, "rms_norm_eps": norm.eps,
             "tie_word_embeddings": spec.head.tied,
-            "rope_parameters": rope_to_hf(spec.position, mla.qk_rope_head_dim),
         }
         if dense is not None and dense.bias:
             cfg["mlp_bias"] = True
