@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -68,7 +67,10 @@ def read_batches(path: str, seq_len: int = 512, batch: int = 4, batches: int = 2
     for _ in range(batches):
         stream.batch(int(rng.integers(0, 10 * stream.n_samples)), batch)
     dt = time.perf_counter() - t0
-    return {"samples_per_s": batches * batch / dt, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    # VmHWM: this process image's peak (ru_maxrss would carry the parent's peak across fork and exec)
+    hwm = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+               if line.startswith("VmHWM:"))
+    return {"samples_per_s": batches * batch / dt, "peak_rss_mb": hwm / 1024}
 
 
 def step_samples_per_s(seq_len: int = 512, batch: int = 4) -> float:

@@ -20,6 +20,7 @@ plugin tests can state their part's own numeric properties.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
@@ -81,7 +82,10 @@ def check(kind: str, name: str, config: Optional[dict[str, Any]] = None) -> None
         f"no conformance contract for kind {kind!r} (contracts: {', '.join(CONTRACTS)}); "
         "declare one with @zoo.testing.contract(kind)"
     )
-    fn(kind, name, default_config(kind, name) if config is None else dict(config))
+    config = default_config(kind, name) if config is None else dict(config)
+    if kind in SLOTS:  # first, so that a part left uninitialised is named, not met as garbage by the checks
+        assert_initialised(tiny_spec_with(kind, name, config), f"{kind} {name!r} {config}")
+    fn(kind, name, config)
 
 
 def check_plugin(plugin: str, configs: Optional[dict[tuple[str, str], list[dict[str, Any]]]] = None) -> list[tuple[str, str]]:
@@ -233,12 +237,39 @@ def _dtypes_ok(fn: Callable[[torch.dtype], torch.Tensor], what: str) -> None:
         _finite(y, f"{what} in {dtype}")
 
 
+@contextlib.contextmanager
+def fresh_memory_nan():
+    """Inside: memory torch allocates without filling it (``torch.empty``) holds NaN (integers their
+    largest value), through torch's deterministic mode, so a parameter nothing initialises shows."""
+    was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+           torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+        torch.utils.deterministic.fill_uninitialized_memory = was[2]
+
+
+def assert_initialised(spec: ModelSpec, what: str) -> None:
+    """Every parameter of a tiny model of ``spec`` is initialised: built with fresh memory filled with
+    NaN (:func:`fresh_memory_nan`), none is left holding it after the model's ``init_weights``."""
+    with fresh_memory_nan():
+        model = tiny_model(spec)
+    for n, p in model.named_parameters():
+        assert torch.isfinite(p).all(), (
+            f"{what}: parameter {n} is not initialised (fresh memory, filled with NaN here, is still there after "
+            "init_weights): fill it in the part's reset_parameters, or create it with a value")
+
+
 def check_model(spec: ModelSpec, what: str) -> None:
     """A tiny model with the part: forward shapes and dtypes, gradients everywhere, causal, left
     padding invisible to real tokens, incremental decoding equal to a full forward, meta build."""
     from zoo.model.decoder import Decoder
 
     assert_builds_on_meta(lambda: Decoder(spec), what)
+    assert_initialised(spec, what)
     model = tiny_model(spec)
     V, T = spec.vocab_size, 12
     ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(0))
@@ -404,6 +435,37 @@ def _router(kind: str, name: str, config: dict[str, Any]) -> None:
         assert torch.equal(one.indices.sort(-1).values, r.indices[3:4].sort(-1).values), f"{what}: a token's choice depends on other tokens"
     ffn = {**ROUTER_FFN, "router": {"name": name, **config}}
     _ffn("ffn", "moe", ffn)
+
+
+@contract("expert")
+def _experts(kind: str, name: str, config: dict[str, Any]) -> None:
+    """Stacked experts: built on meta; token copies grouped by expert give one output row per row,
+    each row depending on that row alone (its expert's); the grouped and loop paths agree; gradients
+    reach every parameter; inside an ``moe`` FFN they pass the FFN and model contracts."""
+    what, D, Fd, E = f"expert {name!r} {config}", 32, 16, 4
+    p = part(kind, name, config)
+    build = lambda dispatch="loop": p.build(n_experts=E, d_model=D, d_ff=Fd, dispatch=dispatch)  # noqa: E731
+    assert_builds_on_meta(build, what)
+    experts = build()
+    with torch.no_grad():
+        for param in experts.parameters():  # biases start at zero: move them so that they show
+            param.add_(0.1 * torch.randn(param.shape, generator=torch.Generator().manual_seed(2)))
+    counts = torch.tensor([3, 0, 4, 2])
+    xs = torch.randn(int(counts.sum()), D, requires_grad=True)
+    ys = experts(xs, counts)
+    assert ys.shape == (xs.shape[0], D), f"{what}: output of shape {tuple(ys.shape)} for {tuple(xs.shape)} token copies"
+    _finite(ys, what)
+    with torch.no_grad():
+        bumped = xs.detach().clone()
+        bumped[4] += 1.0
+        moved = (experts(bumped, counts) - ys).abs().amax(-1)
+        assert moved[4] > 0 and (torch.cat([moved[:4], moved[5:]]) == 0).all(), f"{what}: a row's output depends on other rows"
+        grouped = build("auto")  # grouped where torch._grouped_mm runs here
+        grouped.load_state_dict(experts.state_dict())
+        if grouped.choose_path(xs.device, xs.dtype)[0] == "grouped":
+            _close(grouped(xs.detach(), counts), ys, f"{what}: the grouped path differs from the loop path")
+    assert_grads(experts, ys, (xs,), what)
+    _ffn("ffn", "moe", {"n_experts": E, "top_k": 2, "d_ff": Fd, "expert": {"name": name, **config}})
 
 
 @contract("position")

@@ -96,9 +96,60 @@ def test_every_builtin_part_is_covered():
     assert kinds <= set(zt.CONTRACTS), f"kinds without a conformance contract: {kinds - set(zt.CONTRACTS)}"
 
 
+def test_the_contract_fails_a_part_whose_parameter_nothing_initialises():
+    from dataclasses import dataclass
+
+    from torch import nn
+
+    class Uninitialised(zoo.core.kinds.FFN):  # a scale made with torch.empty, no reset_parameters
+        @dataclass(frozen=True)
+        class Config:
+            pass
+
+        def __init__(self, cfg, *, d_model):
+            super().__init__()
+            self.proj = nn.Linear(d_model, d_model)
+            self.scale = nn.Parameter(torch.empty(d_model))
+
+        def forward(self, x, ctx=None):
+            return self.proj(x) * self.scale
+
+    zoo.register("ffn", "test_uninitialised")(Uninitialised)
+    ffns = zoo.manager().registry("ffn")
+    try:
+        with pytest.raises(AssertionError, match=r"parameter layers\.0\.ffn\.scale is not initialised"):
+            zt.check("ffn", "test_uninitialised")
+    finally:  # the suite's other tests see the registry as zoo ships it
+        ffns.remove("test_uninitialised", ffns.entry("test_uninitialised").provider)
+    assert not torch.are_deterministic_algorithms_enabled()  # the check leaves torch as it found it
+
+
 def test_an_uncovered_kind_fails_the_contract_check():
     with pytest.raises(AssertionError, match="no conformance contract for kind 'widget'"):
         zt.check("widget", "anything")
+
+
+@covers(*[("expert", n) for n in ("swiglu", "glu", "geglu", "reglu", "mlp")])
+@pytest.mark.parametrize("name", ["swiglu", "glu", "geglu", "reglu", "mlp"])
+def test_each_stacked_expert_is_the_dense_ffn_of_its_name(name):
+    """Expert e of a stack computes what the dense FFN of the same kind and settings computes with
+    expert e's matrices (and biases)."""
+    cfg = {"bias": True}
+    experts = zt.part("expert", name, cfg).build(n_experts=3, d_model=16, d_ff=8, dispatch="loop")
+    dense = zt.part("ffn", name, {**cfg, "d_ff": 8}).build(d_model=16)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_()
+        e = 1
+        for zoo_name, dense_name in (("gate", "gate"), ("up", "up"), ("down", "down")):
+            w = getattr(experts, f"w_{zoo_name}")
+            if w is None:
+                continue
+            getattr(dense, dense_name).weight.copy_(w[e])
+            getattr(dense, dense_name).bias.copy_(getattr(experts, f"b_{zoo_name}")[e])
+        x = torch.randn(5, 16)
+        got = experts(x, torch.tensor([0, 5, 0]))
+    torch.testing.assert_close(got, dense(x), rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------- norms

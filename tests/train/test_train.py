@@ -52,6 +52,39 @@ def test_weight_decay_only_on_matrices_not_norms_biases_or_embeddings():
     assert decayed.isdisjoint(kept) and len(decayed) + len(kept) == len(names)
 
 
+def test_weight_decay_is_what_a_parameter_is_not_its_rank_stacked_expert_biases_are_not_decayed():
+    model = zoo.build("qwen3-30b-a3b", n_layers=2, d_model=32, vocab_size=64,
+                      overrides={"layers.*.mixer.n_heads": 4, "layers.*.mixer.n_kv_heads": 2, "layers.*.mixer.head_dim": 8,
+                                 "layers.*.ffn.n_experts": 4, "layers.*.ffn.top_k": 2, "layers.*.ffn.d_ff": 16,
+                                 "layers.*.ffn.expert": {"name": "swiglu", "bias": True}})
+    decay, rest = T.param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    kept = {names[id(p)] for p in rest["params"]}
+    assert model.get_parameter("layers.0.ffn.experts.b_up").ndim == 2  # stacked: rank would decay it
+    assert {f"layers.0.ffn.experts.{n}" for n in ("b_gate", "b_up", "b_down")} <= kept
+    assert {f"layers.0.ffn.experts.{n}" for n in ("w_gate", "w_up", "w_down")} | {"layers.0.ffn.router.weight"} <= decayed
+    assert {"layers.0.mixer.q_norm.weight", "final_norm.weight", "embed.weight"} <= kept
+    assert decayed.isdisjoint(kept) and len(decayed) + len(kept) == len(names)
+
+
+def test_a_part_that_does_not_state_its_no_decay_parameters_keeps_the_rule_of_matrices():
+    from torch import nn
+
+    class Old(nn.Module):  # a plugin part written before parts stated them: adapted at registration
+        def __init__(self):
+            super().__init__()
+            self.decay = nn.Parameter(torch.zeros(4))
+            self.w = nn.Parameter(torch.zeros(4, 4))
+
+    from zoo.core import kinds
+
+    kinds.adapt(Old, kinds.Mixer)
+    m = Old()
+    decay, rest = T.param_groups(m, 0.1)
+    assert decay["params"] == [m.w] and rest["params"] == [m.decay]
+
+
 def test_schedule_warms_up_linearly_then_decays_by_cosine_to_the_floor():
     f = lambda s: T.lr_factor(s, warmup=10, total=110, min_ratio=0.1)  # noqa: E731
     assert f(0) == pytest.approx(0.1) and f(4) == pytest.approx(0.5) and f(9) == pytest.approx(1.0)

@@ -434,6 +434,12 @@ class FP8Experts(_StaysFP8, GroupedExperts):
         return torch.cat(outs) if outs else xs.new_zeros(0, self.d_model, dtype=self.compute_dtype)
 
 
+def _plain_stack(module: nn.Module) -> bool:
+    """Stacked experts that :class:`FP8Experts` can keep: zoo's ``act(gate) * up`` (or ``act(up)``) without biases."""
+    return isinstance(module, GroupedExperts) and not isinstance(module, FP8Experts) \
+        and type(module).activate is GroupedExperts.activate and all(b is None for b in module.biases())
+
+
 def keep_fp8(model: nn.Module, bound, names: dict[str, str], files: DequantizedFiles) -> DequantizedFiles:
     """Make each ``nn.Linear`` of ``model`` (on the meta device) whose weight is one stored fp8 tensor
     (through an identity rule of ``bound``; ``names``: the format's spelling -> the stored name) an
@@ -450,7 +456,7 @@ def keep_fp8(model: nn.Module, bound, names: dict[str, str], files: DequantizedF
             continue
         path, _, attr = b.zoo[0].rpartition(".")
         module = model.get_submodule(path)
-        if b.transform is STACK and type(module) is GroupedExperts:
+        if b.transform is STACK and _plain_stack(module):
             experts.setdefault(path, {})[attr] = stored
         elif b.transform is IDENTITY and len(stored) == 1 and attr == "weight" and type(module) is nn.Linear:
             parent, _, name = path.rpartition(".")

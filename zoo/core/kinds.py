@@ -3,7 +3,7 @@ interface check each registration passes (the tables below). The forward context
 :mod:`zoo.core.context`; the plugin hook is :mod:`zoo.core.hooks`.
 
 One base per kind (:class:`Norm`, :class:`Activation`, :class:`FFN`, :class:`Router`,
-:class:`Mixer`, :class:`Block`, :class:`PositionEncoding`, :class:`RopeScaling`, all under
+:class:`Experts`, :class:`Mixer`, :class:`Block`, :class:`PositionEncoding`, :class:`RopeScaling`, all under
 :class:`Part`; :class:`LayerState` for decode states) declares the constructor context
 (``CONTEXT``: ``cls(config, **context)``), the forward arguments (``FORWARD``) and every hook, with
 its default and its caller. This is the one statement of the contract: :data:`BASES`, the tables
@@ -157,6 +157,14 @@ class Part(Kernels, nn.Module):
     #: on dim 0 (a mixture of experts' ``experts.w_up``), which expert parallelism splits over ``ep``.
     expert_parameters: ClassVar[tuple[str, ...]] = ()
 
+    #: Called by ``zoo.training.loop.param_groups``: the part's own parameters (by name; shell-style
+    #: patterns such as ``"b_*"``) that take no weight decay: gains, offsets, biases, decay rates, sinks.
+    #: Its other own parameters are decayed. Inside a part, a plain torch module decays the ``weight`` of
+    #: a linear or convolution layer and nothing else; an embedding table is never decayed. None (the
+    #: default, for a part that says nothing: a plugin written before zoo 0.3) keeps zoo 0.2's rule for
+    #: its own parameters, decaying matrices (2-D and more) only.
+    no_decay: ClassVar[Optional[tuple[str, ...]]] = None
+
     #: Called by ``zoo.core.precision``: attribute names of tensors that stay float32 when the model
     #: is cast to a narrower dtype (a router's selection bias).
     fp32_tensors: ClassVar[tuple[str, ...]] = ()
@@ -189,6 +197,9 @@ class Norm(Part):
     """A norm: ``cls(config, dim=...)``, called on ``x``."""
 
     CONTEXT, FORWARD = ("dim",), ("x",)
+
+    #: A norm's gains and offsets take no weight decay (:attr:`Part.no_decay`).
+    no_decay: ClassVar[Optional[tuple[str, ...]]] = ("*",)
 
 
 class Activation(Part):
@@ -228,6 +239,24 @@ class Router(Part):
     def shrink_to(cls, cfg: Any, n_experts: int) -> dict[str, Any]:
         """Called by the MoE's ``shrink``: settings to change when the experts are cut to ``n_experts``."""
         return {}
+
+
+class Experts(Part):
+    """A mixture of experts' routed experts, stacked by expert on dim 0 (kind ``expert``, chosen by name
+    in the ``moe`` FFN's ``expert`` setting): ``cls(config, n_experts=, d_model=, d_ff=, dispatch=)``,
+    called as ``experts(xs, counts)`` on token copies already grouped by expert (``counts[e]`` rows for
+    expert ``e``, in expert order); returns each row's expert output, in the same order. The MoE routes,
+    weighs and sums; under expert parallelism each process holds ``n_experts / ep`` consecutive experts
+    of every parameter named in ``expert_parameters`` and gets their token copies. zoo's
+    (``zoo.components.ffn.experts``) hold ``w_gate``, ``w_up`` (E x d_ff x d_model), ``w_down``
+    (E x d_model x d_ff) and, when biased, ``b_gate``, ``b_up`` (E x d_ff) and ``b_down`` (E x d_model);
+    a new activation of gate and up is a subclass overriding ``activate``."""
+
+    CONTEXT, FORWARD = ("n_experts", "d_model", "d_ff", "dispatch"), ("xs", "counts")
+
+    #: Read by checkpoint formats and the MoE's accounting: whether each expert has a gate projection
+    #: (``act(gate) * up``-like) besides its up and down projections (a class attribute every kind sets).
+    gated: ClassVar[bool]
 
 
 class Mixer(Part):
@@ -618,6 +647,7 @@ KINDS = (
     "family",
     "checkpoint_format",
     "router",  # a mixture of experts' router (zoo/components/ffn/routers.py)
+    "expert",  # a mixture of experts' stacked routed experts (zoo/components/ffn/experts.py)
     "kernel",  # a fast implementation behind a part (zoo.core.kernels dispatches; zoo/components/kernels/)
 )
 
@@ -625,7 +655,7 @@ KINDS = (
 #: forward arguments (``CONTEXT``, ``FORWARD``). Everything below is derived from these classes.
 BASES: dict[str, type] = {
     "norm": Norm, "activation": Activation, "ffn": FFN, "position": PositionEncoding,
-    "rope_scaling": RopeScaling, "mixer": Mixer, "block": Block, "router": Router,
+    "rope_scaling": RopeScaling, "mixer": Mixer, "block": Block, "router": Router, "expert": Experts,
 }
 #: The keyword arguments the builder passes to each module-like kind's constructor
 #: (``cls(config, **context)``): each base's ``CONTEXT``.

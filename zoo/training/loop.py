@@ -25,6 +25,7 @@ The export at the end streams the weights from the last checkpoint, one tensor a
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import math
 import os
@@ -51,14 +52,29 @@ from zoo.core.spec import ModelSpec
 # -- the recipe -----------------------------------------------------------------------------------
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on matrices only: norms and biases (1-D) and embedding tables are left alone."""
+    """Weight decay on the weight matrices, decided by what each parameter is: a part's own parameters
+    are decayed unless it names them in ``no_decay`` (:attr:`zoo.core.kinds.Part.no_decay`: norms'
+    gains and offsets, biases of stacked experts, decay rates); a plain torch module inside a part
+    decays only the ``weight`` of a linear or convolution layer; embedding tables are never decayed."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, rest = [], []
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        (decay if p.ndim >= 2 and id(p) not in embeddings else rest).append(p)
+    decided: dict[int, bool] = {}  # parameter -> decayed, by the module that holds it
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in decided or not p.requires_grad:
+                continue
+            decided[id(p)] = id(p) not in embeddings and _decayed(module, name, p)
+    decay = [p for p in model.parameters() if decided.get(id(p))]
+    rest = [p for p in model.parameters() if decided.get(id(p)) is False]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def _decayed(module: nn.Module, name: str, p: torch.Tensor) -> bool:
+    """Whether ``module``'s own parameter ``name`` takes weight decay (:func:`param_groups`)."""
+    if _kinds.is_part(module):
+        if module.no_decay is None:  # a part that does not say: zoo 0.2's rule, matrices only
+            return p.ndim >= 2
+        return not any(fnmatch.fnmatchcase(name, pattern) for pattern in module.no_decay)
+    return name == "weight" and isinstance(module, (nn.Linear, nn.modules.conv._ConvNd))
 
 
 def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:

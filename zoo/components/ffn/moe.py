@@ -1,9 +1,9 @@
 """Mixture-of-Experts: the ``moe`` FFN and its routers (registry kind ``router``).
 
 An ``moe`` FFN holds ``n_experts`` experts stored stacked in its ``experts`` module
-(:class:`GroupedExperts`: ``experts.w_gate``, ``experts.w_up``: E x d_ff x d_model; ``experts.w_down``:
-E x d_model x d_ff), a router that picks ``top_k`` of them per token, and optionally a shared expert
-every token uses (gated by a sigmoid, as in Qwen-MoE). The output is
+(a registered expert kind, below: ``experts.w_gate``, ``experts.w_up``:
+E x d_ff x d_model; ``experts.w_down``: E x d_model x d_ff; optional biases ``experts.b_*``), a router
+that picks ``top_k`` of them per token, and optionally a shared expert every token uses (gated by a sigmoid, as in Qwen-MoE). The output is
 
     sum_{e in top-k} routed_scaling * w_e * expert_e(x)  +  [sigmoid(g . x)] * shared(x)
 
@@ -37,6 +37,14 @@ Balancing, each a named loss term weighted from the spec (0 = off), through the 
 Metrics: each MoE layer's load (the largest expert's share over the mean share, ``moe_load_max``,
 and per layer ``moe_load_max.<j>``) and the router's entropy (``router_entropy``).
 
+The experts are a registered kind (``expert``, the contract :class:`zoo.core.kinds.Experts`), chosen by
+name: :class:`GroupedExperts` computes ``down(activate(gate(x), up(x)))`` per expert, ``act(gate) * up``
+for the gated kinds and ``act(up)`` for ``mlp``, with the settings (``activation``, ``bias``) and defaults
+of the dense FFN of the same name: ``swiglu`` and ``glu`` (SiLU), ``geglu`` (GeLU), ``reglu`` (ReLU),
+``mlp`` (two matrices, GeLU). With ``bias = true`` the experts hold ``b_gate``, ``b_up`` (E x d_ff) and
+``b_down`` (E x d_model). Another activation of gate and up (gpt-oss's clamped SwiGLU) is a subclass
+overriding ``activate``, registered under its own name.
+
 Dispatch sorts the token copies by expert and hands them, with each expert's count, to the experts
 module, which runs each expert on its contiguous run: as one grouped matmul (``torch._grouped_mm``)
 where torch has it for the device and dtype and the widths are 16-byte aligned, else expert by expert
@@ -54,18 +62,19 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from zoo.core.context import recomputing
-from zoo.core.kinds import FFN, Cost
-from zoo.core.spec import build_part
+from zoo.core.kinds import FFN, Cost, Experts
+from zoo.components.ffn.dense import GLU, MLP, GeGLU, ReGLU
 from zoo.components.ffn.routers import Routing
+from zoo.core import registry as _registry
 from zoo.core.registry import register
-from zoo.core.spec import Part, SpecError, finite, part_field, positive
+from zoo.core.spec import Part, SpecError, build_part, finite, part_field, positive
 
 
 
@@ -90,24 +99,31 @@ def _grouped_mm_ok(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def _experts_grouped(xs, counts, w_gate, w_up, w_down, act, gated):
+def _experts_grouped(xs, counts, w_gate, w_up, w_down, activate, biases=(None, None, None)):
+    """Each projection one grouped matmul over the experts' runs; a bias added per row by its expert."""
     offs = counts.cumsum(0).to(torch.int32)
-    h = torch._grouped_mm(xs, w_up.transpose(-2, -1), offs=offs)
-    h = act(torch._grouped_mm(xs, w_gate.transpose(-2, -1), offs=offs)) * h if gated else act(h)
-    return torch._grouped_mm(h, w_down.transpose(-2, -1), offs=offs)
+    b_gate, b_up, b_down = biases
+
+    def project(x, w, b):
+        y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        return y if b is None else y + torch.repeat_interleave(b, counts, dim=0, output_size=x.shape[0])
+
+    gate = project(xs, w_gate, b_gate) if w_gate is not None else None
+    return project(activate(gate, project(xs, w_up, b_up)), w_down, b_down)
 
 
-def _experts_loop(xs, counts, w_gate, w_up, w_down, act, gated):
+def _experts_loop(xs, counts, w_gate, w_up, w_down, activate, biases=(None, None, None)):
     # unbind once: indexing w[e] per expert would make backward allocate a whole (E, ...) gradient per expert
-    ups, downs = w_up.unbind(0), w_down.unbind(0)
-    gates = w_gate.unbind(0) if gated else None
+    ws = [w.unbind(0) if w is not None else None for w in (w_gate, w_up, w_down)]
+    bs = [b.unbind(0) if b is not None else None for b in biases]
+    at = lambda stack, e: stack[e] if stack is not None else None  # noqa: E731
     outs = []
     for e, chunk in enumerate(torch.split(xs, counts.tolist())):
         if chunk.shape[0] == 0:
             continue
-        h = F.linear(chunk, ups[e])
-        h = act(F.linear(chunk, gates[e])) * h if gated else act(h)
-        outs.append(F.linear(h, downs[e]))
+        h = F.linear(chunk, ws[1][e], at(bs[1], e))
+        gate = F.linear(chunk, ws[0][e], at(bs[0], e)) if w_gate is not None else None
+        outs.append(F.linear(activate(gate, h), ws[2][e], at(bs[2], e)))
     return torch.cat(outs) if outs else xs.new_zeros(0, w_down.shape[1])
 
 
@@ -118,9 +134,13 @@ def _local(w: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return w.to_local() if isinstance(w, DTensor) else w
 
 
-class GroupedExperts(nn.Module):
-    """The routed experts of an :class:`MoE`, stacked: ``w_gate``, ``w_up`` (E x d_ff x d_model) and
-    ``w_down`` (E x d_model x d_ff). ``forward(xs, counts)`` takes token copies already grouped by
+@register("expert", "swiglu")
+@register("expert", "glu")
+class GroupedExperts(Experts):
+    """The routed experts of an :class:`~zoo.components.ffn.moe.MoE`, stacked: ``w_gate``, ``w_up``
+    (E x d_ff x d_model) and ``w_down`` (E x d_model x d_ff), with biases ``b_gate``, ``b_up`` (E x d_ff)
+    and ``b_down`` (E x d_model) when ``bias``; ``act(gate) * up`` between (the ``glu`` and ``swiglu``
+    kinds; the others are subclasses). ``forward(xs, counts)`` takes token copies already grouped by
     expert (``counts[e]`` rows for expert ``e``, in expert order) and returns each row's expert output,
     in the same order: as one grouped matmul (``torch._grouped_mm``) where torch has it for the device
     and dtype and the widths are 16-byte aligned, else expert by expert (the reference path;
@@ -128,36 +148,63 @@ class GroupedExperts(nn.Module):
     expert-parallel style (:class:`zoo.core.parallel.ExpertParallel`) can wrap this module alone: under
     it the parameters are this process's experts (DTensors sharded on dim 0) and ``counts`` theirs."""
 
-    def __init__(self, n_experts: int, d_model: int, d_ff: int, *, gated: bool, act: nn.Module,
-                 dispatch: str = "auto"):
+    Config = GLU.Config  # activation (SiLU), bias (False); the dense FFN's width settings are unused here
+    gated: ClassVar[bool] = True
+
+    def __init__(self, cfg: Any = None, d_model: Optional[int] = None, d_ff: Optional[int] = None, *,
+                 n_experts: Optional[int] = None, dispatch: str = "auto", gated: Optional[bool] = None,
+                 act: Optional[nn.Module] = None):
         super().__init__()
-        self.gated, self.act, self.dispatch, self.d_model, self.d_ff = gated, act, dispatch, d_model, d_ff
-        self.w_gate = nn.Parameter(torch.empty(n_experts, d_ff, d_model)) if gated else None
-        self.w_up = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
-        self.w_down = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
+        if isinstance(cfg, int):  # GroupedExperts(n_experts, d_model, d_ff, gated=, act=): built directly
+            cfg, n_experts = None, cfg
+        self.cfg = cfg
+        self.gated = type(self).gated if gated is None else gated
+        self.act = act if act is not None else build_part(cfg.activation, "activation")
+        self.dispatch, self.d_model, self.d_ff = dispatch, d_model, d_ff
+        E, bias = n_experts, bool(cfg is not None and cfg.bias)
+        self.w_gate = nn.Parameter(torch.empty(E, d_ff, d_model)) if self.gated else None
+        self.w_up = nn.Parameter(torch.empty(E, d_ff, d_model))
+        self.w_down = nn.Parameter(torch.empty(E, d_model, d_ff))
+        self.b_gate = nn.Parameter(torch.empty(E, d_ff)) if bias and self.gated else None
+        self.b_up = nn.Parameter(torch.empty(E, d_ff)) if bias else None
+        self.b_down = nn.Parameter(torch.empty(E, d_model)) if bias else None
         self.reset_parameters()
 
+    def activate(self, gate: Optional[torch.Tensor], up: torch.Tensor) -> torch.Tensor:
+        """The expert's hidden values from its gate and up projections (gate None for a two-matrix
+        expert): ``act(gate) * up``, or ``act(up)``. Override it for another activation of gate and up."""
+        return self.act(gate) * up if gate is not None else self.act(up)
+
     def reset_parameters(self, generator: Optional[torch.Generator] = None, std: float = 0.02) -> None:
-        """Each expert matrix Normal(0, ``std``) (the spec's ``init_std`` when the model initialises it)."""
+        """Each expert matrix Normal(0, ``std``) (the spec's ``init_std`` when the model initialises it);
+        the biases zero."""
         with torch.no_grad():
             for w in (self.w_gate, self.w_up, self.w_down):
                 if w is not None and not w.is_meta:
                     w.normal_(0.0, std, generator=generator)
+            for b in self.biases():
+                if b is not None and not b.is_meta:
+                    b.zero_()
+
+    def biases(self) -> tuple:
+        """(b_gate, b_up, b_down), each None where absent (FP8 copies have none)."""
+        return tuple(getattr(self, n, None) for n in ("b_gate", "b_up", "b_down"))
 
     #: Under tensor parallelism (:meth:`MoE.parallelize`): the mesh over which each expert's gradient is
     #: summed (the experts are whole on every process of it, each running its own tokens), else None.
     tp_mesh: Any = None
 
     def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w_gate, w_up, w_down = (self._used(w) for w in (self.w_gate, self.w_up, self.w_down))
+        weights = tuple(self._used(w) for w in (self.w_gate, self.w_up, self.w_down))
+        biases = tuple(self._used(b) for b in self.biases())
         # Under autocast the products run in its dtype (bf16 over float32 weights and activations): the
         # grouped matmul is chosen, and run, for that dtype, as autocast would run F.linear.
         device = xs.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else xs.dtype
         if self.choose_path(xs.device, dtype)[0] == "grouped":
-            cast = [w if w is None else w.to(dtype) for w in (xs, w_gate, w_up, w_down)]
-            return _experts_grouped(cast[0], counts, *cast[1:], self.act, self.gated)
-        return _experts_loop(xs, counts, w_gate, w_up, w_down, self.act, self.gated)
+            cast = lambda ts: tuple(t if t is None else t.to(dtype) for t in ts)  # noqa: E731
+            return _experts_grouped(xs.to(dtype), counts, *cast(weights), self.activate, cast(biases))
+        return _experts_loop(xs, counts, *weights, self.activate, biases)
 
     def choose_path(self, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
         """The path the forward takes for tokens on ``device`` computing in ``dtype``, and why:
@@ -190,6 +237,34 @@ class GroupedExperts(nn.Module):
         return grad_summed(w, self.tp_mesh)
 
 
+    # -- what this part states about itself ---------------------------------------------------------
+    #: Every parameter is stacked by expert on dim 0 (expert parallelism splits them over ``ep``).
+    expert_parameters = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+    #: The biases take no weight decay.
+    no_decay = ("b_gate", "b_up", "b_down")
+
+
+@register("expert", "geglu")
+class GeGLUExperts(GroupedExperts):
+    """Stacked GeGLU experts: ``gelu(gate) * up`` (Grok-1's, with the tanh approximation)."""
+
+    Config = GeGLU.Config
+
+
+@register("expert", "reglu")
+class ReGLUExperts(GroupedExperts):
+    """Stacked ReGLU experts: ``relu(gate) * up``."""
+
+    Config = ReGLU.Config
+
+
+@register("expert", "mlp")
+class MLPExperts(GroupedExperts):
+    """Stacked two-matrix experts: ``down(act(up(x)))`` (GeLU by default; Nemotron-H's are ReLU squared)."""
+
+    Config = MLP.Config
+    gated: ClassVar[bool] = False
+
 # ----------------------------------------------------------------------------------- the FFN
 
 LOSSES = ("switch_loss", "switch_pooled_loss", "sequence_loss", "device_loss", "z_loss")
@@ -197,15 +272,15 @@ LOSSES = ("switch_loss", "switch_pooled_loss", "sequence_loss", "device_loss", "
 
 @register("ffn", "moe")
 class MoE(FFN):
-    """``n_experts`` stacked experts (the ``expert`` FFN's kind: any gated or plain two-matrix FFN,
-    SwiGLU by default), ``top_k`` chosen per token by the ``router``; optional shared expert."""
+    """``n_experts`` stacked experts (a registered expert kind chosen by name, ``expert``: any gated or
+    plain two-matrix kind, biased or not, SwiGLU by default), ``top_k`` chosen per token by the ``router``; optional shared expert."""
 
     @dataclass(frozen=True)
     class Config:
         n_experts: int = 8
         top_k: int = 2
         d_ff: int = 64  # each expert's width
-        expert: Part = part_field("ffn", "swiglu")
+        expert: Part = part_field("expert", "swiglu")  # a registered expert kind (zoo/components/ffn/experts.py)
         router: Part = part_field("router", "softmax_topk")
         norm_topk_prob: bool = False
         routed_scaling: float = 1.0
@@ -251,12 +326,9 @@ class MoE(FFN):
                     raise SpecError(name, f"a loss weight must be >= 0, got {getattr(self, name)}")
             if self.n_experts % self.n_devices:
                 raise SpecError("n_devices", f"{self.n_devices} devices do not divide {self.n_experts} experts")
-            cls = self.expert.cls
-            if not (issubclass(cls, nn.Module) and hasattr(cls, "gated") and hasattr(self.expert.config, "bias")):
-                raise SpecError("expert.name", f"{self.expert.name!r} cannot be stacked: experts are two-matrix or "
-                                "gated FFNs (mlp, glu, swiglu, geglu, reglu)")
-            if self.expert.config.bias:
-                raise SpecError("expert.bias", "stacked experts have no biases")
+            if self.shared_d_ff is not None and self.expert.name not in _registry.manager().registry("ffn"):
+                raise SpecError("shared_d_ff", f"a shared expert is the dense FFN of the experts' kind, and expert "
+                                f"{self.expert.name!r} has no FFN of that name; leave shared_d_ff unset")
             try:
                 self.router.cls.check_experts(self.router.config, self.n_experts, self.top_k)
             except SpecError as exc:
@@ -271,10 +343,10 @@ class MoE(FFN):
         self.cfg, self.d_model = cfg, d_model
         E, Fd = cfg.n_experts, cfg.d_ff
         width = self.width = cfg.latent_dim or d_model  # what the routed experts read and write
-        self.gated = bool(cfg.expert.cls.gated)
-        self.act = build_part(cfg.expert.config.activation, "activation")
         self.router = cfg.router.build(d_model=d_model, n_experts=E, top_k=cfg.top_k)
-        self.experts = GroupedExperts(E, width, Fd, gated=self.gated, act=self.act, dispatch=cfg.dispatch)
+        self.experts = cfg.expert.build(n_experts=E, d_model=width, d_ff=Fd, dispatch=cfg.dispatch)
+        self.gated = bool(type(self.experts).gated)
+        self.act = self.experts.act  # the experts' activation module (zoo 0.2's MoE held it)
         if cfg.latent_dim is not None:
             self.latent_down = nn.Linear(d_model, width, bias=cfg.latent_bias)
             self.latent_up = nn.Linear(width, d_model, bias=cfg.latent_bias)
@@ -447,7 +519,8 @@ class MoE(FFN):
 
     # -- what this part states about itself ---------------------------------------------------------
     #: The stacked experts, split by expert over the ``ep`` processes under expert parallelism.
-    expert_parameters = ("experts.w_gate", "experts.w_up", "experts.w_down")
+    expert_parameters = ("experts.w_gate", "experts.w_up", "experts.w_down", "experts.b_gate", "experts.b_up",
+                         "experts.b_down")
 
     @classmethod
     def check_in_model(cls, cfg, *, spec, layer):
@@ -475,7 +548,7 @@ class MoE(FFN):
 
     def cost(self, context: int) -> Cost:
         experts = self.experts
-        per_expert = sum(w[0].numel() for w in (experts.w_gate, experts.w_up, experts.w_down) if w is not None)
+        per_expert = sum(w[0].numel() for w in experts.parameters())  # every expert's stack, biases included
         rest = sum(p.numel() for n, p in self.named_parameters() if not n.startswith("experts."))
         return Cost(active_params=rest + self.cfg.top_k * per_expert)
 

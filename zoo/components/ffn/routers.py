@@ -75,6 +75,9 @@ class Router(_RouterBase):
         raise NotImplementedError
 
     # -- what this part states about itself ---------------------------------------------------------
+    #: Its weight is a matrix and is decayed (the selection bias is a buffer).
+    no_decay = ()
+
     def activation_bytes(self, seq_len, dtype, *, tp=1, device="cuda"):
         """Per token: its input cast to float32 (the input itself in float32: its FFN counts it) and the
         float32 scores the weights and balancing losses are taken from, and the chosen indices."""

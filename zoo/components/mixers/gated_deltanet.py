@@ -272,6 +272,9 @@ class GatedDeltaNet(Mixer):
         return self.out_proj(y.reshape(B, T, Hv * Dv))
 
     # -- what this part states about itself ---------------------------------------------------------
+    #: The per-head decay rate and time-step offset take no weight decay.
+    no_decay = ("A_log", "dt_bias")
+
     @staticmethod
     def shrink(cfg, *, head_dim: int = 8, **_) -> dict:
         """4 value heads of ``head_dim``, 2 key heads when the model groups them."""

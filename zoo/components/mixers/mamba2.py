@@ -180,6 +180,9 @@ class Mamba2(Mixer):
         return self.out_proj(y.to(u.dtype))
 
     # -- what this part states about itself ---------------------------------------------------------
+    #: The per-head decay rate, skip and time-step offset take no weight decay.
+    no_decay = ("A_log", "D", "dt_bias")
+
     @staticmethod
     def shrink(cfg, *, head_dim: int = 8, **_) -> dict:
         """A tiny copy: 4 heads of ``head_dim``, state 8, the groups kept (1 or 2), chunks of 4 tokens so
