@@ -17,7 +17,9 @@ from typing import Any, Mapping, Optional
 import torch
 
 from zoo.checkpoints.adapter import load_adapter
-from zoo.checkpoints.files import gguf, native
+# Bound under other names than the old module paths zoo.checkpoints.gguf and .native: importing one of
+# those shims rebinds that attribute of this package to the shim.
+from zoo.checkpoints.files import gguf as gguf_file, native as native_layout
 from zoo.checkpoints.files.hub import resolve
 from zoo.checkpoints.files.io import WeightFiles, reading, replace_checkpoint, stream_shards
 from zoo.checkpoints.files.tokenizer import Tokenizer
@@ -89,12 +91,12 @@ def _from_pretrained(path_or_repo_id, *, revision, dtype, device, strict, token,
 
 def _load_gguf(path: Path, *, dtype, device, strict, progress, fp8) -> Decoder:
     """A llama.cpp file: metadata, tokenizer and (quantised) tensors in one."""
-    return gguf.load(path, dtype=dtype, device=device, strict=strict, progress=progress)
+    return gguf_file.load(path, dtype=dtype, device=device, strict=strict, progress=progress)
 
 
 def _load_native(path: Path, *, dtype, device, strict, progress, fp8) -> Decoder:
     """zoo's own layout: a model no HF format describes."""
-    model = native.load_native(path, dtype=dtype, device=device)
+    model = native_layout.load_native(path, dtype=dtype, device=device)
     model.source = path
     return model
 
