@@ -4,31 +4,15 @@ at once, and a transformers-style list of named templates or a template of the w
 refused by name."""
 
 import json
-import signal
-from contextlib import contextmanager
 
 import pytest
+from test_hostile_inputs import finishes_within  # the shared guard against a render that hangs
 
 pytest.importorskip("jinja2")
 
 from zoo.inference.conversation import render  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
-
-
-@contextmanager
-def finishes_within(seconds):
-    """Fail rather than hang when a render runs past ``seconds`` (a guard set far above what it takes)."""
-    def expired(*_):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.mark.parametrize("template, match", [
